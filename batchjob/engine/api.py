@@ -1,0 +1,123 @@
+"""The engine plug point: what every backend takes and gives.
+
+An engine takes a lazy iterable of `Request`s and yields a `Completion` for each as it finishes, in any
+order. It pulls from the iterable only as it has room, so memory stays bounded for any input size.
+Nothing here knows about Parquet, Hydra or Slurm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate one request. `temperature == 0` means greedy; `top_k == 0` means no top-k."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            problems.append(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n}")
+        if self.logprobs is not None and self.logprobs < 0:
+            problems.append(f"logprobs must be None or >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    id: Hashable
+    prompt_ids: tuple[int, ...] | list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated continuation. `logprobs[i]` is the log-probability of `token_ids[i]`;
+    `top_logprobs[i]` maps token id to log-probability for the `SamplingParams.logprobs` best tokens."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """All samples of one request (`n` of them). `error` is set, and `samples` empty, when the
+    engine refused the request (for example a prompt longer than the model's context)."""
+
+    id: Hashable
+    samples: tuple[Sample, ...]
+    prompt_tokens: int
+    error: str | None = None
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.samples[0].token_ids if self.samples else ()
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text if self.samples else ""
+
+    @property
+    def finish_reason(self) -> str:
+        return self.samples[0].finish_reason if self.samples else FINISH_ERROR
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    @classmethod
+    def failed(cls, id: Hashable, prompt_tokens: int, error: str) -> Completion:
+        return cls(id=id, samples=(), prompt_tokens=prompt_tokens, error=error)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation backend. `generate` may be called more than once; `stats` describes all calls so far
+    (keys such as `gpu_busy_fraction`, `steps`, `prep_ms_per_step`: whatever the backend can measure)."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
