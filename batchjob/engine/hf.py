@@ -1,0 +1,197 @@
+"""The Hugging Face transformers backend (`engine=hf`): the reference and performance peer.
+
+Requests are pulled lazily in windows of `max_batch_size * lookahead`, sorted by prompt length (so left
+padding stays small) and run as static micro-batches through the model's own forward with a KV cache.
+The decode loop is ours rather than `model.generate` because the contract needs things `generate`
+cannot give: a reproducible random stream per request (so a resumed job samples exactly as an
+uninterrupted one), per-request length limits, and stop strings trimmed out of the text. Memory is
+bounded explicitly: a micro-batch holds at most `max_batch_tokens` KV positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import islice
+from typing import Any
+
+import torch
+
+from batchjob.engine.api import Completion, Request, Sample, SamplingParams
+from batchjob.engine.hf_sampling import RowState, choose_tokens
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTION_DEFAULTS: dict[str, Any] = {
+    "dtype": "auto",
+    "device": "auto",
+    "max_batch_size": 32,
+    "max_batch_tokens": 65536,
+    "lookahead": 4,
+    "max_model_len": None,
+    "attn_implementation": "sdpa",
+}
+
+
+class HFEngine:
+    """`HFEngine(model_path, dtype=, device=, max_batch_size=, max_batch_tokens=, lookahead=,
+    max_model_len=, attn_implementation=)`; see `OPTION_DEFAULTS`."""
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+        if unknown:
+            raise ValueError(f"unknown hf engine option(s) {unknown}: the hf engine takes {sorted(OPTION_DEFAULTS)}")
+        opts = {**OPTION_DEFAULTS, **options}
+        if opts["dtype"] != "auto" and opts["dtype"] not in DTYPES:
+            raise ValueError(f"engine.dtype={opts['dtype']!r}: use auto, {', '.join(DTYPES)}")
+        if opts["device"] not in ("auto", "cpu") and not str(opts["device"]).startswith("cuda"):
+            raise ValueError(f"engine.device={opts['device']!r}: use auto, cpu, cuda or cuda:N")
+        for key in ("max_batch_size", "max_batch_tokens", "lookahead"):
+            if not isinstance(opts[key], int) or opts[key] < 1:
+                raise ValueError(f"engine.{key} must be a positive integer, got {opts[key]!r}")
+        if opts["max_model_len"] is not None and (
+            not isinstance(opts["max_model_len"], int) or opts["max_model_len"] < 2
+        ):
+            raise ValueError(f"engine.max_model_len must be null or an integer >= 2, got {opts['max_model_len']!r}")
+
+    def __init__(self, model_path: str, **options: Any) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.check_options(options)
+        opts = {**OPTION_DEFAULTS, **options}
+        device = opts["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        dtype = opts["dtype"]
+        if dtype == "auto":
+            # CPU kernels for half types are slow and inexact; GPUs want bf16.
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], attn_implementation=opts["attn_implementation"]
+        ).to(self.device)
+        self.model.eval()
+        config = self.model.config
+        self.max_model_len = int(opts["max_model_len"] or config.max_position_embeddings)
+        self.max_batch_size = opts["max_batch_size"]
+        self.max_batch_tokens = opts["max_batch_tokens"]
+        self.window = opts["max_batch_size"] * opts["lookahead"]
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids or (0,))[0]
+        self._stats = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "generated_tokens": 0,
+            "forward_s": 0.0,
+            "wall_s": 0.0,
+        }
+
+    def stats(self) -> dict[str, float]:
+        stats = dict(self._stats)
+        if stats["wall_s"] > 0:
+            # The forward pass is what keeps the accelerator busy; the rest is Python between steps.
+            stats["gpu_busy_fraction"] = stats["forward_s"] / stats["wall_s"]
+        return stats
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        it = iter(requests)
+        while window := list(islice(it, self.window)):
+            runnable = []
+            for req in window:
+                if len(req.prompt_ids) == 0:
+                    yield Completion.failed(req.id, 0, "empty prompt: nothing to generate from")
+                elif len(req.prompt_ids) >= self.max_model_len:
+                    yield Completion.failed(
+                        req.id,
+                        len(req.prompt_ids),
+                        f"prompt has {len(req.prompt_ids)} tokens, the model context is {self.max_model_len}",
+                    )
+                else:
+                    runnable.append(req)
+            runnable.sort(key=lambda r: (repr(dataclasses.replace(r.sampling, seed=None)), -len(r.prompt_ids)))
+            for batch in self._micro_batches(runnable):
+                yield from self._run_batch(batch)
+
+    def _micro_batches(self, ordered: list[Request]) -> Iterator[list[Request]]:
+        batch: list[Request] = []
+        for req in ordered:
+            candidate = batch + [req]
+            rows = sum(r.sampling.n for r in candidate)
+            longest = max(len(r.prompt_ids) for r in candidate)
+            kv_positions = rows * (longest + req.sampling.max_new_tokens)
+            same_kind = not batch or _batch_kind(batch[0]) == _batch_kind(req)
+            if batch and (not same_kind or rows > self.max_batch_size or kv_positions > self.max_batch_tokens):
+                yield batch
+                batch = [req]
+            else:
+                batch = candidate
+        if batch:
+            yield batch
+
+    @torch.inference_mode()
+    def _run_batch(self, batch: list[Request]) -> Iterator[Completion]:
+        from transformers import DynamicCache
+
+        started = time.perf_counter()
+        sampling: SamplingParams = batch[0].sampling
+        rows = [RowState.start(req, j, self.max_model_len, self.device) for req in batch for j in range(req.sampling.n)]
+        width = max(len(r.prompt_ids) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
+            mask[i, width - len(row.prompt_ids) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        step_input = input_ids
+        self._stats["prefill_tokens"] += int(mask.sum())
+        while True:
+            t0 = time.perf_counter()
+            out = self.model(
+                input_ids=step_input,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :].float()
+            self._stats["forward_s"] += time.perf_counter() - t0
+            self._stats["steps"] += 1
+            chosen, logprobs = choose_tokens(logits, rows, sampling)
+            for i, row in enumerate(rows):
+                if not row.done:
+                    row.append(chosen[i], logprobs[i] if logprobs else None, stop_ids, self.tokenizer)
+            if all(row.done for row in rows):
+                break
+            step_input = torch.tensor(
+                [[self.pad_token_id if r.done else r.token_ids[-1]] for r in rows], device=self.device
+            )
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            positions = positions[:, -1:] + 1
+        del cache
+        self._stats["generated_tokens"] += sum(len(r.token_ids) for r in rows)
+        self._stats["wall_s"] += time.perf_counter() - started
+        by_request: dict[int, list[Sample]] = {}
+        for row in rows:
+            by_request.setdefault(id(row.request), []).append(row.to_sample(self.tokenizer))
+        for req in batch:
+            yield Completion(id=req.id, samples=tuple(by_request[id(req)]), prompt_tokens=len(req.prompt_ids))
+
+
+def _batch_kind(request: Request) -> SamplingParams:
+    """Requests with equal sampling settings share a batch; the seed is per row, so it does not split."""
+    return dataclasses.replace(request.sampling, seed=None)
