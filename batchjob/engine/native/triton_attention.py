@@ -1,0 +1,165 @@
+"""The CUDA attention backend: Triton kernels over the paged KV cache.
+
+`TritonPagedAttention.forward` stores this step's K/V at `slot_mapping`, then runs either the split-K
+decode kernels (every sequence has one new token: `meta.max_query_len == 1`, the shape captured in
+CUDA graphs) or the varlen prefill kernel (prefill chunks, possibly mixed with decodes, run eagerly).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from batchjob.engine.native.triton_decode import default_num_splits, paged_decode_attention
+from batchjob.engine.native.triton_prefill import paged_prefill_attention
+
+if TYPE_CHECKING:
+    from batchjob.engine.native.attention import AttentionMetadata
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    # A negative slot means "no cache entry" (vLLM's convention); the engine's padding uses block 0 instead.
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < NUM_KV_HEADS)[:, None]
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k_dst = block * stride_kcb + in_block * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    v_dst = block * stride_vcb + in_block * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(k_cache_ptr + k_dst, k, mask=mask)
+    tl.store(v_cache_ptr + v_dst, v, mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write `k`, `v` [T, Hkv, D] into the caches [num_blocks, block_size, Hkv, D] at flat slots [T]."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _store_kv_kernel[(k.shape[0],)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        num_warps=4,
+    )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the Triton interpreter on CPU: few programs keep tests fast
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Raise ValueError for a layout the kernels cannot run, naming what to change."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
+    if head_dim < 16 or not _is_power_of_two(head_dim) or q.shape[2] != head_dim or k.shape[2] != head_dim:
+        raise ValueError(
+            f"head_dim must be a power of two >= 16 and equal in q, k and the cache "
+            f"(q {q.shape[2]}, k {k.shape[2]}, cache {head_dim}); use the torch attention backend for others"
+        )
+    if not _is_power_of_two(block_size):
+        raise ValueError(f"KV block size {block_size} is not a power of two; choose e.g. 16")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q, k, v and the caches need a contiguous last (head_dim) dimension")
+
+
+class TritonPagedAttention:
+    """PagedAttentionBackend on CUDA (also runs under TRITON_INTERPRET=1 on CPU, for tests).
+
+    `num_decode_splits` fixes the decode split count; by default it comes from the batch size and the
+    SM count only, so every replay of a captured decode graph launches identically.
+    """
+
+    def __init__(self, num_decode_splits: int | None = None) -> None:
+        if num_decode_splits is not None and num_decode_splits < 1:
+            raise ValueError(f"num_decode_splits must be >= 1, got {num_decode_splits}")
+        self.num_decode_splits = num_decode_splits
+
+    def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        if self.num_decode_splits is not None:
+            return self.num_decode_splits
+        return default_num_splits(num_seqs, num_kv_heads, _sm_count(device))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention_shapes(q, k, k_cache)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.max_query_len == 1:
+            num_splits = self.decode_splits(meta.seq_lens.shape[0], k_cache.shape[2], q.device)
+            return paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.cu_query_lens,
+                scale,
+                num_splits,
+                out,
+            )
+        return paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, out
+        )

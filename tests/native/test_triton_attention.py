@@ -1,0 +1,192 @@
+"""The Triton paged-attention kernels compute what the float64 dense reference says, on CPU through the
+Triton interpreter: the K/V store, split-K decode (graph-safe launch, early-exiting splits) and varlen
+prefill over the paged cache, for GQA ratios 1/2/4, block sizes 1 and 16 and odd lengths."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("on a GPU, tests/gpu/test_triton_attention_gpu.py runs these checks compiled", allow_module_level=True)
+
+# Kernels are built as interpreted or compiled when their module is imported, so this must come first.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import random  # noqa: E402
+
+from triton.runtime import interpreter  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from batchjob.engine.native import triton_attention, triton_decode, triton_prefill  # noqa: E402
+from batchjob.engine.native.attention import (  # noqa: E402
+    AttentionMetadata,
+    dense_reference_attention,
+    make_metadata,
+)
+
+if not isinstance(triton_decode._decode_split_kernel, InterpretedFunction):
+    # Another test module imported the kernels before the interpreter was switched on; on a CPU-only
+    # machine compiled kernels cannot run at all, so rebuild them interpreted.
+    for module in (triton_decode, triton_prefill, triton_attention):
+        importlib.reload(module)
+
+
+def _patch_lang_tensor_for_numpy_2_4(tensor, scope) -> None:
+    """triton 3.6's interpreter turns a scalar (a 1-element array) into a loop bound with `int(array)`,
+    which numpy >= 2.4 refuses; `.item()` works on any numpy (upstream triton-lang/triton#9171)."""
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+
+_patch_lang_tensor = interpreter._patch_lang_tensor
+interpreter._patch_lang_tensor = _patch_lang_tensor_for_numpy_2_4
+
+TritonPagedAttention = triton_attention.TritonPagedAttention
+NUM_KV_HEADS = 2
+
+
+def random_step(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    group: int,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """Random context already in the cache (shuffled blocks, NaN in every unused slot, block 0 reserved)
+    plus the step's new q/k/v."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 2 * sum(blocks_needed) + 3
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
+    k_cache = torch.full((num_blocks, block_size, NUM_KV_HEADS, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    meta = make_metadata(query_lens, seq_lens, tables, block_size)
+    for table, seq_len, q_len in zip(tables, seq_lens, query_lens, strict=True):
+        cached = torch.arange(seq_len - q_len)
+        blocks, offsets = torch.tensor(table)[cached // block_size], cached % block_size
+        k_cache[blocks, offsets] = torch.randn(len(cached), NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        v_cache[blocks, offsets] = torch.randn(len(cached), NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def check_against_reference(step, backend: TritonPagedAttention, atol: float = 1e-4) -> torch.Tensor:
+    q, k, v, k_cache, v_cache, meta = step
+    scale = q.shape[-1] ** -0.5
+    expected = dense_reference_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_prefill_mixed_batch_matches_dense_reference(group, block_size):
+    # A fresh prefill, a chunk continuing 30 cached tokens, decodes inside the batch, a 70-token prompt
+    # spanning two KV tiles: none of the lengths a multiple of the block size.
+    step = random_step([5, 7, 1, 70, 1], [5, 37, 19, 70, 2], block_size, group)
+    check_against_reference(step, TritonPagedAttention())
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_matches_dense_reference(group, block_size):
+    step = random_step([1, 1, 1, 1], [1, 17, 45, 130], block_size, group)
+    check_against_reference(step, TritonPagedAttention(num_decode_splits=2))
+
+
+def test_decode_with_more_splits_than_context_tiles_matches_reference():
+    # 8 splits over at most 3 tiles of 64 tokens: most split programs exit at once and the reduce
+    # must ignore the partials they never wrote.
+    step = random_step([1, 1, 1], [3, 64, 129], 16, 4, seed=1)
+    check_against_reference(step, TritonPagedAttention(num_decode_splits=8))
+
+
+def test_decode_and_prefill_kernels_agree_on_a_decode_step():
+    q, k, v, k_cache, v_cache, meta = random_step([1, 1, 1], [9, 66, 200], 16, 2, seed=2)
+    scale = 0.2
+    decoded = TritonPagedAttention(num_decode_splits=3).forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+
+    prefilled = triton_prefill.paged_prefill_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, out
+    )
+
+    torch.testing.assert_close(decoded, prefilled, atol=1e-5, rtol=1e-5)
+
+
+def test_head_dim_16_and_block_size_larger_than_a_kv_tile():
+    check_against_reference(random_step([3, 40], [50, 40], 128, 2, head_dim=16), TritonPagedAttention())
+    check_against_reference(random_step([1, 1], [50, 140], 128, 2, head_dim=16), TritonPagedAttention())
+
+
+def test_half_precision_inputs_give_outputs_in_their_dtype():
+    # bf16 is checked on the GPU only: the interpreter's tl.dot multiplies bf16 bit patterns as integers.
+    half = torch.float16
+    check_against_reference(random_step([4, 1], [20, 33], 16, 2, dtype=half), TritonPagedAttention(), atol=2e-2)
+    check_against_reference(random_step([1, 1], [20, 33], 16, 2, dtype=half), TritonPagedAttention(), atol=2e-2)
+
+
+def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan():
+    # A CUDA-graph bucket larger than the batch pads with empty sequences whose token writes to block 0.
+    q, k, v, k_cache, v_cache, meta = random_step([1, 1], [5, 12], 16, 2, seed=3)
+    padded = AttentionMetadata(
+        cu_query_lens=torch.arange(4, dtype=torch.int32),
+        seq_lens=torch.tensor([5, 12, 0], dtype=torch.int32),
+        block_tables=torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])]),
+        slot_mapping=torch.cat([meta.slot_mapping, torch.zeros(1, dtype=torch.int64)]),
+        max_query_len=1,
+        max_seq_len=12,
+    )
+    q, k, v = (torch.cat([t, torch.randn_like(t[:1])]) for t in (q, k, v))
+
+    out = TritonPagedAttention(num_decode_splits=4).forward(q, k, v, k_cache, v_cache, padded, 0.25)
+
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert not out[:2].isnan().any()
+
+
+def test_store_puts_each_new_token_at_its_slot_and_nowhere_else():
+    q, k, v, k_cache, v_cache, meta = random_step([6, 1, 9], [6, 30, 21], 4, 2, seed=4)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+
+    triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    assert torch.equal(flat_k[meta.slot_mapping], k) and torch.equal(flat_v[meta.slot_mapping], v)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[meta.slot_mapping] = False
+    torch.testing.assert_close(flat_k[untouched], before_k.flatten(0, 1)[untouched], equal_nan=True)
+    torch.testing.assert_close(flat_v[untouched], before_v.flatten(0, 1)[untouched], equal_nan=True)
+
+
+def test_store_reads_k_and_v_as_strided_views_of_a_fused_qkv_projection():
+    q, k, v, k_cache, v_cache, meta = random_step([3, 2], [3, 9], 16, 2, seed=5)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q_view, k_view, v_view = fused.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+    step = (q_view.view(q.shape), k_view.view(k.shape), v_view.view(v.shape), k_cache, v_cache, meta)
+
+    check_against_reference(step, TritonPagedAttention())
+
+    assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping], k)
+
+
+def test_unsupported_head_dim_is_refused_with_the_fix():
+    q, k, v, k_cache, v_cache, meta = random_step([2], [2], 16, 1, head_dim=24)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        TritonPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 1.0)
