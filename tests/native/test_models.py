@@ -1,0 +1,253 @@
+"""The native Llama-family models, loaded by our loader and run through the CPU paged-attention path, give
+the same logits and greedy generations as transformers on real (tiny, random) model directories."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from batchjob.engine.native.attention import TorchPagedAttention, make_metadata
+from batchjob.engine.native.layers import rope_inv_freq
+from batchjob.engine.native.loader import (
+    SUPPORTED_ARCHITECTURES,
+    UnsupportedModelError,
+    load_model,
+    read_model_spec,
+)
+from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def tiny(request, tmp_path_factory):
+    """(arch, model dir, our model, HF model) for each tiny architecture."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / request.param, arch=request.param)
+    ours, spec = load_model(model_dir, "float32", "cpu", TorchPagedAttention())
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return request.param, model_dir, ours, hf
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "llama", arch="llama")
+
+
+class PagedSequences:
+    """Drives our model the way the engine does: flat steps over several sequences, K/V in a cache of
+    shuffled (non-contiguous) blocks whose unused slots hold NaN, as uninitialised memory may."""
+
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0) -> None:
+        spec = model.spec
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.model, self.block_size = model, block_size
+        self.kv_caches = [
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(spec.num_layers)
+        ]
+        self.free_blocks = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    @torch.no_grad()
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Append each sequence's chunk of token ids; returns each chunk's logits [len(chunk), vocab]."""
+        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for seq, chunk in chunks.items():
+            start = self.lengths.get(seq, 0)
+            self.lengths[seq] = start + len(chunk)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < self.lengths[seq]:
+                table.append(self.free_blocks.pop())
+            ids += chunk
+            positions += range(start, self.lengths[seq])
+            query_lens.append(len(chunk))
+            seq_lens.append(self.lengths[seq])
+            tables.append(table)
+        meta = make_metadata(query_lens, seq_lens, tables, self.block_size)
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden)
+        return dict(zip(chunks, logits.split(query_lens), strict=True))
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([ids])).logits[0]
+
+
+def test_packed_prefill_of_several_sequences_matches_transformers(tiny):
+    _, _, ours, hf = tiny
+    prompts = random_prompts([5, 12, 1, 9], ours.spec.vocab_size)
+
+    logits = PagedSequences(ours).step(dict(enumerate(prompts)))
+
+    for seq, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[seq], hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_then_decode_from_scattered_blocks_matches_transformers(tiny):
+    _, _, ours, hf = tiny
+    first, second = random_prompts([14, 10], ours.spec.vocab_size, seed=1)
+    # chunk boundaries per step; both sequences advance in the same steps, with different chunkings
+    schedule = [((0, 5), (0, 2)), ((5, 8), (2, 9)), ((8, 9), (9, 10)), ((9, 10), None), ((10, 14), None)]
+    runner = PagedSequences(ours, block_size=4)
+    got = {0: [], 1: []}
+
+    for span_first, span_second in schedule:
+        chunks = {0: first[slice(*span_first)]}
+        if span_second is not None:
+            chunks[1] = second[slice(*span_second)]
+        for seq, seq_logits in runner.step(chunks).items():
+            got[seq].append(seq_logits)
+
+    torch.testing.assert_close(torch.cat(got[0]), hf_logits(hf, first), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got[1]), hf_logits(hf, second), atol=ATOL, rtol=0)
+
+
+def test_greedy_generation_matches_transformers_generate(tiny):
+    _, _, ours, hf = tiny
+    prompts = random_prompts([4, 7, 11], ours.spec.vocab_size, seed=2)
+    max_new_tokens = 8
+    runner = PagedSequences(ours, block_size=2, num_blocks=128)
+
+    step_logits = runner.step(dict(enumerate(prompts)))
+    generated = {seq: [] for seq in range(len(prompts))}
+    for _ in range(max_new_tokens):
+        for seq, logits in step_logits.items():
+            generated[seq].append(int(logits[-1].argmax()))
+        step_logits = runner.step({seq: tokens[-1:] for seq, tokens in generated.items()})
+
+    for seq, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
+        # transformers stops at EOS; our loop ignores it, so compare up to where transformers stopped
+        assert generated[seq][: len(expected)] == expected
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny, tmp_path):
+    arch, model_dir, ours, hf = tiny
+    sharded_dir = tmp_path / f"{arch}-sharded"
+    hf.save_pretrained(sharded_dir, max_shard_size="40KB")
+    shutil.copy(model_dir / "generation_config.json", sharded_dir)
+    assert (sharded_dir / "model.safetensors.index.json").is_file()
+
+    sharded, _ = load_model(sharded_dir, "float32", "cpu", TorchPagedAttention())
+
+    for name, param in ours.state_dict().items():
+        torch.testing.assert_close(sharded.state_dict()[name], param, atol=0, rtol=0)
+
+
+def test_llama3_rope_scaling_is_read_and_matches_transformers(tiny_llama_dir):
+    spec = read_model_spec(tiny_llama_dir)
+
+    assert spec.rope.rope_type == "llama3"
+    assert (spec.rope.factor, spec.rope.original_max_position_embeddings) == (8.0, 256)
+    assert (spec.rope.low_freq_factor, spec.rope.high_freq_factor, spec.rope.theta) == (1.0, 4.0, 500000.0)
+    config = LlamaConfig.from_pretrained(tiny_llama_dir)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    ours, _ = rope_inv_freq(spec.rope, spec.head_dim)
+    torch.testing.assert_close(ours, expected)
+    unscaled, _ = rope_inv_freq(spec.rope.__class__(theta=spec.rope.theta), spec.head_dim)
+    assert not torch.allclose(ours, unscaled)  # the tiny model's low frequencies really are rescaled
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 1e6},
+        {"rope_type": "yarn", "factor": 2.0, "beta_fast": 16, "mscale": 0.7, "mscale_all_dim": 1.0},
+    ],
+)
+def test_other_rope_scalings_match_transformers(tiny_llama_dir, tmp_path, rope_parameters):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": 10000.0, **rope_parameters}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    spec = read_model_spec(tmp_path)
+
+    expected, expected_scale = ROPE_INIT_FUNCTIONS[rope_parameters["rope_type"]](LlamaConfig.from_pretrained(tmp_path))
+    ours, scale = rope_inv_freq(spec.rope, spec.head_dim)
+    torch.testing.assert_close(ours, expected)
+    assert scale == pytest.approx(expected_scale)
+
+
+def test_old_style_rope_theta_and_rope_scaling_keys_are_read(tiny_llama_dir, tmp_path):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    rope = read_model_spec(tmp_path).rope
+
+    assert (rope.rope_type, rope.theta, rope.factor) == ("linear", 1e6, 2.0)
+
+
+def test_spec_reads_sizes_dtype_and_eos_from_config_files(tiny_llama_dir):
+    spec = read_model_spec(tiny_llama_dir, max_model_len=512)
+
+    assert spec.architecture in SUPPORTED_ARCHITECTURES
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (2, 4, 2, 16)
+    assert spec.max_model_len == 512
+    assert spec.dtype == torch.float32  # auto: the config's dtype
+    assert spec.eos_token_ids == (2,)
+    assert spec.tie_word_embeddings
+    assert spec.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+
+
+def test_bfloat16_load_materialises_every_parameter_in_bfloat16(tiny_llama_dir):
+    model, spec = load_model(tiny_llama_dir, "bfloat16", "cpu", TorchPagedAttention())
+
+    assert spec.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "mistral", arch="mistral", sliding_window=64)
+
+    assert read_model_spec(model_dir).max_model_len == 64
+
+
+def test_unsupported_architecture_is_refused_naming_the_supported_ones_and_engine_hf(tiny_llama_dir, tmp_path):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel") as err:
+        read_model_spec(tmp_path)
+
+    assert "engine=hf" in str(err.value)
+    assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_pickle_only_model_directory_is_refused(tiny_llama_dir, tmp_path):
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(tiny_llama_dir / name, tmp_path)
+    torch.save({"model.norm.weight": torch.ones(64)}, tmp_path / "pytorch_model.bin")
+
+    with pytest.raises(UnsupportedModelError, match="pickle"):
+        read_model_spec(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="safetensors"):
+        load_model(tmp_path, "auto", "cpu", TorchPagedAttention())
+
+
+def test_missing_local_directory_fails_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_model_spec(tmp_path / "no-such-model")
