@@ -1,0 +1,26 @@
+"""The IO layer: sharded input readers, the exactly-once Parquet output, and output status.
+
+Knows nothing of CUDA, torch or the engine: it moves Arrow batches with `row_id`s in and out.
+"""
+
+from batchjob.io.inputs import InputError, InputSource, InputSpec
+from batchjob.io.job_record import JobRecordMismatch
+from batchjob.io.layout import ShardOutput
+from batchjob.io.lock import LockError
+from batchjob.io.manifest import ManifestCorrupt
+from batchjob.io.output import OutputDataset
+from batchjob.io.readers import open_input
+from batchjob.io.status import shard_status
+
+__all__ = [
+    "InputError",
+    "InputSource",
+    "InputSpec",
+    "JobRecordMismatch",
+    "LockError",
+    "ManifestCorrupt",
+    "OutputDataset",
+    "ShardOutput",
+    "open_input",
+    "shard_status",
+]

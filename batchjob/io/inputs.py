@@ -1,0 +1,140 @@
+"""Input datasets as a stream of Arrow record batches with stable row ids, one shard at a time.
+
+Readers (`parquet_reader`, `hf_reader`) subclass `InputSource`; `readers.open_input(spec)` picks one and
+validates the spec before any data is read, so a bad `data.*` setting fails before the model loads.
+
+Row ids: the `id_column` value when given (the user guarantees uniqueness: duplicate ids make resume skip
+rows wrongly), else the row's index in the input's deterministic order (sorted file paths, then file order).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from batchjob.io.sharding import keep_mask
+
+FORMATS = ("auto", "parquet", "hf_disk", "hf_hub")
+PATH_HELP = (
+    "data.path must be a Parquet file, directory or glob, a directory written by datasets' save_to_disk, "
+    "or a dataset name for datasets.load_dataset"
+)
+
+
+class InputError(ValueError):
+    """The input settings do not match the data: the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str
+    format: str = "auto"  # auto | parquet | hf_disk | hf_hub
+    split: str = "train"
+    streaming: bool = False  # for load_dataset
+    id_column: str | None = None
+    limit: int | None = None  # first N rows of the whole input, before sharding
+    shard_index: int = 0
+    shard_count: int = 1
+    batch_rows: int = 1024
+    name: str | None = None  # load_dataset's configuration name
+    data_files: str | list[str] | None = None  # load_dataset's data_files, e.g. path="parquet"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise InputError(f"data.format={self.format!r} is unknown: use one of {', '.join(FORMATS)}")
+        if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
+            raise InputError(
+                f"shard.index={self.shard_index} is not in [0, shard.count={self.shard_count}): "
+                "set shard.index to 0..shard.count-1"
+            )
+        if self.limit is not None and self.limit < 0:
+            raise InputError(f"data.limit={self.limit} is negative: use a row count >= 0, or null for all rows")
+        if self.batch_rows < 1:
+            raise InputError(f"data.batch_rows={self.batch_rows} must be >= 1")
+
+
+class InputSource(ABC):
+    """One shard of an input dataset."""
+
+    def __init__(self, spec: InputSpec, columns: list[str]) -> None:
+        self.spec = spec
+        self.columns = columns
+
+    @abstractmethod
+    def fingerprint(self) -> dict[str, Any]:
+        """JSON-able identity of the whole input (not the shard), to refuse resuming on changed data."""
+
+    @abstractmethod
+    def num_rows(self) -> int | None:
+        """Rows in this shard after `limit`; None when unknown (streaming)."""
+
+    @abstractmethod
+    def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
+        """Batches of `row_id` (int64) plus `columns`, in deterministic order, minus rows in `skip_row_ids`.
+
+        `skip_row_ids` must be sorted and unique (e.g. `OutputDataset.committed_row_ids()`).
+        """
+
+    def _check_id_column(self, is_integer: bool, type_name: str) -> None:
+        id_column = self.spec.id_column
+        if id_column is None:
+            return
+        if id_column not in self.columns:
+            raise InputError(
+                f"data.id_column={id_column!r} is not a column of {self.spec.path}; "
+                f"columns are: {', '.join(self.columns)}. Set data.id_column to one of them, or null to "
+                "number rows by position"
+            )
+        if not is_integer:
+            raise InputError(
+                f"data.id_column={id_column!r} has type {type_name}, but row ids must be integers: "
+                "choose an integer column, or null to number rows by position"
+            )
+
+    def _columns_to_read(self, columns: list[str]) -> list[str]:
+        missing = [c for c in columns if c not in self.columns]
+        if missing:
+            raise InputError(
+                f"column(s) {', '.join(missing)} not found in {self.spec.path}; columns are: {', '.join(self.columns)}"
+            )
+        if "row_id" in columns and self.spec.id_column != "row_id":
+            raise InputError(
+                f"{self.spec.path} has its own row_id column, which would clash with batchjob's row_id: "
+                "set data.id_column=row_id to use it as the row id, or do not pass it through"
+            )
+        wanted = [c for c in columns if c != "row_id"]
+        id_column = self.spec.id_column
+        return wanted + [id_column] if id_column and id_column not in wanted else wanted
+
+    def _make_batch(
+        self, data: pa.Table | pa.RecordBatch, positions: np.ndarray, columns: list[str], skip: np.ndarray | None
+    ) -> pa.RecordBatch | None:
+        """`row_id` + `columns` of `data`, whose rows sit at `positions` in the input; None if all skipped."""
+        if self.spec.id_column is None:
+            row_ids = positions.astype(np.int64, copy=False)
+        else:
+            id_values = data.column(self.spec.id_column)
+            if id_values.null_count:
+                raise InputError(
+                    f"data.id_column={self.spec.id_column!r} has null values near input row "
+                    f"{int(positions[0])}: every row needs an id; fill them or set data.id_column=null"
+                )
+            row_ids = np.asarray(id_values.to_numpy(), dtype=np.int64)
+        keep = keep_mask(row_ids, skip)
+        arrays = [pa.array(row_ids, type=pa.int64())] + [data.column(c) for c in columns if c != "row_id"]
+        names = ["row_id"] + [c for c in columns if c != "row_id"]
+        batch = pa.RecordBatch.from_arrays([_chunked_to_array(a) for a in arrays], names=names)
+        if keep is not None:
+            batch = batch.filter(pa.array(keep))
+        return batch if batch.num_rows else None
+
+
+def _chunked_to_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks()
+    return values

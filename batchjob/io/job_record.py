@@ -1,0 +1,61 @@
+"""The job record: what produced an output directory, so a rerun never mixes outputs of different jobs.
+
+The caller decides what goes in (model, sampling, prompt settings, input fingerprint, version...); this
+module only stores it once per output directory and compares it on every open.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from batchjob.io.storage import Storage
+
+_MISSING = "<absent>"
+
+
+class JobRecordMismatch(ValueError):
+    """The output directory was produced by a different job configuration."""
+
+
+def normalise(record: dict[str, Any]) -> dict[str, Any]:
+    """The record as it reads back from JSON (tuples become lists, keys strings), so comparisons are fair."""
+    try:
+        return json.loads(json.dumps(record, sort_keys=True))
+    except TypeError as exc:
+        raise TypeError(f"the job record must be JSON-serialisable: {exc}") from exc
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, sort_keys=True, indent=2).encode()
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs between two records."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in sorted(set(old) | set(new)):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            found += differences(old.get(key, _MISSING), new.get(key, _MISSING), name)
+        return found
+    return [] if old == new else [(prefix or "<record>", old, new)]
+
+
+def check_or_create(storage: Storage, path: str, record: dict[str, Any], tmp_dir: str) -> None:
+    """Write the record if the directory has none; else refuse unless it is identical."""
+    wanted = normalise(record)
+    if storage.create_exclusive(path, encode(wanted), tmp_dir):
+        return
+    existing = json.loads(storage.read_bytes(path))
+    diff = differences(existing, wanted)
+    if diff:
+        lines = "\n".join(f"  {key}: {old!r} -> {new!r}" for key, old, new in diff)
+        raise JobRecordMismatch(
+            f"{path} records a different job than this run:\n{lines}\n"
+            "Resuming would mix outputs of two configurations. Restore the old settings to resume, "
+            "use another output.dir, or rerun with resume=false to start over (deletes this shard's outputs)."
+        )
+
+
+def overwrite(storage: Storage, path: str, record: dict[str, Any], tmp_dir: str) -> None:
+    storage.write_atomic(path, encode(normalise(record)), tmp_dir)

@@ -1,0 +1,52 @@
+"""`open_input(spec)`: decide what `data.path` is and open the matching reader."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
+from batchjob.io.storage import Storage
+
+HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_GLOB = re.compile(r"[*?\[]")
+# What a hub dataset id looks like ("name" or "org/name"); anything else that does not exist is a typo.
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def open_input(spec: InputSpec) -> InputSource:
+    """Open this shard of the input (reads metadata only); raises InputError on a bad spec."""
+    fmt = resolve_format(spec)
+    if fmt == "parquet":
+        from batchjob.io.parquet_reader import open_parquet
+
+        return open_parquet(spec)
+    # Imported only when needed: `datasets` adds about a second to start-up.
+    from batchjob.io.hf_reader import open_hf_dataset
+
+    return open_hf_dataset(spec, fmt)
+
+
+def resolve_format(spec: InputSpec) -> str:
+    """auto: .parquet file/dir/glob -> parquet; save_to_disk dir -> hf_disk; else a load_dataset name."""
+    if spec.format != "auto":
+        return spec.format
+    if spec.data_files is not None:
+        return "hf_hub"
+    storage, path = Storage.for_uri(spec.path)
+    if _GLOB.search(path) or path.endswith(".parquet"):
+        return "parquet"
+    if storage.isdir(path):
+        names = storage.list_files(path)
+        if any(marker in names for marker in HF_DISK_MARKERS):
+            return "hf_disk"
+        if any(name.endswith(".parquet") for name in names) or storage.fs.glob(f"{path}/**/*.parquet"):
+            return "parquet"
+        return "hf_hub"
+    if storage.exists(path):
+        raise InputError(f"{spec.path} is neither Parquet nor a dataset directory; {PATH_HELP}")
+    if "://" in spec.path or spec.path.startswith(("/", ".", "~")) or not _HUB_ID.match(spec.path):
+        raise InputError(f"no such file or directory: {spec.path}; {PATH_HELP}")
+    if os.sep in spec.path and os.path.exists(os.path.dirname(spec.path)):
+        raise InputError(f"no such file or directory: {spec.path}; {PATH_HELP}")
+    return "hf_hub"
