@@ -1,0 +1,172 @@
+"""The Hydra config, checked and turned into frozen values before anything heavy happens.
+
+Every user mistake found here is a `ConfigError` naming the key, what was wrong and how to fix it; the
+job turns it into a one-line message and exit status 2, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from batchjob.engine import SamplingParams, check_engine_options
+from batchjob.errors import ConfigError
+from batchjob.pipelines.prompts import PROMPT_KINDS, PromptSpec
+
+BUNDLED_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
+ON_ERROR = ("record", "skip", "fail")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    path: str
+    format: str
+    split: str
+    dataset_config: str | None
+    data_files: Any
+    streaming: bool
+    id_column: str | None
+    passthrough_columns: tuple[str, ...] | None
+    limit: int | None
+    batch_rows: int
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    dir: str
+    commit_every_rows: int
+    commit_every_s: float
+    ordered: bool
+    token_ids: bool
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    model_path: str | None
+    engine_name: str
+    engine_options: dict[str, Any]
+    data: DataSettings
+    prompt: PromptSpec
+    sampling: SamplingParams
+    output: OutputSettings
+    shard_index: int
+    shard_count: int
+    resume: bool
+    on_error: str
+    log_every_s: float
+    tokenize_batch_rows: int
+    queue_batches: int
+
+
+def _positive_int(value: Any, key: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}={value!r}: must be an integer >= {minimum}")
+    return value
+
+
+def _sampling(cfg: DictConfig) -> SamplingParams:
+    raw = OmegaConf.to_container(cfg.sampling, resolve=True)
+    stop = raw.pop("stop", None) or []
+    stop_ids = raw.pop("stop_token_ids", None) or []
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        return SamplingParams(**raw, stop=tuple(stop), stop_token_ids=tuple(int(t) for t in stop_ids))
+    except TypeError as err:
+        allowed = ", ".join(SamplingParams.__dataclass_fields__)
+        raise ConfigError(f"bad sampling key ({err}); sampling takes {allowed}") from err
+    except ValueError as err:
+        raise ConfigError(f"{err} (fix the sampling.* override)") from err
+
+
+def _prompt(cfg: DictConfig) -> PromptSpec:
+    pipeline, data = cfg.pipeline, cfg.data
+    kind = pipeline.kind
+    if kind not in (*PROMPT_KINDS, "auto"):
+        raise ConfigError(f"pipeline.kind={kind!r}: choose auto, {', '.join(PROMPT_KINDS)}")
+    if kind == "auto":
+        if data.messages_column or pipeline.system_prompt:
+            kind = "chat"
+        elif pipeline.template:
+            kind = "template"
+        else:
+            kind = "raw"
+    if kind == "template" and not pipeline.template:
+        raise ConfigError('pipeline.kind=template needs pipeline.template, e.g. "Q: {question}\\nA:"')
+    return PromptSpec(
+        kind=kind,
+        prompt_column=data.prompt_column,
+        messages_column=data.messages_column,
+        template=pipeline.template,
+        system_prompt=pipeline.system_prompt,
+        add_special_tokens=bool(pipeline.add_special_tokens),
+    )
+
+
+def load_settings(cfg: DictConfig) -> JobSettings:
+    """Check `cfg` (and the engine options, through the backend's own check) without loading anything."""
+    engine_cfg = OmegaConf.to_container(cfg.engine, resolve=True)
+    engine_name = engine_cfg.pop("name", None)
+    if not engine_name:
+        raise ConfigError("engine.name is missing: pick a backend with engine=hf|native|native_sync")
+    try:
+        check_engine_options(engine_name, engine_cfg)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"engine={engine_name}: {err}") from err
+    on_error = cfg.on_error
+    if on_error not in ON_ERROR:
+        raise ConfigError(f"on_error={on_error!r}: choose one of {', '.join(ON_ERROR)}")
+    shard_count = _positive_int(cfg.shard.count, "shard.count")
+    shard_index = _positive_int(cfg.shard.index, "shard.index", minimum=0)
+    if shard_index >= shard_count:
+        raise ConfigError(f"shard.index={shard_index} must be below shard.count={shard_count}")
+    data = cfg.data
+    passthrough = data.passthrough_columns
+    if isinstance(passthrough, str):
+        passthrough = [passthrough]
+    out = cfg.output
+    if not out.dir:
+        raise ConfigError("output.dir is empty: set output.dir=/path/to/results")
+    if float(out.commit_every_s) <= 0:
+        raise ConfigError(f"output.commit_every_s={out.commit_every_s!r}: must be > 0 seconds")
+    limit = data.limit
+    if limit is not None:
+        limit = _positive_int(limit, "data.limit", minimum=0)
+    return JobSettings(
+        model_path=cfg.model.path,
+        engine_name=engine_name,
+        engine_options=engine_cfg,
+        data=DataSettings(
+            path=str(data.path) if data.path else str(BUNDLED_PROMPTS),
+            format=data.format,
+            split=data.split,
+            dataset_config=data.dataset_config,
+            data_files=OmegaConf.to_container(data.data_files)
+            if OmegaConf.is_config(data.data_files)
+            else data.data_files,
+            streaming=bool(data.streaming),
+            id_column=data.id_column,
+            passthrough_columns=None if passthrough is None else tuple(passthrough),
+            limit=limit,
+            batch_rows=_positive_int(data.batch_rows, "data.batch_rows"),
+        ),
+        prompt=_prompt(cfg),
+        sampling=_sampling(cfg),
+        output=OutputSettings(
+            dir=str(out.dir),
+            commit_every_rows=_positive_int(out.commit_every_rows, "output.commit_every_rows"),
+            commit_every_s=float(out.commit_every_s),
+            ordered=bool(out.ordered),
+            token_ids=bool(out.token_ids),
+        ),
+        shard_index=shard_index,
+        shard_count=shard_count,
+        resume=bool(cfg.resume),
+        on_error=on_error,
+        log_every_s=float(cfg.progress.log_every_s),
+        tokenize_batch_rows=_positive_int(cfg.pipeline.tokenize_batch_rows, "pipeline.tokenize_batch_rows"),
+        queue_batches=_positive_int(cfg.pipeline.queue_batches, "pipeline.queue_batches"),
+    )

@@ -1,0 +1,88 @@
+"""The job record: everything that changes the outputs, so a rerun never mixes two jobs' rows.
+
+It holds the model (path, a hash of its config and tokenizer files, the weight files' names and sizes),
+the engine name and dtype (backends differ numerically, so switching them mid-job would mix outputs;
+throughput knobs such as batch sizes are left out, so a resume may retune them), sampling, prompt
+settings, the output columns, the input's fingerprint and the batchjob version. The IO layer adds the
+shard count and compares records on every open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from batchjob.config import JobSettings
+from batchjob.errors import ConfigError
+
+# Small files whose content decides what the model computes or how prompts are rendered.
+HASHED_MODEL_FILES = ("*.json", "*.jinja", "tokenizer.model", "*.txt")
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+def resolve_model_path(path: str | None) -> str:
+    """A local model directory or a hub id; null means the embedded tiny model (created on first use)."""
+    if path is None:
+        from batchjob.tiny_model import default_tiny_model
+
+        return str(default_tiny_model())
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(
+                f"model.path={path} has no config.json: point it at a Hugging Face model directory "
+                "(config.json, *.safetensors, tokenizer files)"
+            )
+        return str(local.resolve())
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ConfigError(
+            f"model.path={path} does not exist: use a Hugging Face model directory or a hub id like org/name"
+        )
+    return path
+
+
+def model_fingerprint(model_path: str) -> dict[str, Any]:
+    local = Path(model_path)
+    if not local.is_dir():
+        return {"hub_id": model_path}
+    digest = hashlib.sha256()
+    for pattern in HASHED_MODEL_FILES:
+        for file in sorted(local.glob(pattern)):
+            if file.name.endswith(".index.json") or file.stat().st_size > 50_000_000:
+                continue
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    weights = sorted({f.name: f.stat().st_size for pattern in WEIGHT_FILES for f in local.glob(pattern)}.items())
+    return {"path": str(local), "files_sha256": digest.hexdigest(), "weights": weights}
+
+
+def batchjob_version() -> str:
+    try:
+        return version("batchjob")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def job_record(
+    settings: JobSettings,
+    model_path: str,
+    input_fingerprint: dict[str, Any],
+    passthrough: list[str],
+) -> dict[str, Any]:
+    sampling = dataclasses.asdict(settings.sampling)
+    return {
+        "batchjob_version": batchjob_version(),
+        "model": model_fingerprint(model_path),
+        "engine": {"name": settings.engine_name, "dtype": settings.engine_options.get("dtype", "auto")},
+        "sampling": sampling,
+        "prompt": dataclasses.asdict(settings.prompt),
+        "output_columns": {
+            "passthrough": passthrough,
+            "token_ids": settings.output.token_ids,
+        },
+        "on_error": settings.on_error,
+        "input": input_fingerprint,
+    }

@@ -1,0 +1,161 @@
+"""A job, wired: config → input → prompts → engine → output, under a checkpoint.
+
+Everything that can be wrong with the config, the paths or the columns is checked before the model is
+loaded (`prepare`), so a typo costs seconds, not a model load or a queue wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from batchjob.config import JobSettings, load_settings
+from batchjob.engine import create_engine
+from batchjob.errors import ConfigError
+from batchjob.fingerprint import job_record, resolve_model_path
+from batchjob.io.job_record import JobRecordMismatch
+from batchjob.io.lock import LockError
+from batchjob.io.output import OutputDataset
+from batchjob.io.readers import InputError, InputSpec, open_input
+from batchjob.pipelines.feeder import PromptFeeder
+from batchjob.pipelines.prompts import PromptBuilder
+from batchjob.pipelines.rows import RESERVED_COLUMNS
+from batchjob.shard_run import ShardRun
+
+log = logging.getLogger("batchjob")
+EXIT_USAGE = 2
+USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError)
+
+
+def quiet_libraries() -> None:
+    """No per-load progress bars or advisory warnings from transformers/datasets in a batch job's log."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    warnings.filterwarnings("ignore", module=r"(transformers|datasets|torch)(\..*)?")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        import datasets
+
+        datasets.utils.logging.disable_progress_bar()
+        datasets.utils.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+@dataclass
+class PreparedJob:
+    settings: JobSettings
+    model_path: str
+    source: Any
+    builder: PromptBuilder
+    passthrough: list[str]
+    output: OutputDataset
+
+
+def passthrough_columns(settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...]) -> list[str]:
+    """The input columns copied to the output. Default: every column except the prompt source, the id
+    column (it is the row_id) and names the output already uses."""
+    wanted = settings.data.passthrough_columns
+    if wanted is None:
+        skip = set(prompt_columns) | {settings.data.id_column} | RESERVED_COLUMNS
+        return [c for c in columns if c not in skip]
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise ConfigError(
+            f"data.passthrough_columns names {', '.join(missing)}, not in the input; its columns are "
+            f"{', '.join(columns)}"
+        )
+    clashing = [c for c in wanted if c in RESERVED_COLUMNS]
+    if clashing:
+        raise ConfigError(
+            f"data.passthrough_columns {', '.join(clashing)} would overwrite batchjob's own output columns: "
+            "drop them from the list"
+        )
+    return list(wanted)
+
+
+def prepare(settings: JobSettings) -> PreparedJob:
+    """Check the model, the input and the output directory; lock the shard. Loads no model weights."""
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model_path(settings.model_path)
+    data = settings.data
+    source = open_input(
+        InputSpec(
+            path=data.path,
+            format=data.format,
+            split=data.split,
+            name=data.dataset_config,
+            data_files=data.data_files,
+            streaming=data.streaming,
+            id_column=data.id_column,
+            limit=data.limit,
+            shard_index=settings.shard_index,
+            shard_count=settings.shard_count,
+            batch_rows=data.batch_rows,
+        )
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
+    builder = PromptBuilder(settings.prompt, tokenizer)
+    builder.check(list(source.columns))
+    passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
+    record = job_record(settings, model_path, source.fingerprint(), passthrough)
+    output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
+    output.open(record, resume=settings.resume)
+    return PreparedJob(settings, model_path, source, builder, passthrough, output)
+
+
+def run_job(cfg: DictConfig) -> int:
+    """Run this process's shard of the job; returns the exit status: 0 when the shard is complete,
+    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N."""
+    quiet_libraries()
+    try:
+        job = prepare(load_settings(cfg))
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return _generate(job)
+    finally:
+        job.output.close()
+
+
+def _generate(job: PreparedJob) -> int:
+    settings, output = job.settings, job.output
+    if output.is_success():
+        log.info(
+            "shard %d/%d of %s is already complete", settings.shard_index, settings.shard_count, settings.output.dir
+        )
+        return 0
+    committed = output.committed_row_ids()
+    total = job.source.num_rows()
+    remaining = None if total is None else max(total - len(committed), 0)
+    if len(committed):
+        log.info("resuming: %d rows already committed, %s to go", len(committed), remaining or "?")
+    engine = create_engine(settings.engine_name, job.model_path, settings.engine_options)
+    try:
+        columns = list(dict.fromkeys([*settings.prompt.input_columns, *job.passthrough]))
+        feeder = PromptFeeder(
+            job.source.iter_batches(columns, skip_row_ids=committed),
+            job.builder,
+            job.passthrough,
+            queue_batches=settings.queue_batches,
+            tokenize_batch_rows=settings.tokenize_batch_rows,
+        )
+        return ShardRun(settings, engine, output, feeder, committed, remaining).run()
+    finally:
+        engine.close()

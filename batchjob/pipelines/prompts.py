@@ -1,0 +1,167 @@
+"""Row → prompt text → token ids, for the three prompt kinds.
+
+- `raw`: a text column used as is;
+- `template`: a Python format string over row fields (`"Q: {question}\\nA:"`);
+- `chat`: a messages column (list of {role, content}, or its JSON text), or the prompt column plus an
+  optional system prompt, rendered with the tokenizer's chat template.
+
+A row that cannot become a prompt (null, empty, wrong type, not UTF-8) gets an error message instead of
+token ids; the job decides what to do with it (`on_error`).
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchjob.errors import ConfigError
+
+PROMPT_KINDS = ("raw", "template", "chat")
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    kind: str
+    prompt_column: str | None = "prompt"
+    messages_column: str | None = None
+    template: str | None = None
+    system_prompt: str | None = None
+    add_special_tokens: bool = True
+
+    @property
+    def input_columns(self) -> tuple[str, ...]:
+        if self.kind == "template":
+            return _template_fields(self.template or "")
+        if self.kind == "chat" and self.messages_column:
+            return (self.messages_column,)
+        return (self.prompt_column,) if self.prompt_column else ()
+
+
+def _template_fields(template: str) -> tuple[str, ...]:
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise ConfigError(f"pipeline.template is not a valid format string ({err}); use {{column}}") from err
+    names = []
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        name = field.split(".")[0].split("[")[0]
+        if not name:
+            raise ConfigError("pipeline.template uses a positional {} field: name a column, e.g. {question}")
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+class PromptBuilder:
+    def __init__(self, spec: PromptSpec, tokenizer: Any) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+
+    def check(self, columns: list[str]) -> None:
+        """Raise `ConfigError` if the input lacks a needed column or the tokenizer cannot render chats."""
+        if not self.spec.input_columns:
+            raise ConfigError("no prompt source: set data.prompt_column, data.messages_column or pipeline.template")
+        missing = [c for c in self.spec.input_columns if c not in columns]
+        if missing:
+            raise ConfigError(
+                f"input has no column {', '.join(map(repr, missing))}; its columns are {', '.join(columns)} "
+                "(set data.prompt_column / data.messages_column / pipeline.template accordingly)"
+            )
+        if self.spec.kind == "chat" and not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(
+                "pipeline.kind=chat but the model's tokenizer has no chat template: use a chat/instruct model "
+                "or pipeline.kind=raw / template"
+            )
+
+    def encode(self, batch: pa.RecordBatch) -> tuple[list[list[int] | None], list[str | None]]:
+        """Token ids (or None) and an error message (or None) for every row of `batch`."""
+        texts: list[str | None] = []
+        errors: list[str | None] = []
+        for row in batch.select(list(self.spec.input_columns)).to_pylist():
+            try:
+                texts.append(self._text(row))
+                errors.append(None)
+            except BadRow as bad:
+                texts.append(None)
+                errors.append(str(bad))
+        good = [i for i, t in enumerate(texts) if t is not None]
+        ids: list[list[int] | None] = [None] * len(texts)
+        if good:
+            # Chat templates write their own special tokens; adding more would double the BOS.
+            special = self.spec.add_special_tokens and self.spec.kind != "chat"
+            encoded = self.tokenizer([texts[i] for i in good], add_special_tokens=special)["input_ids"]
+            for i, row_ids in zip(good, encoded, strict=True):
+                ids[i] = row_ids
+        return ids, errors
+
+    def _text(self, row: dict[str, Any]) -> str:
+        spec = self.spec
+        if spec.kind == "template":
+            values = {}
+            for name in spec.input_columns:
+                if row[name] is None:
+                    raise BadRow(f"template field {name!r} is null")
+                values[name] = _as_text(row[name], name) if isinstance(row[name], bytes) else row[name]
+            return _non_empty(spec.template.format(**values), "rendered template")
+        if spec.kind == "chat":
+            if spec.messages_column:
+                messages = _messages(row[spec.messages_column], spec.messages_column)
+            else:
+                prompt = _non_empty(_as_text(row[spec.prompt_column], spec.prompt_column), spec.prompt_column)
+                messages = [{"role": "user", "content": prompt}]
+                if spec.system_prompt:
+                    messages.insert(0, {"role": "system", "content": spec.system_prompt})
+            try:
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as err:  # a template raising on this row's content is this row's problem
+                raise BadRow(f"chat template failed on this row: {err}") from err
+        return _non_empty(_as_text(row[spec.prompt_column], spec.prompt_column), spec.prompt_column)
+
+
+class BadRow(ValueError):
+    """This row cannot become a prompt."""
+
+
+def _as_text(value: Any, column: str) -> str:
+    if value is None:
+        raise BadRow(f"{column} is null")
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadRow(f"{column} is not valid UTF-8 text ({err.reason} at byte {err.start})") from err
+    if not isinstance(value, str):
+        raise BadRow(f"{column} must be text, got {type(value).__name__}")
+    return value
+
+
+def _non_empty(text: str, what: str) -> str:
+    if not text.strip():
+        raise BadRow(f"{what} is empty")
+    return text
+
+
+def _messages(value: Any, column: str) -> list[dict[str, str]]:
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(_as_text(value, column))
+        except json.JSONDecodeError as err:
+            raise BadRow(f"{column} is text but not JSON messages ({err.msg})") from err
+    if value is None:
+        raise BadRow(f"{column} is null")
+    if not isinstance(value, list) or not value:
+        raise BadRow(f"{column} must be a non-empty list of {{role, content}}, got {type(value).__name__}")
+    for message in value:
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise BadRow(f"{column} must be a list of {{role: str, content: str}}, got an item {message!r:.80}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -1,0 +1,214 @@
+"""One shard's generation loop: prompts in, completions out, finished rows committed in parts.
+
+Completions arrive in any order, so finished rows are buffered by row id and committed every
+`output.commit_every_rows` rows or `output.commit_every_s` seconds; a row is either in a committed part
+or recomputed by the next run (the rerun skips exactly the committed row ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from batchjob.config import JobSettings
+from batchjob.engine import Completion, Engine, Request, SamplingParams
+from batchjob.io.output import OutputDataset
+from batchjob.pipelines.feeder import PromptFeeder
+from batchjob.pipelines.rows import RowLayout
+from batchjob.progress import Progress
+from batchjob.signals import Interrupted, StopSignals, exit_code_for
+
+log = logging.getLogger("batchjob")
+EXIT_OK = 0
+EXIT_FAILED_ROW = 1
+
+
+@dataclass
+class RunCounts:
+    rows: int = 0
+    ok: int = 0
+    errors: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    committed: int = 0
+    stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("generate", "write"), 0.0))
+
+
+class ShardRun:
+    def __init__(
+        self,
+        settings: JobSettings,
+        engine: Engine,
+        output: OutputDataset,
+        feeder: PromptFeeder,
+        already_committed: np.ndarray,
+        total_rows: int | None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.output = output
+        self.feeder = feeder
+        self.layout = RowLayout(
+            n=settings.sampling.n,
+            token_ids=settings.output.token_ids,
+            logprobs=settings.sampling.logprobs is not None,
+        )
+        self.previously_committed = len(already_committed)
+        self.counts = RunCounts()
+        self.progress = Progress(total_rows, settings.log_every_s)
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._finished: list[dict[str, Any]] = []
+        self._last_commit = time.monotonic()
+        self._failure: str | None = None
+
+    def run(self) -> int:
+        """Generate every remaining row; returns the process exit status."""
+        started = time.perf_counter()
+        complete = False
+        stop = StopSignals()
+        with stop:
+            completions = self.engine.generate(self._requests(stop))
+            try:
+                while not stop.requested and self._failure is None:
+                    t0 = time.perf_counter()
+                    with stop.interruptible():
+                        completion = next(completions, None)
+                    self.counts.stage_s["generate"] += time.perf_counter() - t0
+                    if completion is None:
+                        complete = True
+                        break
+                    self._finish(completion)
+                    self._maybe_commit()
+            except Interrupted:
+                pass
+            finally:
+                self.feeder.close()
+                completions.close()
+                self.progress.close()
+                # Whatever ends the loop (done, signal, bad row, crash), finished rows are kept.
+                self._commit()
+        total = self.previously_committed + self.counts.committed
+        if stop.requested and not complete:
+            print(f"interrupted: {total} rows committed; resumable: rerun the same command", file=sys.stderr)
+            return exit_code_for(stop.signum)
+        if self._failure is not None:
+            print(
+                f"error: {self._failure} (on_error=fail); {total} rows committed. Fix the input, or rerun with "
+                "on_error=record to keep bad rows as errors or on_error=skip to drop them",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED_ROW
+        if self.settings.output.ordered:
+            self.output.rewrite_ordered()
+        report = self.report(time.perf_counter() - started, total)
+        self.output.write_report(report)
+        self.output.mark_success()
+        log.info(
+            "done: %d rows (%d ok, %d errors, %d skipped), %d output tokens in %.1fs (%.1f tok/s); %d rows in %s",
+            self.counts.rows,
+            self.counts.ok,
+            self.counts.errors,
+            self.counts.skipped,
+            self.counts.completion_tokens,
+            report["wall_s"],
+            report["output_tokens_per_s"],
+            total,
+            self.settings.output.dir,
+        )
+        return EXIT_OK
+
+    def _requests(self, stop: StopSignals) -> Iterator[Request]:
+        base = self.settings.sampling
+        for batch in self.feeder:
+            for row_id, ids, error, extra in zip(
+                batch.row_ids, batch.prompt_ids, batch.errors, batch.passthrough, strict=True
+            ):
+                if error is not None:
+                    self._bad_row(row_id, error, 0, extra)
+                else:
+                    self._pending[row_id] = extra
+                    yield Request(row_id, ids, _row_sampling(base, row_id))
+            if stop.requested or self._failure is not None:
+                return
+
+    def _finish(self, completion: Completion) -> None:
+        extra = self._pending.pop(completion.id)
+        if completion.error is not None:
+            self._bad_row(completion.id, completion.error, completion.prompt_tokens, extra)
+            return
+        self._finished.append(self.layout.completed(completion.id, completion, extra))
+        self.counts.rows += 1
+        self.counts.ok += 1
+        self.counts.prompt_tokens += completion.prompt_tokens
+        self.counts.completion_tokens += completion.completion_tokens
+        self.progress.update(1, completion.completion_tokens)
+
+    def _bad_row(self, row_id: int, error: str, prompt_tokens: int, extra: dict[str, Any]) -> None:
+        policy = self.settings.on_error
+        if policy == "fail":
+            if self._failure is None:
+                self._failure = f"row {row_id}: {error}"
+            return
+        if policy == "record":
+            self._finished.append(self.layout.failed(row_id, error, prompt_tokens, extra))
+            self.counts.rows += 1
+            self.counts.errors += 1
+            self.counts.prompt_tokens += prompt_tokens
+        else:
+            self.counts.skipped += 1
+        self.progress.update(1, 0)
+
+    def _maybe_commit(self) -> None:
+        out = self.settings.output
+        due = time.monotonic() - self._last_commit >= out.commit_every_s
+        if len(self._finished) >= out.commit_every_rows or (due and self._finished):
+            self._commit()
+
+    def _commit(self) -> None:
+        if not self._finished:
+            return
+        t0 = time.perf_counter()
+        schema = self.feeder.passthrough_schema
+        self.output.commit(self.layout.table(self._finished, schema))
+        self.counts.committed += len(self._finished)
+        self._finished = []
+        self._last_commit = time.monotonic()
+        self.counts.stage_s["write"] += time.perf_counter() - t0
+
+    def report(self, wall_s: float, total_committed: int) -> dict[str, Any]:
+        counts = self.counts
+        return {
+            "rows": counts.rows,
+            "ok": counts.ok,
+            "errors": counts.errors,
+            "skipped": counts.skipped,
+            "rows_committed_total": total_committed,
+            "rows_committed_before_this_run": self.previously_committed,
+            "prompt_tokens": counts.prompt_tokens,
+            "completion_tokens": counts.completion_tokens,
+            "wall_s": wall_s,
+            "output_tokens_per_s": counts.completion_tokens / wall_s if wall_s > 0 else 0.0,
+            # read and tokenize run in the feeder thread, overlapping generate: busy time, not wall time.
+            "stage_s": {
+                "read": self.feeder.read_s,
+                "tokenize": self.feeder.tokenize_s,
+                **counts.stage_s,
+            },
+            "engine": {"name": self.settings.engine_name, **self.engine.stats()},
+            "shard": {"index": self.settings.shard_index, "count": self.settings.shard_count},
+        }
+
+
+def _row_sampling(base: SamplingParams, row_id: int) -> SamplingParams:
+    """Each row gets its own seed (base + row id), so its samples do not depend on batching or resume."""
+    if base.greedy or base.seed is None:
+        return base
+    return dataclasses.replace(base, seed=(base.seed + row_id) % 2**63)
