@@ -87,7 +87,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_model_len)
+        # One position of margin: the overlapped engine loop may run one step past a sequence's last allowed
+        # token (the result is discarded), and an out-of-range position would be a device-side assert on CUDA.
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_model_len + 1)
         self.layers = nn.ModuleList(DecoderLayer(spec, attn) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # Tied embeddings read `embed_tokens.weight` directly instead of sharing a Parameter: sharing does not
