@@ -190,3 +190,13 @@ def test_unsupported_head_dim_is_refused_with_the_fix():
     q, k, v, k_cache, v_cache, meta = random_step([2], [2], 16, 1, head_dim=24)
     with pytest.raises(ValueError, match="power of two >= 16"):
         TritonPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 1.0)
+
+
+def test_small_tiles_match_reference_across_many_tiles_and_splits():
+    backend = TritonPagedAttention(
+        num_decode_splits=5,
+        decode_config=triton_decode.DecodeConfig(block_n=16),
+        prefill_config=triton_prefill.PrefillConfig(block_m=16, block_n=16),
+    )
+    check_against_reference(random_step([9, 1, 22], [41, 60, 22], 8, 4, seed=6), backend)
+    check_against_reference(random_step([1, 1, 1], [41, 60, 99], 8, 4, seed=6), backend)

@@ -14,8 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.engine.native.triton_decode import default_num_splits, paged_decode_attention
-from batchjob.engine.native.triton_prefill import paged_prefill_attention
+from batchjob.engine.native.triton_decode import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeConfig,
+    default_num_splits,
+    paged_decode_attention,
+)
+from batchjob.engine.native.triton_prefill import DEFAULT_PREFILL_CONFIG, PrefillConfig, paged_prefill_attention
 
 if TYPE_CHECKING:
     from batchjob.engine.native.attention import AttentionMetadata
@@ -124,10 +129,17 @@ class TritonPagedAttention:
     SM count only, so every replay of a captured decode graph launches identically.
     """
 
-    def __init__(self, num_decode_splits: int | None = None) -> None:
+    def __init__(
+        self,
+        num_decode_splits: int | None = None,
+        decode_config: DecodeConfig = DEFAULT_DECODE_CONFIG,
+        prefill_config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
+    ) -> None:
         if num_decode_splits is not None and num_decode_splits < 1:
             raise ValueError(f"num_decode_splits must be >= 1, got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
+        self.decode_config = decode_config
+        self.prefill_config = prefill_config
 
     def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         if self.num_decode_splits is not None:
@@ -159,7 +171,16 @@ class TritonPagedAttention:
                 scale,
                 num_splits,
                 out,
+                self.decode_config,
             )
         return paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, out
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_query_lens,
+            scale,
+            out,
+            self.prefill_config,
         )

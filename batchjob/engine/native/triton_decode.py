@@ -12,14 +12,29 @@ exit at once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Tokens per stage-1 tile; splits are whole tiles so the reduce can recompute which splits ran.
-DECODE_TILE = 64
 MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of stage 1 (scripts/bench_attention.py --sweep compares them on a GPU).
+
+    `block_n` tokens per tile; splits are whole tiles, so the reduce recomputes which splits ran.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_DECODE_CONFIG = DecodeConfig()
 
 
 @triton.jit
@@ -166,6 +181,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     out: torch.Tensor,
+    config: DecodeConfig = DEFAULT_DECODE_CONFIG,
 ) -> torch.Tensor:
     """One query token per sequence over the paged cache; writes `out` [B, Hq, D] and returns it.
 
@@ -200,11 +216,11 @@ def paged_decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_TILE,
+        BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     _decode_reduce_kernel[(num_seqs, q.shape[1])](
         part_out,
@@ -215,7 +231,7 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
-        BLOCK_N=DECODE_TILE,
+        BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         SPLITS_P2=triton.next_power_of_2(num_splits),
         num_warps=4,

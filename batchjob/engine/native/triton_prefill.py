@@ -12,6 +12,8 @@ before it, so a grid of `T // BLOCK_Q + B` programs covers every tile and the fe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -120,12 +122,18 @@ def _prefill_kernel(
     )
 
 
-def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
-    """(query tokens per program, KV tokens per tile): at least 64 packed rows (tl.dot needs 16)."""
-    group_p2 = triton.next_power_of_2(group)
-    block_q = max(1, 64 // group_p2)
-    block_n = 64 if head_dim <= 128 else 32
-    return block_q, block_n
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape: `block_m` packed (token, head) rows per program (at least 16 for tl.dot), `block_n`
+    KV tokens per tile (scripts/bench_attention.py --sweep compares them on a GPU)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_PREFILL_CONFIG = PrefillConfig()
 
 
 def paged_prefill_attention(
@@ -137,6 +145,7 @@ def paged_prefill_attention(
     cu_query_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
 ) -> torch.Tensor:
     """Causal varlen attention of `q` [T, Hq, D] over the paged cache; writes `out` [T, Hq, D] and returns it.
 
@@ -146,7 +155,7 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
-    block_q, block_n = prefill_tiles(group, head_dim)
+    block_q = max(1, config.block_m // triton.next_power_of_2(group))
     grid = (q.shape[0] // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q,
@@ -174,10 +183,10 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
-        BLOCK_N=block_n,
+        BLOCK_N=config.block_n,
         SEQS_P2=triton.next_power_of_2(num_seqs),
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
