@@ -1,0 +1,197 @@
+"""Benchmark batchjob's engine against transformers and against the hardware's roofline, in one process.
+
+    python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (DESIGN.md "Benchmarks")
+    python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model
+
+For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random
+bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system one
+after another on identical requests (EOS ignored). Writes OUT/bench.json and OUT/bench.png and prints a table.
+Exits 1 if any system raised (after writing everything else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from bench_lib.hardware import HardwareRates, measure_hardware
+from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, random_model_dir, tiny_model_dir
+from bench_lib.report import WorkloadReport, plot, table, write_json
+from bench_lib.roofline import model_shape, roofline
+from bench_lib.systems import NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult, run_system
+from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
+TINY_SYSTEMS = ("hf_generate", "hf_batch_sync", "native", "native_sync")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="W1,W2", help=f"comma-separated, from {','.join(WORKLOADS)}")
+    parser.add_argument("--systems", default=None, help=f"comma-separated, from {','.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="where bench.json and bench.png go")
+    parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE, help="random-weight models, reused")
+    parser.add_argument("--time-limit-s", type=float, default=120.0, help="per system and workload")
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="passed to the native engines (repeatable); VALUE is a Python literal or a string",
+    )
+    parser.add_argument("--hf-batch", type=int, default=32, help="static batch size of hf_generate")
+    parser.add_argument("--hf-max-batch-tokens", type=int, default=8192, help="tokens per hf_batch_* step")
+    parser.add_argument("--hf-attn-implementation", default=None, help="transformers attn_implementation")
+    parser.add_argument(
+        "--kv-budget-fraction",
+        type=float,
+        default=0.9,
+        help="share of GPU memory (less the weights) the roofline lets the KV cache use",
+    )
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
+    return parser.parse_args(argv)
+
+
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    options = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-option {pair!r}: expected KEY=VALUE, e.g. --engine-option max_num_seqs=256")
+        try:
+            options[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            options[key] = {"true": True, "false": False}.get(raw.lower(), raw)
+    return options
+
+
+def unavailable_reason(system: str) -> str | None:
+    """Why a native system cannot run in this checkout (its module does not import), or None."""
+    if system not in NATIVE_SYSTEMS:
+        return None
+    from batchjob.engine import BACKENDS
+
+    module = BACKENDS[system][0].split(":")[0]
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return f"not available: {error}"
+    return None
+
+
+def run_workload(
+    spec: WorkloadSpec, systems: list[str], settings: RunSettings, args: argparse.Namespace, hardware
+) -> WorkloadReport:
+    import torch
+
+    if args.tiny:
+        model_dir = tiny_model_dir(args.model_cache)
+        vocab = int(_read_json(model_dir / "config.json")["vocab_size"])
+        requests = draw_requests(spec, vocab, TINY_SPECIAL_IDS)
+        floor = None
+    else:
+        model_dir = random_model_dir(spec.architecture, args.model_cache)
+        shape = model_shape(ARCHITECTURES[spec.architecture])
+        requests = draw_requests(spec, shape.vocab, BENCH_SPECIAL_IDS)
+        kv_budget = int(args.kv_budget_fraction * torch.cuda.get_device_properties(0).total_memory)
+        floor = roofline(
+            shape, requests, hardware.copy_bytes_per_s, hardware.matmul_flops_per_s, kv_budget - shape.weight_bytes
+        )
+        print(f"{spec.name}: roofline {floor.total_s:.2f} s = {floor.tok_per_s:,.0f} tok/s", flush=True)
+    results: list[SystemResult] = []
+    skipped, errors = {}, {}
+    for system in systems:
+        reason = unavailable_reason(system)
+        if reason:
+            skipped[system] = reason
+            print(f"{spec.name} {system}: skipped, {reason}", flush=True)
+            continue
+        try:
+            result = run_system(system, model_dir, requests, settings)
+        except Exception as error:  # one broken system must not lose the others' measurements
+            traceback.print_exc()
+            errors[system] = f"{type(error).__name__}: {error}"
+            continue
+        results.append(result)
+        print(
+            f"{spec.name} {system}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
+            f"{result.tok_per_s:,.0f} tok/s, start-up {result.startup_s:.1f} s" + (" (cut)" if result.cut else ""),
+            flush=True,
+        )
+    return WorkloadReport(
+        requests=requests, model=str(model_dir), floor=floor, results=tuple(results), skipped=skipped, errors=errors
+    )
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def _select(raw: str, known: dict | tuple, flag: str) -> list[str]:
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"{flag}: unknown {unknown or 'empty'}; choose from {', '.join(known)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # The checkout's batchjob is what is measured, whether or not (and wherever) it is pip-installed.
+    sys.path.insert(1, str(REPO))
+    import torch
+    import transformers
+
+    systems = _select(args.systems or ",".join(TINY_SYSTEMS if args.tiny else SYSTEMS), SYSTEMS, "--systems")
+    options = engine_options(args.engine_option)
+    if args.tiny:
+        specs = [TINY_WORKLOAD]
+        settings = RunSettings("cpu", "float32", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens)
+        hardware: HardwareRates | None = None
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("the benchmark needs a CUDA GPU; use --tiny for the CPU smoke run")
+        specs = [WORKLOADS[name] for name in _select(args.workloads, WORKLOADS, "--workloads")]
+        settings = RunSettings(
+            "cuda", "bfloat16", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens, args.hf_attn_implementation
+        )
+        hardware = measure_hardware()
+        print(
+            f"{hardware.device}: copy {hardware.copy_bytes_per_s / 1e12:.2f} TB/s, "
+            f"bf16 matmul {hardware.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+            flush=True,
+        )
+    settings = dataclasses.replace(settings, engine_options=options)
+    args.out.mkdir(parents=True, exist_ok=True)
+    reports = [run_workload(spec, systems, settings, args, hardware) for spec in specs]
+    run = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": hardware.device if hardware else "cpu",
+        "time_limit_s": args.time_limit_s,
+        "engine_options": options,
+        "hf_batch": args.hf_batch,
+    }
+    write_json(args.out / "bench.json", reports, hardware, run)
+    plot(args.out / "bench.png", reports)
+    print(table(reports, hardware))
+    return 1 if any(report.errors for report in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

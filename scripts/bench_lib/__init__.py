@@ -1,0 +1,1 @@
+"""Helpers of `scripts/bench.py`: workloads, random-weight models, hardware probes, roofline, systems, report."""

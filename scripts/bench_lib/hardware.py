@@ -1,0 +1,65 @@
+"""The two numbers the roofline needs, measured in the same run as the systems: device-to-device copy
+bandwidth and bf16 matmul rate."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HardwareRates:
+    copy_bytes_per_s: float  # bytes read + bytes written per second by a large device-to-device copy
+    matmul_flops_per_s: float  # dense bf16 matmul rate
+    device: str
+
+
+def _median_seconds(fn, repeats: int, warmup: int = 3) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> float:
+    """Bytes moved (read + written) per second by `dst.copy_(src)` of `gib` GiB: the rate at which a decode
+    step can stream weights and KV cache from HBM."""
+    import torch
+
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 256)
+    dst = torch.empty_like(src)
+    return 2 * n / _median_seconds(lambda: dst.copy_(src), repeats)
+
+
+def measure_matmul_rate(size: int = 8192, repeats: int = 20) -> float:
+    """bf16 FLOPs per second of a `size`^3 matmul on random data (random, not zeros: zeros run faster)."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(1234)
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    out = torch.empty_like(a)
+    return 2 * size**3 / _median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
+
+
+def measure_hardware() -> HardwareRates:
+    import torch
+
+    rates = HardwareRates(
+        copy_bytes_per_s=measure_copy_bandwidth(),
+        matmul_flops_per_s=measure_matmul_rate(),
+        device=torch.cuda.get_device_name(),
+    )
+    # The probes' buffers (8 GiB) must not stay cached while the systems size their KV caches.
+    torch.cuda.empty_cache()
+    return rates

@@ -1,0 +1,107 @@
+"""Model directories for the benchmark: real architectures with seeded random bf16 weights.
+
+Weights cannot be downloaded here, and throughput does not depend on their values, so a model is the real
+config, weights drawn from a seeded generator on the GPU, and a word-level tokenizer with exactly
+`vocab_size` entries (every id decodes). Directories are cached under `--model-cache` and reused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from bench_lib.workloads import ARCHITECTURES, SEED
+
+PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
+EOS = "<eos>"
+# Ids the prompts avoid: pad, bos and unk first, eos last (see `draw_requests`).
+BENCH_SPECIAL_IDS = 3
+TINY_SPECIAL_IDS = 6  # batchjob.tiny_model puts its six special tokens first
+
+
+def word_level_tokenizer(vocab_size: int):
+    """A tokenizer whose every id in `range(vocab_size)` is a word, so any generated id detokenizes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [PAD, BOS, UNK] + [f"w{i}" for i in range(BENCH_SPECIAL_IDS, vocab_size - 1)] + [EOS]
+    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, unk_token=UNK, eos_token=EOS)
+
+
+def _config(architecture: str):
+    from transformers import AutoConfig
+
+    fields = dict(ARCHITECTURES[architecture])
+    vocab_size = fields["vocab_size"]
+    return AutoConfig.for_model(
+        fields.pop("model_type"),
+        **fields,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=vocab_size - 1,
+        attention_bias=False,
+    )
+
+
+def _fill_random(model, seed: int) -> None:
+    """Small normals (std 0.02, like the architectures' own init) for matrices, ones for norms, so
+    activations stay finite in bf16 through every layer."""
+    import torch
+
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def random_model_dir(architecture: str, cache_dir: Path) -> Path:
+    """The cached directory of `architecture` with seeded random bf16 weights, created on the GPU (an 8B model
+    would take minutes to initialise on the CPU) on first use, written atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(cache_dir) / f"{architecture}-random-seed{SEED}"
+    if (out_dir / "config.json").exists():
+        return out_dir
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"building the random {architecture} model needs a CUDA GPU; on a CPU use --tiny "
+            f"(or copy a cached {out_dir.name} into --model-cache)"
+        )
+    config = _config(architecture)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    _fill_random(model, SEED)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        word_level_tokenizer(config.vocab_size).save_pretrained(staging)
+        staging.chmod(0o755)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        del model
+        torch.cuda.empty_cache()
+    return out_dir
+
+
+def tiny_model_dir(cache_dir: Path) -> Path:
+    """The tiny llama of `batchjob.tiny_model`, cached like the big ones."""
+    from batchjob.tiny_model import make_tiny_model
+
+    out_dir = Path(cache_dir) / "tiny-llama"
+    if not (out_dir / "config.json").exists():
+        make_tiny_model(out_dir, arch="llama")
+    return out_dir

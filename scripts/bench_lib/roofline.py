@@ -1,0 +1,174 @@
+"""The physical floor of a workload's time on the measured hardware.
+
+Decode: every step reads every weight once plus the live KV cache of every running sequence, so a step lasts at
+least `(weight bytes + KV bytes) / copy bandwidth` (and at least its FLOPs / matmul rate, which only matters for
+very large batches). Steps are simulated from the request lengths assuming every request runs concurrently
+as long as the KV cache holds it (first come, first served). Prefill: at least its FLOPs / matmul rate, with a
+shared prefix counted once (the best any prefix cache can do). `fraction_of_roofline = floor / measured`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bench_lib.workloads import BenchRequests
+
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the floor needs to know about an architecture."""
+
+    parameters: int  # unique parameters: a tied lm_head is counted once
+    layers: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    embedding_parameters: int  # the input embedding table (looked up, not multiplied)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.parameters * BF16_BYTES
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * BF16_BYTES
+
+    @property
+    def matmul_parameters_per_token(self) -> int:
+        """Parameters a token is multiplied with (every layer and the lm_head), for FLOP counts."""
+        tied = self.parameters - self.embedding_parameters < self.vocab * self.hidden
+        return self.parameters - (0 if tied else self.embedding_parameters)
+
+    def attention_flops(self, query_context_pairs: float) -> float:
+        """FLOPs of QK^T and PV (2 each per multiply-add) for that many (query, key) pairs in every layer."""
+        return 4.0 * self.layers * self.attention_heads * self.head_dim * query_context_pairs
+
+
+def model_shape(architecture: dict[str, Any]) -> ModelShape:
+    """The shape of an architecture from `bench_lib.workloads.ARCHITECTURES`, counting parameters exactly by
+    building the model on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(architecture)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()),
+        layers=config.num_hidden_layers,
+        attention_heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden=config.hidden_size,
+        vocab=config.vocab_size,
+        embedding_parameters=model.get_input_embeddings().weight.numel(),
+    )
+
+
+@dataclass(frozen=True)
+class RooflineFloor:
+    decode_s: float
+    prefill_s: float
+    decode_steps: int
+    peak_concurrency: int
+    output_tokens: int
+
+    @property
+    def total_s(self) -> float:
+        return self.decode_s + self.prefill_s
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.total_s
+
+    def fraction_of(self, measured_s: float) -> float:
+        return self.total_s / measured_s
+
+
+def decode_floor(
+    shape: ModelShape,
+    prompt_lengths: np.ndarray,
+    output_lengths: np.ndarray,
+    kv_budget_tokens: int,
+    copy_bytes_per_s: float,
+    matmul_flops_per_s: float,
+) -> tuple[float, int, int]:
+    """Seconds, steps and peak concurrency of the decode phase. The first output token of each request comes
+    from its prefill, so a request of L output tokens takes L - 1 decode steps; at decode step j its
+    attention reads `prompt + j` tokens of KV."""
+    remaining = output_lengths.astype(np.int64) - 1
+    footprint = prompt_lengths + output_lengths
+    if (footprint > kv_budget_tokens).any():
+        raise ValueError(f"a request needs {footprint.max()} KV tokens, more than the budget {kv_budget_tokens}")
+    context = prompt_lengths.astype(np.int64).copy()
+    running = np.zeros(len(remaining), dtype=bool)
+    done = remaining <= 0
+    next_waiting, seconds, steps, peak = 0, 0.0, 0, 0
+    while not done.all():
+        used = int(footprint[running].sum())
+        while next_waiting < len(remaining) and (
+            done[next_waiting] or used + footprint[next_waiting] <= kv_budget_tokens
+        ):
+            if not done[next_waiting]:
+                running[next_waiting] = True
+                used += int(footprint[next_waiting])
+            next_waiting += 1
+        context[running] += 1
+        batch = int(running.sum())
+        kv_tokens = int(context[running].sum())
+        read_s = (shape.weight_bytes + kv_tokens * shape.kv_bytes_per_token) / copy_bytes_per_s
+        flops = 2.0 * shape.matmul_parameters_per_token * batch + shape.attention_flops(kv_tokens)
+        seconds += max(read_s, flops / matmul_flops_per_s)
+        steps += 1
+        peak = max(peak, batch)
+        remaining[running] -= 1
+        finished = running & (remaining <= 0)
+        done |= finished
+        running &= ~finished
+    return seconds, steps, peak
+
+
+def prefill_floor(
+    shape: ModelShape, prompt_lengths: np.ndarray, shared_prefix: int, matmul_flops_per_s: float
+) -> float:
+    """Seconds of prefill compute: 2 FLOPs per parameter per prompt token through every layer, the lm_head
+    for each request's last prompt token only, plus causal attention. A shared prefix is computed once."""
+    unique = prompt_lengths.astype(np.float64) - shared_prefix
+    tokens = shared_prefix + unique.sum()
+    layer_parameters = shape.matmul_parameters_per_token - shape.vocab * shape.hidden
+    linear = 2.0 * layer_parameters * tokens + 2.0 * shape.vocab * shape.hidden * len(prompt_lengths)
+    pairs = shared_prefix * (shared_prefix + 1) / 2 + (unique * shared_prefix + unique * (unique + 1) / 2).sum()
+    return (linear + shape.attention_flops(pairs)) / matmul_flops_per_s
+
+
+def roofline(
+    shape: ModelShape,
+    requests: BenchRequests,
+    copy_bytes_per_s: float,
+    matmul_flops_per_s: float,
+    kv_budget_bytes: int,
+) -> RooflineFloor:
+    decode_s, steps, peak = decode_floor(
+        shape,
+        requests.prompt_lengths,
+        requests.output_lengths,
+        kv_budget_bytes // shape.kv_bytes_per_token,
+        copy_bytes_per_s,
+        matmul_flops_per_s,
+    )
+    prefill_s = prefill_floor(shape, requests.prompt_lengths, requests.spec.shared_prefix, matmul_flops_per_s)
+    return RooflineFloor(
+        decode_s=decode_s,
+        prefill_s=prefill_s,
+        decode_steps=steps,
+        peak_concurrency=peak,
+        output_tokens=requests.total_output_tokens,
+    )

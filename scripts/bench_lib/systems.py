@@ -1,0 +1,291 @@
+"""The systems under test, each run the same way: start it up (timed apart), feed it the workload's requests,
+time the generation, stop at `time_limit_s` with the work done so far, and free the GPU for the next one.
+
+- `native`, `native_sync`: batchjob's engine through `batchjob.engine.create_engine`;
+- `hf_generate`: transformers `model.generate`, static batches of `hf_batch` requests with left padding;
+- `hf_batch_sync`, `hf_batch_async`: transformers continuous batching (the manager behind `generate_batch`)
+  with per-request lengths, without and with its asynchronous double buffering.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench_lib.workloads import BenchRequests
+
+NATIVE_SYSTEMS = ("native", "native_sync")
+HF_SYSTEMS = ("hf_generate", "hf_batch_sync", "hf_batch_async")
+SYSTEMS = NATIVE_SYSTEMS + HF_SYSTEMS
+
+
+@dataclass(frozen=True)
+class SystemResult:
+    """One system on one workload. `output_tokens` counts only requested tokens; `cut` says the time limit
+    stopped it before every request finished (its tok/s is then a partial throughput)."""
+
+    system: str
+    wall_s: float
+    output_tokens: int
+    requests_done: int
+    requests_total: int
+    startup_s: float
+    cut: bool = False
+    gpu_busy_fraction: float | None = None
+    prep_ms_per_step: float | None = None
+    steps: int | None = None
+    busy_timeline: tuple[tuple[float, float], ...] | None = field(default=None, repr=False)
+    note: str = ""
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every system of one run shares."""
+
+    device: str  # "cuda" or "cpu"
+    dtype: str  # "bfloat16" on the GPU
+    time_limit_s: float
+    hf_batch: int
+    hf_max_batch_tokens: int = 8192
+    hf_attn_implementation: str | None = None
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def free_device_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:
+    """batchjob's engine. Its start-up (load, CUDA graph capture) is what `create_engine` takes; completions
+    arrive only when a request finishes, so the time limit is checked between completions."""
+    from batchjob.engine import Request, SamplingParams, create_engine
+
+    options = {"dtype": settings.dtype, "detokenize": False, **settings.engine_options}
+    started = time.perf_counter()
+    engine = create_engine(name, str(model_dir), options)
+    startup_s = time.perf_counter() - started
+    feed = (
+        Request(id=i, prompt_ids=list(prompt), sampling=SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for i, (prompt, n) in enumerate(zip(requests.prompts, requests.new_tokens, strict=True))
+    )
+    tokens = done = 0
+    cut = False
+    start = time.perf_counter()
+    try:
+        for completion in engine.generate(feed):
+            tokens += completion.completion_tokens
+            done += 1
+            if time.perf_counter() - start > settings.time_limit_s and done < len(requests.prompts):
+                cut = True
+                break
+        wall_s = time.perf_counter() - start
+        stats = dict(engine.stats())
+    finally:
+        engine.close()
+    del engine
+    timeline = stats.get("busy_timeline")
+    return SystemResult(
+        system=name,
+        wall_s=wall_s,
+        output_tokens=tokens,
+        requests_done=done,
+        requests_total=len(requests.prompts),
+        startup_s=startup_s,
+        cut=cut,
+        gpu_busy_fraction=_maybe_float(stats.get("gpu_busy_fraction")),
+        prep_ms_per_step=_maybe_float(stats.get("prep_ms_per_step")),
+        steps=int(stats["steps"]) if "steps" in stats else None,
+        busy_timeline=tuple((float(a), float(b)) for a, b in timeline) if timeline else None,
+    )
+
+
+def _maybe_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _load_hf_model(model_dir: Path, settings: RunSettings):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    extra = {"attn_implementation": settings.hf_attn_implementation} if settings.hf_attn_implementation else {}
+    # Loaded on the CPU then moved: `device_map` would need `accelerate`, which the project does not require.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype), **extra)
+    model.to(settings.device)
+    # EOS is ignored so that every system does the same work; generate() would otherwise stop at it.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def run_hf_generate(model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:
+    """Static batches: each chunk of `hf_batch` requests is left-padded to its longest prompt and runs for its
+    longest output, so on mixed lengths it computes more than it is credited for (only requested tokens count)."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Deadline(StoppingCriteria):
+        def __init__(self, deadline: float) -> None:
+            self.deadline = deadline
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            stop = time.perf_counter() > self.deadline
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    started = time.perf_counter()
+    model = _load_hf_model(model_dir, settings)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    warmup_ids = torch.tensor([list(requests.prompts[0][:8])], device=settings.device)
+    model.generate(warmup_ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    _synchronize(settings.device)
+    startup_s = time.perf_counter() - started
+
+    tokens = done = 0
+    start = time.perf_counter()
+    deadline = start + settings.time_limit_s
+    for first in range(0, len(requests.prompts), settings.hf_batch):
+        if time.perf_counter() > deadline:
+            break
+        prompts = requests.prompts[first : first + settings.hf_batch]
+        wanted = requests.new_tokens[first : first + settings.hf_batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=settings.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=settings.device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max(wanted),
+            do_sample=False,
+            pad_token_id=pad,
+            stopping_criteria=StoppingCriteriaList([Deadline(deadline)]),
+        )
+        generated = out.shape[1] - width
+        tokens += sum(min(n, generated) for n in wanted)
+        done += sum(n <= generated for n in wanted)
+    _synchronize(settings.device)
+    wall_s = time.perf_counter() - start
+    del model
+    mixed = len(set(requests.new_tokens)) > 1 or len(set(requests.prompt_lengths.tolist())) > 1
+    return SystemResult(
+        system="hf_generate",
+        wall_s=wall_s,
+        output_tokens=tokens,
+        requests_done=done,
+        requests_total=len(requests.prompts),
+        startup_s=startup_s,
+        cut=done < len(requests.prompts),
+        note=(
+            f"static batches of {settings.hf_batch}, padded to the longest prompt and output of each batch; "
+            "only requested tokens counted"
+            if mixed
+            else f"static batches of {settings.hf_batch}"
+        ),
+    )
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def kv_blocks_for(requests: BenchRequests, block_size: int) -> int:
+    """Blocks to hold every request at once (prompt + output, plus one block of slack each), so that the peer
+    never preempts for lack of cache: its throughput is then not limited by a default sizing."""
+    lengths = requests.prompt_lengths + requests.output_lengths
+    return int(sum(math.ceil(n / block_size) + 1 for n in lengths.tolist()))
+
+
+def run_hf_continuous(model_dir: Path, requests: BenchRequests, settings: RunSettings, use_async: bool) -> SystemResult:
+    """transformers continuous batching through its manager API (what `generate_batch` wraps), which takes
+    a `max_new_tokens` per request. Start-up (load, cache allocation, warm-up / graph capture) is excluded."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    name = "hf_batch_async" if use_async else "hf_batch_sync"
+    started = time.perf_counter()
+    model = _load_hf_model(model_dir, settings)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    block_size = 256 if settings.device == "cuda" else 32
+    cb_config = ContinuousBatchingConfig(
+        block_size=block_size,
+        num_blocks=kv_blocks_for(requests, block_size),
+        max_batch_tokens=settings.hf_max_batch_tokens,
+        use_async_batching=use_async,
+    )
+    hints = WorkloadHints(
+        max_prompt_length=int(requests.prompt_lengths.max()),
+        max_generated_length=int(requests.output_lengths.max()),
+        num_requests=len(requests.prompts),
+    )
+    generation_config = GenerationConfig(
+        do_sample=False, max_new_tokens=int(requests.output_lengths.max()), eos_token_id=-1, pad_token_id=pad
+    )
+    manager = model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
+    )
+    manager.warmup()
+    _synchronize(settings.device)
+    startup_s = time.perf_counter() - started
+
+    for i, (prompt, n) in enumerate(zip(requests.prompts, requests.new_tokens, strict=True)):
+        # eos -1: no end-of-sequence token, every request runs to its max_new_tokens
+        manager.add_request(list(prompt), request_id=str(i), max_new_tokens=n, eos_token_id=-1)
+    tokens = done = 0
+    start = time.perf_counter()
+    deadline = start + settings.time_limit_s
+    manager.start()
+    try:
+        while done < len(requests.prompts) and time.perf_counter() < deadline:
+            result = manager.get_result(timeout=0.5)
+            if result is not None and result.is_finished():
+                tokens += len(result.generated_tokens)
+                done += result.error is None
+            elif result is None and not manager.is_running():
+                raise RuntimeError(f"{name}: the continuous batching thread stopped after {done} requests")
+        wall_s = time.perf_counter() - start
+        cut = done < len(requests.prompts)
+    finally:
+        manager.stop(block=True, timeout=120, hard_stop=True)
+    # A hard stop fails the requests still running; their partial outputs are work done within the limit.
+    while (result := manager.get_result(timeout=0)) is not None:
+        tokens += len(result.generated_tokens)
+    manager.destroy()
+    del manager, model
+    return SystemResult(
+        system=name,
+        wall_s=wall_s,
+        output_tokens=tokens,
+        requests_done=done,
+        requests_total=len(requests.prompts),
+        startup_s=startup_s,
+        cut=cut,
+        note=f"{cb_config.num_blocks} KV blocks of {block_size} (every request fits at once)",
+    )
+
+
+def run_system(name: str, model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:
+    """Run one system and free the device afterwards, whatever happened."""
+    try:
+        if name in NATIVE_SYSTEMS:
+            return run_native(name, model_dir, requests, settings)
+        if name == "hf_generate":
+            return run_hf_generate(model_dir, requests, settings)
+        if name in ("hf_batch_sync", "hf_batch_async"):
+            return run_hf_continuous(model_dir, requests, settings, use_async=name == "hf_batch_async")
+        raise ValueError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)} (--systems)")
+    finally:
+        free_device_memory()

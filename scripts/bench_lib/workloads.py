@@ -1,0 +1,134 @@
+"""DESIGN.md's benchmark workloads: which architecture, how many requests, which lengths.
+
+Every length and token id is drawn from a numpy generator seeded with 1234 per workload, so every system in
+every run sees the same requests; EOS is ignored, so every system does the same work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SEED = 1234
+
+# The real configs of the architectures the workloads name (weights are random: they cannot be downloaded).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        num_hidden_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        num_hidden_layers=16,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        num_hidden_layers=28,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """How a workload's requests are drawn. Lengths are `(low, high)` inclusive ranges; `shared_prefix`
+    tokens are the same for every request and come before the `prompt` tokens, which are unique."""
+
+    name: str
+    title: str
+    architecture: str
+    requests: int
+    prompt: tuple[int, int]
+    new_tokens: tuple[int, int]
+    shared_prefix: int = 0
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "W1": WorkloadSpec("W1", "seed", "llama-3.1-8b", 32, (128, 128), (1024, 1024)),
+    "W2": WorkloadSpec("W2", "mixed", "llama-3.2-1b", 512, (64, 1024), (64, 512)),
+    "W3": WorkloadSpec("W3", "shared prefix", "llama-3.2-1b", 1024, (64, 64), (128, 128), shared_prefix=1024),
+    "W4": WorkloadSpec("W4", "nano-vllm bench", "qwen3-0.6b", 256, (100, 1024), (100, 1024)),
+}
+
+# `--tiny`: the CPU smoke run, on the tiny llama of `batchjob.tiny_model`.
+TINY_WORKLOAD = WorkloadSpec("tiny", "tiny smoke", "tiny-llama", 8, (8, 24), (16, 16))
+
+
+@dataclass(frozen=True)
+class BenchRequests:
+    """One workload's drawn requests: `prompts[i]` are request i's token ids, `new_tokens[i]` its forced
+    output length."""
+
+    spec: WorkloadSpec
+    prompts: tuple[tuple[int, ...], ...]
+    new_tokens: tuple[int, ...]
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        return np.array([len(p) for p in self.prompts], dtype=np.int64)
+
+    @property
+    def output_lengths(self) -> np.ndarray:
+        return np.array(self.new_tokens, dtype=np.int64)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return int(sum(self.new_tokens))
+
+
+def draw_requests(spec: WorkloadSpec, vocab_size: int, special_ids: int = 3) -> BenchRequests:
+    """Draw the workload's prompt token ids and output lengths. Ids avoid the first `special_ids` ids and the
+    last one (pad, bos, unk, eos of the bench tokenizer) so that prompts are ordinary text."""
+    rng = np.random.default_rng(SEED)
+    n = spec.requests
+    prompt_lengths = rng.integers(spec.prompt[0], spec.prompt[1] + 1, size=n)
+    new_tokens = rng.integers(spec.new_tokens[0], spec.new_tokens[1] + 1, size=n)
+    low, high = special_ids, vocab_size - 1
+    prefix = rng.integers(low, high, size=spec.shared_prefix).tolist()
+    prompts = tuple(tuple(prefix + rng.integers(low, high, size=int(length)).tolist()) for length in prompt_lengths)
+    return BenchRequests(spec=spec, prompts=prompts, new_tokens=tuple(int(x) for x in new_tokens))
