@@ -1,0 +1,78 @@
+"""`python -m batchjob` as a user runs it: a subprocess, the packaged config, the embedded default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from batchjob.tiny_model import SAMPLE_PROMPTS
+from tests.job.conftest import read_output, read_report, run_cli
+
+
+def test_default_job_runs_end_to_end_and_marks_the_shard_complete(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_cli(f"output.dir={out}")
+    assert done.returncode == 0, done.stderr
+    table = read_output(out)
+    bundled = pq.read_table(SAMPLE_PROMPTS)
+    assert table.num_rows == bundled.num_rows
+    assert table.column("row_id").to_pylist() == list(range(bundled.num_rows))
+    assert table.column_names[:6] == [
+        "row_id",
+        "generation",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "error",
+    ]
+    # Default pass-through: every input column but the prompt itself.
+    assert set(table.column_names[6:]) == {"id", "topic"}
+    assert table.column("id").to_pylist() == bundled.column("id").to_pylist()
+    assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    assert all(0 < n <= 4 for n in table.column("completion_tokens").to_pylist())
+    assert (out / "_SUCCESS").exists()
+    report = read_report(out)
+    assert report["rows"] == report["ok"] == bundled.num_rows
+    assert report["errors"] == 0
+    assert report["completion_tokens"] == sum(table.column("completion_tokens").to_pylist())
+    assert set(report["stage_s"]) == {"read", "tokenize", "generate", "write"}
+    assert report["output_tokens_per_s"] > 0
+    assert "gpu_busy_fraction" in report["engine"]
+    visible = [p.name for p in out.iterdir() if not p.name.startswith(("_", "."))]
+    assert all(name.endswith(".parquet") for name in visible)
+    assert "done: 300 rows" in done.stderr + done.stdout
+
+
+def test_rerunning_a_complete_job_changes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = (f"output.dir={out}", "data.limit=5")
+    assert run_cli(*args).returncode == 0
+    parts = sorted(p.name for p in out.glob("*.parquet"))
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert "already complete" in again.stderr + again.stdout
+    assert sorted(p.name for p in out.glob("*.parquet")) == parts
+
+
+def test_cfg_job_prints_the_resolved_config_without_running(tmp_path: Path) -> None:
+    shown = run_cli(f"output.dir={tmp_path / 'out'}", flags=("--cfg", "job"))
+    assert shown.returncode == 0, shown.stderr
+    assert "max_new_tokens: 4" in shown.stdout
+    assert "prompt_column: prompt" in shown.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_lists_the_config_groups() -> None:
+    shown = run_cli(flags=("--help",))
+    assert shown.returncode == 0, shown.stderr
+    for group in ("model:", "data:", "engine:", "output:"):
+        assert group in shown.stdout
+
+
+def test_bad_sampling_value_fails_fast_naming_the_key(tmp_path: Path) -> None:
+    failed = run_cli(f"output.dir={tmp_path / 'out'}", "sampling.temperature=-1")
+    assert failed.returncode == 2
+    assert "temperature must be >= 0" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert not list((tmp_path / "out").glob("*.parquet"))
