@@ -1,0 +1,93 @@
+"""Local multi-GPU: `python -m batchjob engine.data_parallel=N ...` runs N processes, one GPU and one shard each.
+
+The parent does no generation. It splits its own shard (from shard.index/count, or Slurm's variables)
+N ways, exactly as Slurm tasks of one step would (`index * N + i` of `count * N`), and starts
+`python -m batchjob` once per GPU with CUDA_VISIBLE_DEVICES set to that GPU. So an 8-GPU node is one
+array task with data_parallel=8, and the output is the same as 8 Slurm tasks would write. Signals to
+the parent (Ctrl-C, Slurm's USR1/TERM) are passed to every child, which commits and exits resumable;
+rerunning the same command resumes every child shard.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from batchjob.errors import ConfigError
+
+# Overrides the parent rewrites for each child; everything else is passed through unchanged.
+_OWN_KEYS = ("engine.data_parallel", "shard.index", "shard.count")
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass(frozen=True)
+class ChildShard:
+    gpu: str
+    shard_index: int
+    shard_count: int
+
+
+def plan_children(
+    data_parallel: int, shard_index: int, shard_count: int, env: Mapping[str, str] | None = None
+) -> list[ChildShard]:
+    """One child per GPU: the GPUs visible to this process (CUDA_VISIBLE_DEVICES, e.g. from Slurm) or 0..N-1."""
+    env = os.environ if env is None else env
+    if data_parallel < 1:
+        raise ConfigError(f"engine.data_parallel={data_parallel}: must be >= 1 (the number of GPUs to use)")
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    gpus = visible or [str(i) for i in range(data_parallel)]
+    if len(gpus) < data_parallel:
+        raise ConfigError(
+            f"engine.data_parallel={data_parallel} but only {len(gpus)} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}): lower it or request more GPUs"
+        )
+    return [
+        ChildShard(gpus[i], shard_index * data_parallel + i, shard_count * data_parallel) for i in range(data_parallel)
+    ]
+
+
+def child_command(overrides: Sequence[str], child: ChildShard, python: str = sys.executable) -> list[str]:
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _OWN_KEYS]
+    return [
+        python,
+        "-m",
+        "batchjob",
+        *kept,
+        f"shard.index={child.shard_index}",
+        f"shard.count={child.shard_count}",
+        "engine.data_parallel=1",
+    ]
+
+
+def run_data_parallel(overrides: Sequence[str], data_parallel: int, shard_index: int, shard_count: int) -> int:
+    """Run the children to the end; returns 0 when all shards are complete, else the first failure's status."""
+    children = plan_children(data_parallel, shard_index, shard_count)
+    procs = [
+        subprocess.Popen(child_command(overrides, c), env={**os.environ, "CUDA_VISIBLE_DEVICES": c.gpu})
+        for c in children
+    ]
+
+    def forward(signum: int, frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        statuses = [proc.wait() for proc in procs]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # Popen reports death by signal N as -N; the shell convention 128+N keeps the cause visible.
+    statuses = [128 - s if s < 0 else s for s in statuses]
+    failed = [(c, s) for c, s in zip(children, statuses, strict=True) if s != 0]
+    for child, status in failed:
+        print(
+            f"data_parallel: shard {child.shard_index}/{child.shard_count} on GPU {child.gpu} exited {status}",
+            file=sys.stderr,
+        )
+    return failed[0][1] if failed else 0
