@@ -1,0 +1,1 @@
+"""batchjob's own continuous-batching engine (`engine=native` / `engine=native_sync`)."""

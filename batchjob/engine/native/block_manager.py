@@ -1,0 +1,118 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts, and prefix sharing by content hash.
+
+Block 0 is reserved as a scratch block: padding tokens of CUDA-graph batches write their K/V there, so it is
+never handed to a sequence. A full block is registered under the hash of its tokens (chained with the hash of
+the block before it); a later sequence whose prompt starts with the same tokens shares it instead of
+recomputing it. That gives `n > 1` samples and shared-prefix workloads one prefill of the common part.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class KVCacheExhausted(RuntimeError):
+    pass
+
+
+def block_hash(previous: int, tokens: Sequence[int]) -> int:
+    return hash((previous, tuple(tokens)))
+
+
+class KVBlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (1 scratch + 1 usable), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.ref_counts[0] = 1
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # hash -> block and block -> hash for full blocks whose content is known; a cached block with
+        # ref count 0 stays in `_free` (reused last) until it is needed for something else.
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def _take_free(self) -> int:
+        if not self._free:
+            raise KVCacheExhausted("no free KV block")
+        block, _ = self._free.popitem(last=False)
+        self._forget(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        old = self._hash_of.pop(block, None)
+        if old is not None and self._by_hash.get(old) == block:
+            del self._by_hash[old]
+
+    def _share(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Blocks already holding the leading full blocks whose hashes are given (longest match)."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def blocks_needed(self, cached_blocks: int, total_tokens: int) -> int:
+        return max(0, -(-total_tokens // self.block_size) - cached_blocks)
+
+    def allocate(self, shared: Sequence[int], num_new: int) -> list[int]:
+        """Take `shared` (from `match_prefix`) plus `num_new` fresh blocks, or nothing if that does not fit."""
+        reusable_free = sum(1 for b in shared if self.ref_counts[b] == 0)
+        if num_new > self.num_free - reusable_free:
+            raise KVCacheExhausted(f"need {num_new} blocks, {self.num_free - reusable_free} free")
+        for block in shared:
+            self._share(block)
+        return list(shared) + [self._take_free() for _ in range(num_new)]
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def append_block(self) -> int:
+        return self._take_free()
+
+    def register(self, block: int, h: int) -> None:
+        """Record that `block` now holds a full block of tokens with hash `h`."""
+        if not self.enable_prefix_caching or block in self._hash_of:
+            return
+        if h not in self._by_hash:
+            self._by_hash[h] = block
+            self._hash_of[block] = h
+
+    def free(self, blocks: Sequence[int]) -> None:
+        # Blocks go back newest-first at the end of the free list so that the oldest cached content is
+        # evicted first and a just-finished prompt stays reusable longest.
+        for block in reversed(blocks):
+            count = self.ref_counts[block] - 1
+            if count < 0 or block == 0:
+                raise AssertionError(f"freeing block {block} with ref count {self.ref_counts[block]}")
+            self.ref_counts[block] = count
+            if count == 0:
+                self._free[block] = None
+                if block not in self._hash_of:
+                    self._free.move_to_end(block, last=False)
+
+    def check_invariants(self) -> None:
+        for block in range(1, self.num_blocks):
+            in_free = block in self._free
+            if in_free != (self.ref_counts[block] == 0):
+                raise AssertionError(f"block {block}: ref count {self.ref_counts[block]} but in free list = {in_free}")
+        for h, block in self._by_hash.items():
+            if self._hash_of.get(block) != h:
+                raise AssertionError(f"hash index out of sync for block {block}")

@@ -1,0 +1,278 @@
+"""batchjob's own engine: `engine=native` (asynchronous double-slot loop) and `engine=native_sync`.
+
+The loop reads like the design: pull requests while there is room -> schedule step N+1 -> launch it -> collect
+step N's tokens (the GPU is already busy with N+1) -> update sequences, emit finished requests. With
+`async_loop=False` each step is collected right after its launch, so the CPU and GPU take turns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, Request, Sample
+from batchjob.engine.native.block_manager import KVBlockManager
+from batchjob.engine.native.detokenizer import StopStringMatcher
+from batchjob.engine.native.io_slot import SlotLimits
+from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
+from batchjob.engine.native.model_runner import ModelRunner, StepHandle
+from batchjob.engine.native.options import NativeOptions
+from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
+from batchjob.engine.native.sequence import RequestGroup, Sequence, Status
+
+log = logging.getLogger("batchjob.engine.native")
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    return sorted(set(small + list(range(16, max_batch + 1, 16)) + [max_batch]))
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"engine.device={name} but CUDA is not available here; use engine.device=cpu")
+    return torch.device(name)
+
+
+class NativeEngine:
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        NativeOptions.from_mapping(options)
+
+    def __init__(self, model_path: str, **options: Any) -> None:
+        from transformers import AutoTokenizer
+
+        from batchjob.engine.native.attention import TorchPagedAttention
+        from batchjob.engine.native.loader import load_model
+
+        self.options = opts = NativeOptions.from_mapping(options)
+        self.device = _device(opts.device)
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            from batchjob.engine.native.triton_attention import TritonPagedAttention
+
+            attn = TritonPagedAttention()
+        else:
+            attn = TorchPagedAttention()
+        self.model, self.spec = load_model(model_path, opts.dtype, self.device, attn, opts.max_model_len)
+        self.max_model_len = self.spec.max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
+        num_blocks = decide_num_blocks(self.model, self.spec, opts, self.device)
+        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, opts.block_size, self.device)
+        blocks_per_seq = -(-(self.max_model_len + 1) // opts.block_size)
+        if num_blocks - 1 < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks - 1} blocks of {opts.block_size} tokens, fewer than one sequence "
+                f"of max_model_len={self.max_model_len} needs ({blocks_per_seq}); lower engine.max_model_len "
+                f"or give the cache more memory (engine.gpu_memory_utilization / engine.kv_cache_gb)"
+            )
+        self.blocks = KVBlockManager(num_blocks, opts.block_size, opts.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=opts.max_num_seqs,
+                max_num_batched_tokens=max(opts.max_num_batched_tokens, 1),
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=opts.enable_chunked_prefill,
+            ),
+            self.blocks,
+        )
+        max_batch = min(opts.graph_max_batch or opts.max_num_seqs, opts.max_num_seqs)
+        limits = SlotLimits(
+            max_tokens=max(opts.max_num_batched_tokens, max_batch),
+            max_rows=opts.max_num_seqs,
+            max_blocks_per_seq=blocks_per_seq,
+            max_top_logprobs=20,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            opts.block_size,
+            limits,
+            self.device,
+            self.max_model_len,
+            debug_poison=opts.debug_poison_slots,
+        )
+        self._stats: dict[str, float] = {"kv_blocks": num_blocks, "block_size": opts.block_size}
+        if self.device.type == "cuda" and opts.cuda_graphs:
+            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch))
+            kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+            log.info(
+                "captured %d CUDA graphs (2 slots x %d buckets) in %.1f s using %.1f MiB (%.2f%% of the KV cache)",
+                len(self.runner.graphs),
+                len(self.runner.graph_buckets),
+                seconds,
+                nbytes / 2**20,
+                100 * nbytes / kv_bytes,
+            )
+            self._stats.update(graph_capture_s=seconds, graph_bytes=nbytes, kv_cache_bytes=kv_bytes)
+        self._stats["startup_s"] = time.perf_counter() - started
+        self._next_seq_id = 0
+        self._tokens_out = 0
+        self._wasted = 0
+
+    # ---- the loop ----
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        source = iter(requests)
+        exhausted = False
+        inflight: deque[StepHandle] = deque()
+        depth = 1 if self.options.async_loop else 0
+        idle_rounds = 0
+        while True:
+            while not exhausted and self.scheduler.free_seq_slots > 0:
+                request = next(source, None)
+                if request is None:
+                    exhausted = True
+                    break
+                refused = self._admit(request)
+                if refused is not None:
+                    yield refused
+            plan = self.scheduler.schedule()
+            if plan is not None:
+                inflight.append(self.runner.launch(plan))
+            # Async: keep one step in flight while this one's results are processed.
+            while len(inflight) > (depth if plan is not None else 0):
+                yield from self._process(inflight.popleft())
+            if plan is None and not inflight:
+                if not self.scheduler.has_unfinished:
+                    if exhausted:
+                        break
+                elif idle_rounds > 0:
+                    # Nothing in flight and the previous round freed all it could: nothing can ever run.
+                    raise RuntimeError(
+                        f"scheduler stalled: {len(self.scheduler.waiting)} waiting, "
+                        f"{len(self.scheduler.running)} running, {self.blocks.num_free} free blocks"
+                    )
+                idle_rounds += 1
+            else:
+                idle_rounds = 0
+        self.runner.finish()
+
+    def _admit(self, request: Request) -> Completion | None:
+        prompt_len = len(request.prompt_ids)
+        sampling = request.sampling
+        error = None
+        if prompt_len == 0:
+            error = "empty prompt: at least one token is needed"
+        elif prompt_len >= self.max_model_len:
+            error = (
+                f"prompt has {prompt_len} tokens but the context is {self.max_model_len} tokens "
+                f"(max_model_len); shorten the prompt"
+            )
+        elif min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.spec.vocab_size:
+            error = f"prompt token ids must be in [0, {self.spec.vocab_size})"
+        elif sampling.stop and not self.options.detokenize:
+            error = "stop strings need engine.detokenize=true"
+        if error is not None:
+            return Completion.failed(request.id, prompt_len, error)
+        group = RequestGroup(request=request, prompt_len=prompt_len)
+        max_len = min(prompt_len + sampling.max_new_tokens, self.max_model_len)
+        base_seed = self.options.seed if sampling.seed is None else sampling.seed
+        for index in range(sampling.n):
+            seq = Sequence.create(
+                self._next_seq_id,
+                group,
+                index,
+                max_len,
+                # Distinct, reproducible streams for the n samples of one request.
+                base_seed * 1_000_003 + index,
+                self.options.block_size,
+            )
+            self._next_seq_id += 1
+            group.sequences.append(seq)
+            self.scheduler.add(seq)
+        return None
+
+    def _process(self, step: StepHandle) -> Iterator[Completion]:
+        result = self.runner.collect(step)
+        row = 0
+        for seq, samples in zip(step.plan.seqs, step.plan.samples, strict=True):
+            seq.inflight -= 1
+            if samples:
+                if seq.status is Status.FINISHED:
+                    self._wasted += 1
+                else:
+                    finished = self._append(seq, result, row)
+                    if finished is not None:
+                        yield finished
+                row += 1
+            self.scheduler.release_if_idle(seq)
+
+    def _append(self, seq: Sequence, result, row: int) -> Completion | None:
+        token = int(result.tokens[row])
+        position = seq.resolve_oldest(token)
+        self._tokens_out += 1
+        sampling = seq.sampling
+        if result.logprobs is not None:
+            seq.logprobs.append(float(result.logprobs[row]))
+            if result.top_ids is not None:
+                ids, values = result.top_ids[row], result.top_logprobs[row]
+                seq.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+        reason = None
+        if (not sampling.ignore_eos and token in self.spec.eos_token_ids) or token in sampling.stop_token_ids:
+            reason = FINISH_STOP
+        elif sampling.stop:
+            matcher = seq.stop_matcher
+            if matcher is None:
+                matcher = seq.stop_matcher = StopStringMatcher(self.tokenizer, sampling.stop)
+            index = matcher.feed(seq.tokens[seq.prompt_len : position + 1].tolist())
+            if index is not None:
+                seq.stop_text = matcher.text[:index]
+                reason = FINISH_STOP
+        if reason is None and position + 1 >= seq.max_len:
+            reason = FINISH_LENGTH
+        if reason is None:
+            return None
+        seq.truncate_after(position)
+        self.scheduler.finish(seq, reason)
+        group = seq.group
+        group.num_finished += 1
+        if group.num_finished < len(group.sequences):
+            return None
+        return Completion(
+            id=group.request.id,
+            samples=tuple(self._sample(s) for s in group.sequences),
+            prompt_tokens=group.prompt_len,
+        )
+
+    def _sample(self, seq: Sequence) -> Sample:
+        ids = seq.output_ids.tolist()
+        if seq.stop_text is not None:
+            text = seq.stop_text
+        elif self.options.detokenize:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        else:
+            text = ""
+        logprobs = tuple(seq.logprobs[: len(ids)]) if seq.sampling.logprobs is not None else None
+        top = tuple(seq.top_logprobs[: len(ids)]) if seq.sampling.logprobs else None
+        return Sample(
+            token_ids=tuple(ids), text=text, finish_reason=seq.finish_reason, logprobs=logprobs, top_logprobs=top
+        )
+
+    def stats(self) -> dict[str, float]:
+        stats = dict(self._stats)
+        runner = self.runner
+        stats.update(
+            steps=runner.steps,
+            prep_ms_per_step=1000 * runner.prep_s / max(runner.steps, 1),
+            output_tokens=self._tokens_out,
+            wasted_tokens=self._wasted,
+            preemptions=self.scheduler.num_preemptions,
+        )
+        if runner.clock is not None and runner.clock.fraction() is not None:
+            stats["gpu_busy_fraction"] = runner.clock.fraction()
+            stats["busy_timeline"] = list(runner.clock.timeline)
+        return stats
+
+    def close(self) -> None:
+        self.kv_caches = []
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,79 @@
+"""Sizing and allocating the paged KV cache.
+
+On a GPU the cache takes what is left of `gpu_memory_utilization` of the card after the weights and the
+peak activations of the largest step, measured by running that step once. On CPU the budget is explicit
+(`engine.kv_cache_gb`, default 1 GB), or a block count (`engine.num_kv_blocks`) on either device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from batchjob.engine.native.attention import make_metadata
+from batchjob.engine.native.options import NativeOptions
+
+log = logging.getLogger("batchjob.engine.native")
+CPU_DEFAULT_KV_GB = 1.0
+
+
+def allocate_kv_cache(spec, num_blocks: int, block_size: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+    return [(cache[0, layer], cache[1, layer]) for layer in range(spec.num_layers)]
+
+
+def _profile_peak_bytes(model, spec, opts: NativeOptions, device: torch.device) -> int:
+    """Peak device memory of the largest step this engine will run (a full token budget of prefill, and
+    logits for every sequence)."""
+    tokens = max(1, min(opts.max_num_batched_tokens, spec.max_model_len * opts.max_num_seqs))
+    seq_len = min(tokens, spec.max_model_len)
+    lengths = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+    blocks_per_seq = -(-seq_len // opts.block_size)
+    scratch = allocate_kv_cache(spec, 1 + blocks_per_seq * len(lengths), opts.block_size, device)
+    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(len(lengths))]
+    meta = make_metadata(lengths, lengths, tables, opts.block_size, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    with torch.no_grad():
+        hidden = model(ids, positions, meta, scratch)
+        rows = min(opts.max_num_seqs, tokens)
+        logits = model.compute_logits(hidden[:rows])
+        logits.sort(dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del scratch, hidden, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
+def decide_num_blocks(model, spec, opts: NativeOptions, device: torch.device) -> int:
+    block_bytes = spec.kv_bytes_per_token * opts.block_size
+    if opts.num_kv_blocks is not None:
+        return opts.num_kv_blocks
+    if opts.kv_cache_gb is not None or device.type != "cuda":
+        gb = opts.kv_cache_gb if opts.kv_cache_gb is not None else CPU_DEFAULT_KV_GB
+        return max(2, int(gb * 2**30) // block_bytes)
+    peak = _profile_peak_bytes(model, spec, opts, device)
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory outside torch's allocator (CUDA context, other processes) counts against the budget too.
+    outside = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * opts.gpu_memory_utilization) - peak - outside
+    num_blocks = budget // block_bytes
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.1f GiB); weights+activations peak %.1f GiB of %.1f GiB",
+        num_blocks,
+        opts.block_size,
+        num_blocks * block_bytes / 2**30,
+        peak / 2**30,
+        total / 2**30,
+    )
+    if num_blocks < 2:
+        raise ValueError(
+            f"no GPU memory left for the KV cache (peak use {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); "
+            "raise engine.gpu_memory_utilization or lower engine.max_num_batched_tokens"
+        )
+    return num_blocks

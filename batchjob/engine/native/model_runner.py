@@ -1,0 +1,277 @@
+"""Runs steps on the device: two IO slots, three CUDA streams ordered by events, carry-over, CUDA graphs.
+
+A step goes H2D stream -> compute stream -> D2H stream. Ordering is by events only:
+
+- the H2D copy into slot s waits for the compute of the previous step that read slot s (`compute_done`);
+- compute waits for its own copy (`h2d_done`) and for the previous D2H out of slot s (`d2h_done`), since it
+  overwrites slot s's sampled-token buffer;
+- D2H waits for compute; the CPU blocks only on `d2h_done` of the step whose tokens it needs.
+
+Consecutive steps use alternate slots, so the CPU fills slot B while the GPU computes from slot A. The next
+step's carry-over reads the previous slot's sampled tokens on the compute stream, after the previous forward.
+On CPU the same code runs without streams or events (all work is synchronous there).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
+from batchjob.engine.native.sampler import SamplerMode, sample
+from batchjob.engine.native.scheduler import StepPlan
+
+
+@dataclass
+class StepHandle:
+    plan: StepPlan
+    slot: IOSlot
+    shape: StepShape
+    rows: int
+    mode: SamplerMode
+    timing: tuple | None = None
+
+
+@dataclass
+class StepResult:
+    tokens: np.ndarray
+    logprobs: np.ndarray | None
+    top_ids: np.ndarray | None
+    top_logprobs: np.ndarray | None
+
+
+class _SlotEvents:
+    def __init__(self) -> None:
+        self.h2d_done = torch.cuda.Event()
+        self.compute_done = torch.cuda.Event()
+        self.d2h_done = torch.cuda.Event()
+
+
+class BusyClock:
+    """GPU-busy accounting from timing events recorded around each step's compute, resolved lazily."""
+
+    def __init__(self, keep_timeline: int = 4000) -> None:
+        self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.origin: torch.cuda.Event | None = None
+        self.busy_ms = 0.0
+        self.first_ms: float | None = None
+        self.last_ms = 0.0
+        self.timeline: list[tuple[float, float]] = []
+        self.keep_timeline = keep_timeline
+
+    def pair(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self.origin is None:
+            self.origin = start
+        self.pending.append((start, end))
+        return start, end
+
+    def resolve(self, keep_last: int = 2) -> None:
+        """Account the steps known complete (all but the last `keep_last`, which may still run)."""
+        done = self.pending[: max(0, len(self.pending) - keep_last)]
+        self.pending = self.pending[len(done) :]
+        for start, end in done:
+            s, e = self.origin.elapsed_time(start), self.origin.elapsed_time(end)
+            self.first_ms = s if self.first_ms is None else self.first_ms
+            self.busy_ms += e - s
+            self.last_ms = e
+            if len(self.timeline) < self.keep_timeline:
+                self.timeline.append((s / 1000.0, e / 1000.0))
+
+    def fraction(self) -> float | None:
+        span = self.last_ms - (self.first_ms or 0.0)
+        return self.busy_ms / span if span > 0 else None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        limits: SlotLimits,
+        device: torch.device,
+        max_model_len: int,
+        debug_poison: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.max_model_len = max_model_len
+        self.debug_poison = debug_poison
+        self.cuda = device.type == "cuda"
+        self.slots = [IOSlot(i, limits, device) for i in range(2)]
+        self.step_index = 0
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graph_buckets: list[int] = []
+        self.prep_s = 0.0
+        self.steps = 0
+        if self.cuda:
+            self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
+            for slot in self.slots:
+                slot.events = _SlotEvents()
+            self.clock = BusyClock()
+        else:
+            self.clock = None
+
+    def _stream(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else nullcontext()
+
+    # ---- the forward of one step (eager, or recorded into a graph) ----
+
+    def _forward(
+        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int, mode: SamplerMode
+    ) -> None:
+        ints, meta, params = slot.device_views(shape, max_query_len, max_seq_len)
+        # Carry-over: tokens the previous step sampled (still unknown to the CPU) replace their placeholders.
+        input_ids = ints["input_ids"]
+        input_ids.add_(prev.dev_tokens[ints["carry_idx"]] * ints["carry_mask"])
+        hidden = self.model(input_ids, ints["positions"], meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden[ints["logits_indices"]])
+        out = sample(logits, params, mode)
+        slot.dev_tokens[: shape.rows].copy_(out.tokens)
+        if out.logprobs is not None:
+            slot.dev_logprobs[: shape.rows].copy_(out.logprobs)
+        if out.top_ids is not None:
+            k = out.top_ids.shape[1]
+            slot.dev_top_ids[: shape.rows, :k].copy_(out.top_ids)
+            slot.dev_top_logprobs[: shape.rows, :k].copy_(out.top_logprobs)
+
+    # ---- CUDA graphs ----
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.graph_buckets if b >= n), None)
+
+    def capture_graphs(self, buckets: list[int]) -> tuple[float, int]:
+        """Capture greedy decode steps for every bucket and both slots into one memory pool. Returns the
+        seconds and device bytes it took."""
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        mode = SamplerMode()
+        for bucket in sorted(buckets, reverse=True):
+            shape = StepShape(tokens=bucket, seqs=bucket, rows=bucket)
+            for slot in self.slots:
+                prev = self.slots[1 - slot.index]
+                self._prepare_dummy(slot, shape)
+                with torch.cuda.stream(self.compute):
+                    self._forward(slot, prev, shape, 1, self.max_model_len, mode)  # warm-up: autotuning, lazy init
+                self.compute.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # All graphs share one pool: safe because they only ever run one at a time, on `compute`.
+                with torch.cuda.graph(graph, pool=pool, stream=self.compute):
+                    self._forward(slot, prev, shape, 1, self.max_model_len, mode)
+                self.graphs[(slot.index, bucket)] = graph
+        self.graph_buckets = sorted(buckets)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start, torch.cuda.memory_reserved(self.device) - before
+
+    def _prepare_dummy(self, slot: IOSlot, shape: StepShape) -> None:
+        """Valid inputs for a capture: every token a padding token in the scratch block."""
+        slot.dev_int.zero_()
+        slot.dev_tables.zero_()
+        cu = torch.arange(shape.seqs + 1, dtype=torch.int32, device=self.device)
+        slot.dev_meta[: shape.seqs + 1].copy_(cu)
+        slot.dev_meta[shape.seqs + 1 : 2 * shape.seqs + 1].fill_(1)
+        ints, _, _ = slot.device_views(shape, 1, self.max_model_len)
+        ints["logits_indices"].copy_(torch.arange(shape.rows, device=self.device))
+        slot.dev_float.zero_()
+        slot.dev_float[shape.rows : 2 * shape.rows].fill_(1.0)
+        self.slots[1 - slot.index].dev_tokens.zero_()
+
+    # ---- launching and collecting steps ----
+
+    def launch(self, plan: StepPlan) -> StepHandle:
+        began = time.perf_counter()
+        slot = self.slots[self.step_index % 2]
+        prev = self.slots[1 - slot.index]
+        self.step_index += 1
+        rows = int(plan.samples.sum())
+        mode = self._sampler_mode(plan)
+        n, t = len(plan.seqs), plan.num_tokens
+        bucket = self.bucket_for(n) if plan.is_decode and mode == SamplerMode() else None
+        shape = StepShape(bucket, bucket, bucket) if bucket else StepShape(t, n, rows)
+
+        if self.cuda:
+            # The host buffers of this slot were last read by the copy two steps ago.
+            slot.events.h2d_done.synchronize()
+        if self.debug_poison:
+            slot.poison_host_inputs()
+        slot.fill(plan, shape, self.block_size)
+
+        timing = None
+        with self._stream(self.h2d if self.cuda else None):
+            if self.cuda:
+                self.h2d.wait_event(slot.events.compute_done)
+                if self.debug_poison:
+                    slot.dev_int.fill_(-7777)
+                    slot.dev_tables.fill_(-7777)
+            slot.copy_inputs(shape)
+            if self.cuda:
+                slot.events.h2d_done.record(self.h2d)
+        with self._stream(self.compute if self.cuda else None):
+            if self.cuda:
+                self.compute.wait_event(slot.events.h2d_done)
+                self.compute.wait_event(slot.events.d2h_done)
+                timing = self.clock.pair()
+                timing[0].record(self.compute)
+            if bucket:
+                self.graphs[(slot.index, bucket)].replay()
+            else:
+                max_seq_len = int((plan.starts + plan.counts).max())
+                self._forward(slot, prev, shape, int(plan.counts.max()), max_seq_len, mode)
+            if self.cuda:
+                timing[1].record(self.compute)
+                slot.events.compute_done.record(self.compute)
+        with self._stream(self.d2h if self.cuda else None):
+            if self.cuda:
+                self.d2h.wait_event(slot.events.compute_done)
+            slot.host_tokens[:rows].copy_(slot.dev_tokens[:rows], non_blocking=True)
+            if mode.logprobs is not None:
+                slot.host_logprobs[:rows].copy_(slot.dev_logprobs[:rows], non_blocking=True)
+                slot.host_top_ids[:rows].copy_(slot.dev_top_ids[:rows], non_blocking=True)
+                slot.host_top_logprobs[:rows].copy_(slot.dev_top_logprobs[:rows], non_blocking=True)
+            if self.cuda:
+                slot.events.d2h_done.record(self.d2h)
+        self.prep_s += time.perf_counter() - began
+        self.steps += 1
+        return StepHandle(plan=plan, slot=slot, shape=shape, rows=rows, mode=mode, timing=timing)
+
+    def collect(self, step: StepHandle) -> StepResult:
+        """Wait for `step`'s sampled tokens (only this step's: later ones keep running) and copy them out."""
+        slot = step.slot
+        if self.cuda:
+            slot.events.d2h_done.synchronize()
+            self.clock.resolve()
+        rows = step.rows
+        tokens = slot.host_tokens[:rows].numpy().copy()
+        if step.mode.logprobs is None:
+            return StepResult(tokens, None, None, None)
+        k = step.mode.logprobs
+        return StepResult(
+            tokens,
+            slot.host_logprobs[:rows].numpy().copy(),
+            slot.host_top_ids[:rows, :k].numpy().copy() if k else None,
+            slot.host_top_logprobs[:rows, :k].numpy().copy() if k else None,
+        )
+
+    @staticmethod
+    def _sampler_mode(plan: StepPlan) -> SamplerMode:
+        sampled = [s.sampling for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
+        logprobs = [p.logprobs for p in sampled if p.logprobs is not None]
+        return SamplerMode(
+            sampling=any(p.temperature > 0 for p in sampled),
+            filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in sampled),
+            logprobs=max(logprobs) if logprobs else None,
+        )
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.clock.resolve(keep_last=0)

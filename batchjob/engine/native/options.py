@@ -1,0 +1,74 @@
+"""The native engine's options (`engine.*` keys), checked before anything is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class NativeOptions:
+    async_loop: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    kv_cache_gb: float | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    graph_max_batch: int | None = None
+    detokenize: bool = True
+    seed: int = 0
+    debug_poison_slots: bool = False
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> NativeOptions:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown native engine option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
+            )
+        opts = cls(**dict(options))
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        problems = []
+        if self.dtype not in DTYPES:
+            problems.append(f"engine.dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            problems.append(f"engine.device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            problems.append(f"engine.block_size={self.block_size}: must be a power of two (16 is usual)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"engine.{name}={getattr(self, name)}: must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append(f"engine.max_model_len={self.max_model_len}: must be >= 2 (or null for the model's)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"engine.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            problems.append(f"engine.num_kv_blocks={self.num_kv_blocks}: must be >= 2 (or null to size it)")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            problems.append(f"engine.kv_cache_gb={self.kv_cache_gb}: must be > 0 (or null)")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            problems.append(
+                "without chunked prefill, engine.max_num_batched_tokens must be >= engine.max_model_len "
+                "(a whole prompt must fit one step); raise it or set engine.enable_chunked_prefill=true"
+            )
+        if problems:
+            raise ValueError("invalid native engine options: " + "; ".join(problems))

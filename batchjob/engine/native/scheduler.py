@@ -1,0 +1,184 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+One step is a flat batch of decodes (one token each) and prefill chunks, bounded by `max_num_seqs` and
+`max_num_batched_tokens`. Running sequences come first; when their KV blocks run out, the most recently
+admitted sequence is preempted (its blocks freed; it is recomputed later). Waiting sequences are admitted
+while blocks and budget last, with prompt blocks shared from the prefix cache. New requests are pulled from
+the input only when a sequence slot is free, so memory stays bounded for any input size.
+
+With the asynchronous loop the step being planned runs after one still in flight; the plan assumes every
+sequence in flight grows by its pending token, and blocks are reserved for it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchjob.engine.native.block_manager import KVBlockManager
+from batchjob.engine.native.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class StepPlan:
+    """Sequences of one step, in batch order: first position and token count of each chunk, whether the
+    chunk ends in a sampled token, and for a chunk whose last input token is still pending, the row of the
+    previous step's output that holds it (-1 otherwise)."""
+
+    seqs: list[Sequence]
+    starts: np.ndarray
+    counts: np.ndarray
+    samples: np.ndarray
+    carry_rows: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.counts == 1).all())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def free_seq_slots(self) -> int:
+        return self.config.max_num_seqs - len(self.running) - len(self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> StepPlan | None:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int, int]] = []
+        scheduled: set[int] = set()
+
+        # Running sequences, oldest first; a sequence in the middle of its prefill continues with a chunk.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if count == 0 or seq.num_tokens >= seq.max_len:
+                # Nothing new to feed, or the pending token already ends it (length): no wasted step.
+                i += 1
+                continue
+            if not self._reserve(seq, seq.num_computed + count, scheduled):
+                continue  # `seq` itself was preempted and left self.running: index i is the next one
+            chosen.append((seq, seq.num_computed, count))
+            scheduled.add(seq.seq_id)
+            budget -= count
+            i += 1
+
+        # Admit waiting sequences while there is room, in arrival order.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.ready_for_prefill:
+                break
+            shared = self.blocks.match_prefix(seq.prompt_hashes)
+            # Keep at least one token to compute: its logits give the next token.
+            shared = shared[: (seq.num_tokens - 1) // self.blocks.block_size]
+            cached_tokens = len(shared) * self.blocks.block_size
+            remaining = seq.num_tokens - cached_tokens
+            count = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
+            if count > budget:
+                break
+            needed = self.blocks.blocks_needed(len(shared), cached_tokens + count)
+            if not self._fits(shared, needed):
+                break
+            seq.block_table = self.blocks.allocate(shared, needed)
+            seq.num_computed = cached_tokens
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chosen.append((seq, cached_tokens, count))
+            scheduled.add(seq.seq_id)
+            budget -= count
+
+        if not chosen:
+            return None
+        n = len(chosen)
+        seqs = [c[0] for c in chosen]
+        starts = np.fromiter((c[1] for c in chosen), dtype=np.int64, count=n)
+        counts = np.fromiter((c[2] for c in chosen), dtype=np.int64, count=n)
+        samples = np.fromiter((s.num_computed + c == s.num_tokens for s, _, c in chosen), dtype=bool, count=n)
+        carry_rows = np.full(n, -1, dtype=np.int64)
+        row = 0
+        for i, (seq, _, count) in enumerate(chosen):
+            if seq.pending:
+                carry_rows[i] = seq.pending[-1]
+            seq.num_computed += count
+            seq.inflight += 1
+            if samples[i]:
+                seq.append_pending(row)
+                row += 1
+            self._register_full_prompt_blocks(seq)
+        return StepPlan(seqs=seqs, starts=starts, counts=counts, samples=samples, carry_rows=carry_rows)
+
+    def _fits(self, shared: list[int], needed: int) -> bool:
+        reusable = sum(1 for b in shared if self.blocks.ref_counts[b] == 0)
+        return needed <= self.blocks.num_free - reusable
+
+    def _reserve(self, seq: Sequence, total_tokens: int, scheduled: set[int]) -> bool:
+        """Give `seq` blocks for `total_tokens`, preempting later-admitted sequences if needed. False when
+        `seq` itself had to be preempted (nothing else left to take from)."""
+        needed = self.blocks.blocks_needed(len(seq.block_table), total_tokens)
+        while not self.blocks.can_allocate(needed):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            if victim is None:
+                return False
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        for _ in range(needed):
+            seq.block_table.append(self.blocks.append_block())
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _register_full_prompt_blocks(self, seq: Sequence) -> None:
+        full = min(seq.num_computed, seq.prompt_len) // self.blocks.block_size
+        for index in range(full):
+            self.blocks.register(seq.block_table[index], seq.prompt_hashes[index])
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished; its blocks are freed once no step in flight still uses them."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release_if_idle(seq)
+
+    def release_if_idle(self, seq: Sequence) -> None:
+        if seq.status is Status.FINISHED and seq.inflight == 0 and seq.block_table:
+            self.blocks.free(seq.block_table)
+            seq.block_table = []

@@ -1,0 +1,115 @@
+"""A sequence: one sample of one request, as the scheduler and the output processor see it.
+
+Token ids live in a preallocated numpy array. With the asynchronous loop a sequence ends in up to two *pending*
+tokens: tokens that steps in flight will sample, whose values the host does not know yet. They are
+placeholders (0) here; the device carries each one over into the next step's input.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from batchjob.engine.api import Request
+from batchjob.engine.native.block_manager import block_hash
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """The `n` sequences of one request; its completion is emitted when all of them finish."""
+
+    request: Request
+    prompt_len: int
+    sequences: list[Sequence] = field(default_factory=list)
+    num_finished: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    group: RequestGroup
+    sample_index: int
+    tokens: np.ndarray
+    prompt_len: int
+    max_len: int
+    seed: int
+    num_tokens: int = 0
+    num_computed: int = 0
+    pending: deque[int] = field(default_factory=deque)
+    inflight: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    prompt_hashes: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    stop_text: str | None = None
+    stop_matcher: Any = None
+
+    @classmethod
+    def create(
+        cls, seq_id: int, group: RequestGroup, sample_index: int, max_len: int, seed: int, block_size: int
+    ) -> Sequence:
+        prompt = np.asarray(group.request.prompt_ids, dtype=np.int64)
+        tokens = np.zeros(max_len + 1, dtype=np.int64)
+        tokens[: len(prompt)] = prompt
+        hashes, h = [], 0
+        for start in range(0, len(prompt) - block_size + 1, block_size):
+            h = block_hash(h, prompt[start : start + block_size].tolist())
+            hashes.append(h)
+        return cls(
+            seq_id=seq_id,
+            group=group,
+            sample_index=sample_index,
+            tokens=tokens,
+            prompt_len=len(prompt),
+            max_len=max_len,
+            seed=seed,
+            num_tokens=len(prompt),
+            prompt_hashes=hashes,
+        )
+
+    @property
+    def sampling(self):
+        return self.group.request.sampling
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self.tokens[self.prompt_len : self.num_tokens]
+
+    @property
+    def ready_for_prefill(self) -> bool:
+        # A preempted sequence whose last token is still pending cannot be recomputed yet: its value is unknown.
+        return not self.pending
+
+    def append_pending(self, row: int) -> None:
+        """The step being scheduled samples this sequence's next token into output row `row`."""
+        self.tokens[self.num_tokens] = 0
+        self.num_tokens += 1
+        self.pending.append(row)
+
+    def resolve_oldest(self, token: int) -> int:
+        """Fill in the oldest pending token (its step has completed); returns its position."""
+        position = self.num_tokens - len(self.pending)
+        self.tokens[position] = token
+        self.pending.popleft()
+        return position
+
+    def truncate_after(self, position: int) -> None:
+        """Stop at `position`: later tokens (sampled by steps already in flight) are discarded."""
+        self.num_tokens = position + 1
+        self.pending.clear()
