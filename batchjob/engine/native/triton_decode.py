@@ -57,12 +57,12 @@ def _decode_split_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    num_splits,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -71,7 +71,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
     if tile_start >= tile_end:
@@ -117,7 +117,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     # Partials are laid out [seq, q_head, split, (dim)], so the reduce reads each head's splits contiguously.
-    part_row = (seq * GROUP * tl.num_programs(1) + q_heads).to(tl.int64) * NUM_SPLITS + split
+    part_row = (seq * GROUP * tl.num_programs(1) + q_heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=mask_h[:, None])
     tl.store(part_lse_ptr + part_row, m_i + tl.math.log2(l_i), mask=mask_h)
 
@@ -131,9 +131,9 @@ def _decode_reduce_kernel(
     out_ptr,
     stride_ot,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -142,13 +142,13 @@ def _decode_reduce_kernel(
     # Recompute which splits ran, with stage 1's arithmetic; the others left their partials unwritten.
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
     num_valid = tl.cdiv(num_tiles, tiles_per_split)
 
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_s = offs_s < num_valid
-    part_row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + offs_s
+    part_row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + part_row, mask=mask_s, other=float("-inf"))
     # An empty sequence (a padding slot in a graph bucket) has no valid split: its output is zeros, not NaN.
     m = tl.where(num_valid > 0, tl.max(lse, 0), 0.0)
@@ -212,12 +212,12 @@ def paged_decode_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        num_splits,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -230,9 +230,9 @@ def paged_decode_attention(
         out,
         out.stride(0),
         out.stride(1),
+        num_splits,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits,
         SPLITS_P2=triton.next_power_of_2(num_splits),
         num_warps=4,
     )

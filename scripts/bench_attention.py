@@ -1,0 +1,246 @@
+"""GPU microbenchmark of the Triton paged-attention kernels against SDPA on dense K/V.
+
+    python scripts/bench_attention.py results/attention.json [--sweep] [--iters 100]
+
+Decode: time per call (eager and replayed from a CUDA graph) and effective bandwidth = KV bytes read / time,
+next to SDPA on the same K/V laid out densely, and to a device-to-device copy measured in the same run.
+Prefill: time and TFLOP/s of the varlen kernel vs dense causal SDPA. Store: Triton kernel vs index_copy_.
+`--sweep` also times every launch config and split count, to pick the defaults in triton_decode.py and
+triton_prefill.py. Prints a table and writes everything as JSON to the path given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
+
+from batchjob.engine.native.attention import AttentionMetadata
+from batchjob.engine.native.triton_attention import TritonPagedAttention, store_kv
+from batchjob.engine.native.triton_decode import DEFAULT_DECODE_CONFIG, DecodeConfig, paged_decode_attention
+from batchjob.engine.native.triton_prefill import DEFAULT_PREFILL_CONFIG, PrefillConfig, paged_prefill_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16  # Llama-3.1-8B attention
+DEVICE = torch.device("cuda")
+
+
+def time_call(fn: Callable[[], object], iters: int) -> float:
+    """Seconds per call, averaged over `iters` back-to-back calls after a warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def time_graph(fn: Callable[[], object], iters: int) -> float:
+    """Seconds per call replayed from a CUDA graph of `iters` calls: no launch overhead, as in the engine."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    return time_call(graph.replay, 3) / iters
+
+
+def sweep_point(timer: Callable[[Callable[[], object], int], float], fn, iters: int, work: float) -> dict:
+    """One sweep measurement; a config needing more shared memory than the GPU has is recorded, not fatal."""
+    try:
+        seconds = timer(fn, iters)
+    except OutOfResources as error:
+        return {"seconds": None, "rate": None, "error": str(error)}
+    return {"seconds": seconds, "rate": work / seconds}
+
+
+def copy_bandwidth(iters: int) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_call(lambda: dst.copy_(src), iters)
+
+
+def paged_step(query_lens: list[int], seq_lens: list[int]):
+    """A paged cache with each sequence's blocks scattered at random, and the step's q/k/v and metadata."""
+    blocks_per_seq = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 1
+    order = torch.randperm(num_blocks - 1) + 1
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = order[start : start + n]
+        start += n
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    slots = []
+    for b, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        pos = torch.arange(seq_len - q_len, seq_len)
+        slots.append(tables[b, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    cu = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    meta = AttentionMetadata(
+        cu_query_lens=cu.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        slot_mapping=torch.cat(slots).to(DEVICE),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    v = torch.randn_like(k)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int) -> dict:
+    q, k, v, k_cache, v_cache, meta = paged_step([1] * num_seqs, [context] * num_seqs)
+    kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    scale = HEAD_DIM**-0.5
+    backend = TritonPagedAttention()
+    splits = backend.decode_splits(num_seqs, KV_HEADS, DEVICE)
+    out = torch.empty_like(q)
+
+    def attend(num_splits: int = splits, config: DecodeConfig = DEFAULT_DECODE_CONFIG):
+        return lambda: paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, num_splits, out, config
+        )
+
+    dense_q = q.view(num_seqs, 1, HEADS, HEAD_DIM).transpose(1, 2)
+    dense_k = torch.randn(num_seqs, KV_HEADS, context, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    dense_v = torch.randn_like(dense_k)
+    sdpa = lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=scale, enable_gqa=True)
+    rows = {
+        f"triton decode, {splits} splits (eager)": time_call(attend(), iters),
+        f"triton decode, {splits} splits (graph)": time_graph(attend(), iters),
+        "triton store + decode (graph)": time_graph(
+            lambda: backend.forward(q, k, v, k_cache, v_cache, meta, scale), iters
+        ),
+        "sdpa dense, gqa (eager)": time_call(sdpa, iters),
+    }
+    result = {"num_seqs": num_seqs, "context": context, "kv_bytes": kv_bytes, "default_splits": splits}
+    result["rows"] = {name: {"seconds": t, "bytes_per_s": kv_bytes / t} for name, t in rows.items()}
+    if sweep:
+        configs = [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+        result["sweep"] = [
+            {"splits": ns, **asdict(c), **sweep_point(time_graph, attend(ns, c), iters, kv_bytes)}
+            for c in configs
+            for ns in sorted({1, 2, 4, 8, 16, splits})
+        ]
+    return result
+
+
+def prefill_bench(query_lens: list[int], seq_lens: list[int], sweep: bool, iters: int) -> dict:
+    q, k, v, k_cache, v_cache, meta = paged_step(query_lens, seq_lens)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    # Each query token attends to (its position + 1) keys: two matmuls of 2 * D flops per pair.
+    pairs = sum(sum(range(s - ql + 1, s + 1)) for ql, s in zip(query_lens, seq_lens, strict=True))
+    flops = 4 * pairs * HEADS * HEAD_DIM
+
+    def attend(config: PrefillConfig = DEFAULT_PREFILL_CONFIG):
+        return lambda: paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, out, config
+        )
+
+    rows = {"triton varlen prefill": time_call(attend(), iters)}
+    if all(ql == s for ql, s in zip(query_lens, seq_lens, strict=True)) and len(set(seq_lens)) == 1:
+        dense_q = torch.randn(len(seq_lens), HEADS, seq_lens[0], HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        dense_kv = torch.randn(len(seq_lens), KV_HEADS, seq_lens[0], HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        rows["sdpa dense causal, gqa"] = time_call(
+            lambda: F.scaled_dot_product_attention(dense_q, dense_kv, dense_kv, is_causal=True, enable_gqa=True), iters
+        )
+    result = {"query_lens": query_lens, "seq_lens": seq_lens, "flops": flops}
+    result["rows"] = {name: {"seconds": t, "flops_per_s": flops / t} for name, t in rows.items()}
+    if sweep:
+        configs = [PrefillConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+        result["sweep"] = [{**asdict(c), **sweep_point(time_call, attend(c), iters, flops)} for c in configs]
+    return result
+
+
+def store_bench(num_tokens: int, iters: int) -> dict:
+    q, k, v, k_cache, v_cache, meta = paged_step([num_tokens], [num_tokens])
+    flat_k, flat_v = k_cache.view(-1, KV_HEADS, HEAD_DIM), v_cache.view(-1, KV_HEADS, HEAD_DIM)
+
+    def index_copy() -> None:
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+
+    rows = {
+        "triton store_kv": time_graph(lambda: store_kv(k, v, k_cache, v_cache, meta.slot_mapping), iters),
+        "torch index_copy_": time_graph(index_copy, iters),
+    }
+    written = 2 * k.numel() * k.element_size()
+    return {"num_tokens": num_tokens, "rows": {n: {"seconds": t, "bytes_per_s": written / t} for n, t in rows.items()}}
+
+
+def print_table(title: str, rows: dict, rate_key: str, unit: str, divisor: float) -> None:
+    print(f"\n{title}")
+    for name, row in rows.items():
+        print(f"  {name:<42} {row['seconds'] * 1e6:10.1f} us  {row[rate_key] / divisor:8.2f} {unit}")
+
+
+def best_of(sweep: list[dict]) -> dict:
+    return max((r for r in sweep if r["rate"] is not None), key=lambda r: r["rate"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", type=Path, help="where to write the JSON results")
+    parser.add_argument("--sweep", action="store_true", help="also time every launch config and split count")
+    parser.add_argument("--iters", type=int, default=100)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a CUDA GPU; run it on the GPU machine")
+    torch.manual_seed(1234)
+
+    results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bandwidth(20)}
+    print(f"{results['device']}: device-to-device copy {results['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    results["decode"] = [decode_bench(b, s, args.sweep, args.iters) for b, s in ((64, 1024), (32, 1152))]
+    for case in results["decode"]:
+        title = f"decode {case['num_seqs']} seqs x {case['context']} ctx, KV {case['kv_bytes'] / 1e6:.0f} MB"
+        print_table(title, case["rows"], "bytes_per_s", "TB/s", 1e12)
+        if "sweep" in case:
+            print(f"  best of sweep (rate in B/s): {best_of(case['sweep'])}")
+    prefill_cases = (
+        ([1024] * 8, [1024] * 8),
+        ([512] * 4, [2048] * 4),
+        ([1, 1, 1, 1, 900, 300], [700, 300, 2000, 64, 900, 1500]),
+    )
+    results["prefill"] = [prefill_bench(list(ql), list(sl), args.sweep, args.iters // 4) for ql, sl in prefill_cases]
+    for case in results["prefill"]:
+        print_table(
+            f"prefill q_lens {case['query_lens']} seq_lens {case['seq_lens']}",
+            case["rows"],
+            "flops_per_s",
+            "TFLOP/s",
+            1e12,
+        )
+        if "sweep" in case:
+            print(f"  best of sweep (rate in FLOP/s): {best_of(case['sweep'])}")
+    results["store"] = [store_bench(n, args.iters) for n in (64, 8192)]
+    for case in results["store"]:
+        print_table(f"store {case['num_tokens']} tokens", case["rows"], "bytes_per_s", "TB/s", 1e12)
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
