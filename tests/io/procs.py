@@ -1,0 +1,70 @@
+"""Second processes for the IO tests: `python procs.py COMMAND ARGS...` (PYTHONPATH = repo root).
+
+job OUT TOTAL BATCH     resume-aware commit loop over row ids 0..TOTAL-1; prints "commit" per part
+hold-lock OUT           open shard 0 of OUT, print "locked", then wait to be killed
+try-open OUT            open shard 0 of OUT; exit 3 printing the LockError if refused
+peak-rss PATH BATCH     stream a Parquet input's `prompt` column; print rows and peak RSS (MiB)
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from batchjob.io import InputSpec, LockError, OutputDataset, open_input
+
+JOB = {"model": "tiny", "sampling": {"max_new_tokens": 4}}
+
+
+def job(out: str, total: int, batch: int) -> None:
+    dataset = OutputDataset(out)
+    dataset.open(JOB)
+    done = dataset.committed_row_ids()
+    todo = np.setdiff1d(np.arange(total, dtype=np.int64), done)
+    for start in range(0, len(todo), batch):
+        ids = todo[start : start + batch]
+        dataset.commit(pa.table({"row_id": ids, "generation": [f"gen {i}" for i in ids]}))
+        print("commit", flush=True)
+    dataset.mark_success()
+    dataset.close()
+    print("done", flush=True)
+
+
+def hold_lock(out: str) -> None:
+    OutputDataset(out).open(JOB)
+    print("locked", flush=True)
+    time.sleep(600)
+
+
+def try_open(out: str) -> None:
+    try:
+        OutputDataset(out).open(JOB)
+    except LockError as exc:
+        print(exc, flush=True)
+        sys.exit(3)
+
+
+def peak_rss(path: str, batch_rows: int) -> None:
+    source = open_input(InputSpec(path, batch_rows=batch_rows))
+    rows = sum(batch.num_rows for batch in source.iter_batches(["prompt"]))
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    print(json.dumps({"rows": rows, "peak_mib": peak_mib}), flush=True)
+
+
+if __name__ == "__main__":
+    command, *args = sys.argv[1:]
+    if command == "job":
+        job(args[0], int(args[1]), int(args[2]))
+    elif command == "hold-lock":
+        hold_lock(args[0])
+    elif command == "try-open":
+        try_open(args[0])
+    elif command == "peak-rss":
+        peak_rss(args[0], int(args[1]))
+    else:
+        raise SystemExit(f"unknown command {command!r}")

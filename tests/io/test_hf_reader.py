@@ -1,0 +1,47 @@
+"""Hugging Face datasets as input: save_to_disk directories and load_dataset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pytest
+from conftest import prompts_table, write_prompts
+
+from batchjob.io import InputError, InputSpec, open_input
+
+
+@pytest.fixture(scope="module")
+def saved_splits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hf") / "splits"
+    splits = {"train": datasets.Dataset(prompts_table(0, 6)), "test": datasets.Dataset(prompts_table(6, 9))}
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return path
+
+
+def test_saved_dataset_dict_reads_the_chosen_split(saved_splits: Path) -> None:
+    source = open_input(InputSpec(str(saved_splits), split="test"))
+    assert source.num_rows() == 3
+    assert next(source.iter_batches(["prompt"])).column("prompt").to_pylist() == ["prompt 6", "prompt 7", "prompt 8"]
+
+
+def test_missing_split_lists_the_splits(saved_splits: Path) -> None:
+    with pytest.raises(InputError, match="has no split 'validation'; its splits are: train, test"):
+        open_input(InputSpec(str(saved_splits), split="validation"))
+
+
+def test_saved_dataset_fingerprint_is_stable(saved_splits: Path) -> None:
+    first = open_input(InputSpec(str(saved_splits))).fingerprint()
+    assert first == open_input(InputSpec(str(saved_splits))).fingerprint()
+    assert first["rows"] == 6
+
+
+def test_load_dataset_failure_is_an_input_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="datasets.load_dataset"):
+        open_input(InputSpec("parquet", data_files=str(tmp_path / "absent.parquet")))
+
+
+def test_streaming_id_column_must_exist(tmp_path: Path) -> None:
+    path = write_prompts(tmp_path / "p.parquet", 0, 5, row_group_rows=5)
+    with pytest.raises(InputError, match="columns are: id, prompt, topic"):
+        open_input(InputSpec("parquet", data_files=str(path), streaming=True, id_column="uid"))

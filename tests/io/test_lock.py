@@ -1,0 +1,60 @@
+"""One writer per shard, and a crashed writer's lock does not block the rerun."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import run_proc, start_proc
+
+from batchjob.io import LockError, OutputDataset
+
+JOB = {"model": "tiny", "sampling": {"max_new_tokens": 4}}  # the record procs.py opens with
+
+
+def test_second_process_on_the_same_shard_is_refused(tmp_path: Path) -> None:
+    holder = start_proc("hold-lock", str(tmp_path))
+    try:
+        assert holder.stdout.readline() == "locked\n", holder.stderr.read()
+        refused = run_proc("try-open", str(tmp_path))
+        assert refused.returncode == 3, refused.stderr
+        assert f"held by pid {holder.pid} on host {os.uname().nodename} since" in refused.stdout
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_second_writer_in_the_same_process_is_refused(tmp_path: Path) -> None:
+    with OutputDataset(str(tmp_path)) as first:
+        first.open(JOB)
+        with pytest.raises(LockError, match=f"held by pid {os.getpid()}"):
+            OutputDataset(str(tmp_path)).open(JOB)
+
+
+def test_other_shards_are_not_blocked(tmp_path: Path) -> None:
+    with OutputDataset(str(tmp_path), 0, 2) as first, OutputDataset(str(tmp_path), 1, 2) as second:
+        first.open(JOB)
+        second.open(JOB)
+
+
+def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    holder = start_proc("hold-lock", str(tmp_path))
+    assert holder.stdout.readline() == "locked\n", holder.stderr.read()
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert (tmp_path / "_lock-s00000").exists()
+    with caplog.at_level(logging.WARNING), OutputDataset(str(tmp_path)) as out:
+        out.open(JOB)
+    assert f"taking over stale lock {tmp_path / '_lock-s00000'}: pid {holder.pid}" in caplog.text
+
+
+def test_close_releases_the_lock(tmp_path: Path) -> None:
+    out = OutputDataset(str(tmp_path))
+    out.open(JOB)
+    out.close()
+    assert not (tmp_path / "_lock-s00000").exists()
+    with OutputDataset(str(tmp_path)) as again:
+        again.open(JOB)
