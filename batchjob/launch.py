@@ -59,7 +59,7 @@ def child_command(overrides: Sequence[str], child: ChildShard, python: str = sys
         *kept,
         f"shard.index={child.shard_index}",
         f"shard.count={child.shard_count}",
-        "engine.data_parallel=1",
+        "++engine.data_parallel=1",
     ]
 
 
