@@ -71,7 +71,7 @@ def engine_options(pairs: list[str]) -> dict[str, Any]:
         try:
             options[key] = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            options[key] = {"true": True, "false": False}.get(raw.lower(), raw)
+            options[key] = {"true": True, "false": False, "null": None}.get(raw.lower(), raw)
     return options
 
 
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
+    from batchjob.engine import check_engine_options
+
     systems = _select(args.systems or ",".join(TINY_SYSTEMS if args.tiny else SYSTEMS), SYSTEMS, "--systems")
     options = engine_options(args.engine_option)
     if args.tiny:
@@ -174,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     settings = dataclasses.replace(settings, engine_options=options)
+    for system in systems:
+        if system in NATIVE_SYSTEMS and unavailable_reason(system) is None:
+            # A bad --engine-option fails here, before minutes of model building and peer runs.
+            try:
+                check_engine_options(system, {"dtype": settings.dtype, "detokenize": False, **options})
+            except ValueError as error:
+                raise SystemExit(f"--engine-option: {error}") from None
     args.out.mkdir(parents=True, exist_ok=True)
     reports = [run_workload(spec, systems, settings, args, hardware) for spec in specs]
     run = {

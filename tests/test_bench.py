@@ -67,6 +67,7 @@ def test_decode_floor_runs_requests_in_waves_when_the_kv_budget_holds_only_some(
         hidden=10,
         vocab=10,
         embedding_parameters=100,
+        tied_embeddings=True,
     )
     prompts, outputs = np.array([10, 10, 10, 10]), np.array([11, 11, 11, 11])
     _, steps_all, peak_all = roofline.decode_floor(shape, prompts, outputs, 84, 1e9, 1e12)
@@ -85,3 +86,14 @@ def test_workload_draws_are_reproducible_and_within_design_ranges(bench_lib):
     shared = workloads.draw_requests(workloads.WORKLOADS["W3"], 128256)
     assert {p[:1024] for p in shared.prompts} == {shared.prompts[0][:1024]}
     assert set(shared.prompt_lengths.tolist()) == {1088}
+
+
+def test_tied_lm_head_changes_the_weight_bytes_but_not_the_compute(bench_lib):
+    roofline = bench_lib.roofline
+    common = dict(layers=2, attention_heads=2, kv_heads=1, head_dim=4, hidden=8, vocab=100, embedding_parameters=800)
+    tied = roofline.ModelShape(parameters=5000 + 800, tied_embeddings=True, **common)
+    untied = roofline.ModelShape(parameters=5000 + 1600, tied_embeddings=False, **common)
+    prompts = np.array([16, 32])
+    assert untied.weight_bytes - tied.weight_bytes == 800 * 2
+    assert roofline.prefill_floor(tied, prompts, 0, 1.0) == roofline.prefill_floor(untied, prompts, 0, 1.0)
+    assert tied.matmul_parameters_per_token == untied.matmul_parameters_per_token == 5800

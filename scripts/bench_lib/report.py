@@ -144,11 +144,13 @@ def _throughput_panel(ax, reports: list[WorkloadReport]) -> None:
                 if r.system == system:
                     xs.append(w - 0.4 + (i + 0.5) * width)
                     ys.append(r.tok_per_s)
-        ax.bar(xs, ys, width=width, label=system)
+        bars = ax.bar(xs, ys, width=width, label=system)
+        ax.bar_label(bars, labels=[f"{y:,.0f}" for y in ys], fontsize=7)
     for w, report in enumerate(reports):
         if report.floor is not None:
             label = "roofline" if w == 0 else None
             ax.hlines(report.floor.tok_per_s, w - 0.45, w + 0.45, colors="black", linestyles="--", label=label)
+            ax.annotate(f"{report.floor.tok_per_s:,.0f}", (w + 0.45, report.floor.tok_per_s), fontsize=7)
     ax.set_xticks(range(len(reports)))
     ax.set_xticklabels(
         [f"{r.requests.spec.name} {r.requests.spec.title}\n{r.requests.spec.architecture}" for r in reports]
@@ -173,7 +175,8 @@ def _timeline_panel(ax, workload: str, native: SystemResult, native_sync: System
         spans = result.busy_timeline
         # A window from the middle of the run: steady-state decode, away from start-up and the tail.
         middle = spans[len(spans) // 2][0]
-        window = [(a, b) for a, b in spans if middle <= a < middle + TIMELINE_WINDOW_S]
+        end = middle + TIMELINE_WINDOW_S
+        window = [(a, min(b, end)) for a, b in spans if middle <= a < end]
         ax.broken_barh([((a - middle) * 1e3, (b - a) * 1e3) for a, b in window], (row - 0.35, 0.7), color=f"C{row}")
         busy = _percent(result.gpu_busy_fraction)
         ax.text(TIMELINE_WINDOW_S * 1e3, row, f"  busy {busy} (whole run)", va="center", fontsize=8)

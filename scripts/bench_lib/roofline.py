@@ -31,6 +31,7 @@ class ModelShape:
     hidden: int
     vocab: int
     embedding_parameters: int  # the input embedding table (looked up, not multiplied)
+    tied_embeddings: bool  # the lm_head is the embedding table
 
     @property
     def weight_bytes(self) -> int:
@@ -43,8 +44,7 @@ class ModelShape:
     @property
     def matmul_parameters_per_token(self) -> int:
         """Parameters a token is multiplied with (every layer and the lm_head), for FLOP counts."""
-        tied = self.parameters - self.embedding_parameters < self.vocab * self.hidden
-        return self.parameters - (0 if tied else self.embedding_parameters)
+        return self.parameters - (0 if self.tied_embeddings else self.embedding_parameters)
 
     def attention_flops(self, query_context_pairs: float) -> float:
         """FLOPs of QK^T and PV (2 each per multiply-add) for that many (query, key) pairs in every layer."""
@@ -70,6 +70,7 @@ def model_shape(architecture: dict[str, Any]) -> ModelShape:
         hidden=config.hidden_size,
         vocab=config.vocab_size,
         embedding_parameters=model.get_input_embeddings().weight.numel(),
+        tied_embeddings=bool(config.tie_word_embeddings),
     )
 
 

@@ -40,6 +40,7 @@ class SystemResult:
     prep_ms_per_step: float | None = None
     steps: int | None = None
     busy_timeline: tuple[tuple[float, float], ...] | None = field(default=None, repr=False)
+    engine_stats: dict[str, float] = field(default_factory=dict)  # whatever else the engine's stats() said
     note: str = ""
 
     @property
@@ -110,6 +111,7 @@ def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
         prep_ms_per_step=_maybe_float(stats.get("prep_ms_per_step")),
         steps=int(stats["steps"]) if "steps" in stats else None,
         busy_timeline=tuple((float(a), float(b)) for a, b in timeline) if timeline else None,
+        engine_stats={k: v for k, v in stats.items() if isinstance(v, int | float)},
     )
 
 
