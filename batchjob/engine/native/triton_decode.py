@@ -33,6 +33,15 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self) -> None:
+        check_tile("block_n", self.block_n)
+
+
+def check_tile(name: str, size: int) -> None:
+    """tl.dot needs every tile side to be a power of two of at least 16."""
+    if size < 16 or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
 
@@ -166,6 +175,12 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(target_programs, num_seqs * num_kv_heads)))
 
 
+def kv_tile(block_n: int, head_dim: int, element_size: int) -> int:
+    """KV tokens per tile, capped so one K tile stays within 32 KB: K and V tiles, double-buffered, must fit
+    in shared memory even for fp32 with head_dim 256."""
+    return max(16, min(block_n, 32768 // (head_dim * element_size)))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs must not silently drop to TF32: the fp32 engine is compared exactly with transformers."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -191,6 +206,7 @@ def paged_decode_attention(
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
+    block_n = kv_tile(config.block_n, head_dim, q.element_size())
     part_out = torch.empty(num_seqs, q.shape[1], num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, q.shape[1], num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -217,7 +233,7 @@ def paged_decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=config.block_n,
+        BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -232,7 +248,7 @@ def paged_decode_attention(
         out.stride(1),
         num_splits,
         HEAD_DIM=head_dim,
-        BLOCK_N=config.block_n,
+        BLOCK_N=block_n,
         SPLITS_P2=triton.next_power_of_2(num_splits),
         num_warps=4,
     )

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.engine.native.triton_decode import LOG2E, dot_precision
+from batchjob.engine.native.triton_decode import LOG2E, check_tile, dot_precision, kv_tile
 
 
 @triton.jit
@@ -48,6 +48,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SEQS_P2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -67,7 +68,6 @@ def _prefill_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     context_before = seq_len - q_len
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     tok = q0 + offs_m // GROUP_P2
@@ -124,13 +124,17 @@ def _prefill_kernel(
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch shape: `block_m` packed (token, head) rows per program (at least 16 for tl.dot), `block_n`
-    KV tokens per tile (scripts/bench_attention.py --sweep compares them on a GPU)."""
+    """Launch shape: `block_m` packed (token, head) rows per program, `block_n` KV tokens per tile
+    (scripts/bench_attention.py --sweep compares them on a GPU)."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        check_tile("block_m", self.block_m)
+        check_tile("block_n", self.block_n)
 
 
 DEFAULT_PREFILL_CONFIG = PrefillConfig()
@@ -155,7 +159,8 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
-    block_q = max(1, config.block_m // triton.next_power_of_2(group))
+    group_p2 = triton.next_power_of_2(group)
+    block_q = max(1, config.block_m // group_p2)
     grid = (q.shape[0] // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q,
@@ -179,11 +184,12 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         GROUP=group,
-        GROUP_P2=triton.next_power_of_2(group),
+        GROUP_P2=group_p2,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
-        BLOCK_N=config.block_n,
+        BLOCK_M=block_q * group_p2,
+        BLOCK_N=kv_tile(config.block_n, head_dim, q.element_size()),
         SEQS_P2=triton.next_power_of_2(num_seqs),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps,
