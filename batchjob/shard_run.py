@@ -77,7 +77,9 @@ class ShardRun:
         with stop:
             completions = self.engine.generate(self._requests(stop))
             try:
-                while not stop.requested and self._failure is None:
+                # After a bad row under on_error=fail no new rows are taken, but rows already in the
+                # engine finish and are committed; a signal stops at once.
+                while not stop.requested:
                     t0 = time.perf_counter()
                     with stop.interruptible():
                         completion = next(completions, None)
@@ -133,6 +135,8 @@ class ShardRun:
             ):
                 if error is not None:
                     self._bad_row(row_id, error, 0, extra)
+                    if self._failure is not None:
+                        return
                 else:
                     self._pending[row_id] = extra
                     yield Request(row_id, ids, _row_sampling(base, row_id))

@@ -1,0 +1,124 @@
+"""Bad rows become error rows (or are skipped, or stop the job); bad configs fail before the model loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from tests.job.conftest import read_output, read_report, run_in_process, write_prompts, write_table
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(1500))  # far more tokens than the tiny model's 1024 context
+
+
+def errors_by_row(out: Path) -> dict[int, str | None]:
+    table = read_output(out)
+    assert all(
+        (reason == "error") == (error is not None)
+        for reason, error in zip(
+            table.column("finish_reason").to_pylist(), table.column("error").to_pylist(), strict=True
+        )
+    )
+    return dict(zip(table.column("row_id").to_pylist(), table.column("error").to_pylist(), strict=True))
+
+
+def test_each_bad_prompt_kind_is_recorded_as_an_error_row(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "p.parquet", {"prompt": ["Fine prompt", None, "", "   ", LONG_PROMPT]})
+    assert run_in_process(f"data.path={path}", f"output.dir={tmp_path / 'o'}") == 0
+    errors = errors_by_row(tmp_path / "o")
+    assert errors[0] is None
+    assert "null" in errors[1]
+    assert "empty" in errors[2] and "empty" in errors[3]
+    assert "context is 1024" in errors[4]
+    report = read_report(tmp_path / "o")
+    assert (report["ok"], report["errors"], report["rows"]) == (1, 4, 5)
+
+
+def test_undecodable_text_is_recorded_as_an_error_row(tmp_path: Path) -> None:
+    prompts = pa.array([b"Plain bytes are fine", b"\xff\xfe not utf-8"], pa.binary())
+    path = write_table(tmp_path / "p.parquet", {"prompt": prompts})
+    assert run_in_process(f"data.path={path}", f"output.dir={tmp_path / 'o'}") == 0
+    errors = errors_by_row(tmp_path / "o")
+    assert errors[0] is None
+    assert "not valid UTF-8" in errors[1]
+
+
+def test_messages_of_the_wrong_type_are_recorded_as_error_rows(tmp_path: Path) -> None:
+    good = json.dumps([{"role": "user", "content": "Hi"}])
+    path = write_table(tmp_path / "m.parquet", {"messages": [good, "42", "not json", json.dumps([{"role": 1}])]})
+    assert run_in_process(f"data.path={path}", "data.messages_column=messages", f"output.dir={tmp_path / 'o'}") == 0
+    errors = errors_by_row(tmp_path / "o")
+    assert errors[0] is None
+    assert "must be a non-empty list" in errors[1]
+    assert "not JSON" in errors[2]
+    assert "role: str" in errors[3]
+
+
+def test_skip_policy_drops_bad_rows_and_counts_them(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "p.parquet", {"prompt": ["One", None, "Two", LONG_PROMPT]})
+    assert run_in_process(f"data.path={path}", "on_error=skip", f"output.dir={tmp_path / 'o'}") == 0
+    assert read_output(tmp_path / "o").column("row_id").to_pylist() == [0, 2]
+    report = read_report(tmp_path / "o")
+    assert (report["ok"], report["errors"], report["skipped"]) == (2, 0, 2)
+
+
+def test_fail_policy_stops_non_zero_after_committing_finished_rows(tmp_path: Path, capsys) -> None:
+    prompts = ["Hello there"] * 12 + [None] + ["More"] * 4
+    path = write_table(tmp_path / "p.parquet", {"prompt": prompts})
+    overrides = (
+        f"data.path={path}",
+        "on_error=fail",
+        "pipeline.tokenize_batch_rows=4",
+        "output.commit_every_rows=100",
+        f"output.dir={tmp_path / 'o'}",
+    )
+    assert run_in_process(*overrides) == 1
+    message = capsys.readouterr().err
+    assert "row 12: prompt is null (on_error=fail)" in message
+    committed = read_output(tmp_path / "o").column("row_id").to_pylist()
+    assert committed == list(range(12))
+    assert not (tmp_path / "o" / "_SUCCESS").exists()
+    assert run_in_process(*overrides) == 1
+    assert read_output(tmp_path / "o").column("row_id").to_pylist() == committed
+
+
+@pytest.fixture
+def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
+    """A model whose weights cannot load: any error other than the config's means the model was loaded."""
+    broken = tmp_path / "broken-model"
+    shutil.copytree(model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.prompt_column=question", "no column 'question'; its columns are id, prompt, topic"),
+        ("data.path=/nonexistent/prompts.parquet", "/nonexistent/prompts.parquet"),
+        ("sampling.top_p=1.5", "top_p must be in (0, 1]"),
+        ("sampling.max_new_tokens=0", "max_new_tokens must be >= 1"),
+        ("on_error=ignore", "on_error='ignore': choose one of record, skip, fail"),
+        ("engine.max_batch_size=0", "engine.max_batch_size must be a positive integer"),
+        ("+engine.flash=true", "unknown hf engine option(s) ['flash']"),
+        ("data.passthrough_columns=[nope]", "passthrough_columns names nope, not in the input"),
+        ("shard.index=3", "shard.index=3 must be below shard.count=1"),
+    ],
+)
+def test_bad_config_fails_before_model_load_naming_the_problem(
+    tmp_path: Path, unloadable_model: Path, capsys, override: str, message: str
+) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 3)
+    code = run_in_process(
+        f"model.path={unloadable_model}", f"data.path={data}", f"output.dir={tmp_path / 'o'}", override
+    )
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_path_is_a_config_error(tmp_path: Path, capsys) -> None:
+    assert run_in_process("model.path=/no/such/model", f"output.dir={tmp_path / 'o'}") == 2
+    assert "model.path=/no/such/model does not exist" in capsys.readouterr().err
