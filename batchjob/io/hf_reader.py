@@ -123,7 +123,10 @@ class StreamingDatasetSource(InputSource):
 
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         stream = self.dataset if self.spec.limit is None else self.dataset.take(self.spec.limit)
-        stream = stream.select_columns(self._columns_to_read(columns)).with_format("arrow")
+        read_columns = self._columns_to_read(columns)
+        if read_columns:  # with no columns selected, batches would lose their row count
+            stream = stream.select_columns(read_columns)
+        stream = stream.with_format("arrow")
         position = 0
         for table in stream.iter(batch_size=self.spec.batch_rows):
             positions = np.arange(position, position + table.num_rows)

@@ -1,7 +1,9 @@
 """One writer per shard: a lock file naming its holder, taken by exclusive create.
 
-A holder that died without releasing (kill -9, OOM, node reboot) leaves the file behind. On the same host a
-dead pid (or a pid reused by a newer process) proves the lock stale and it is taken over. A holder on
+A holder that died without releasing (kill -9, OOM, node reboot) leaves the file behind. It is provably
+stale, and taken over, when its pid is gone (or reused by a newer process) on this same host, or when it
+was an earlier run of this same Slurm job: Slurm requeues a job (preemption, node failure) under the same
+SLURM_JOB_ID with a higher SLURM_RESTART_COUNT only once the earlier run is over. Any other holder on
 another host cannot be checked from here, so that lock is refused and the message says how to clear it.
 
 Limitations: on object stores exclusive create is only as strong as the backend's conditional write
@@ -37,6 +39,8 @@ class LockHolder:
     since: str  # ISO 8601, UTC
     process_started: float  # the pid's start time, to recognise a pid reused by an unrelated process
     token: str
+    slurm_job_id: str | None = None
+    slurm_restart_count: int = 0
 
     @classmethod
     def this_process(cls) -> LockHolder:
@@ -46,19 +50,27 @@ class LockHolder:
             since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             process_started=psutil.Process().create_time(),
             token=uuid.uuid4().hex,
+            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+            slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
         )
 
-    def is_dead(self) -> bool:
-        """True only when provably dead: same host and the pid is gone or belongs to another process."""
-        if self.host != socket.gethostname():
-            return False
+    def stale_reason(self) -> str | None:
+        """Why this holder is provably gone, or None if it may still be running."""
+        me = LockHolder.this_process()
+        requeued = self.slurm_job_id is not None and self.slurm_job_id == me.slurm_job_id
+        if requeued and self.slurm_restart_count < me.slurm_restart_count:
+            return f"Slurm requeued job {me.slurm_job_id} (restart {me.slurm_restart_count})"
+        if self.host != me.host:
+            return None
         try:
             started = psutil.Process(self.pid).create_time()
         except psutil.NoSuchProcess:
-            return True
+            return "that process is no longer running"
         except psutil.AccessDenied:
-            return False
-        return abs(started - self.process_started) > 1.0
+            return None
+        if abs(started - self.process_started) > 1.0:
+            return "that pid now belongs to a newer process"
+        return None
 
 
 class ShardLock:
@@ -79,18 +91,20 @@ class ShardLock:
             holder = self.read_holder()
             if holder is None:
                 continue  # released between our create and our read
-            if not holder.is_dead():
+            reason = holder.stale_reason()
+            if reason is None:
                 raise LockError(
                     f"{self.path} is held by pid {holder.pid} on host {holder.host} since {holder.since}: "
                     "another process is writing this shard. Wait for it, or stop it; if it is gone "
                     f"(e.g. its node was lost), delete {self.path} and rerun"
                 )
             log.warning(
-                "taking over stale lock %s: pid %d on %s (since %s) is no longer running",
+                "taking over stale lock %s: pid %d on %s (since %s): %s",
                 self.path,
                 holder.pid,
                 holder.host,
                 holder.since,
+                reason,
             )
             self._break_stale(holder)
         raise LockError(f"{self.path} was taken by another process while this one was acquiring it; rerun")

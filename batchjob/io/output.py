@@ -12,9 +12,11 @@ rows once each shard has been opened after its last crash (or closed cleanly).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -58,7 +60,8 @@ class OutputDataset:
         record = {"shard_count": self.shard.shard_count, **job_record}
         self.storage.makedirs(self.path)
         self.storage.makedirs(self.tmp_dir)
-        self._lock.acquire()
+        if self._lock.holder is None:  # reopening after a failed write keeps the lock it holds
+            self._lock.acquire()
         try:
             record_path = self._file(JOB_RECORD_NAME)
             if resume:
@@ -112,7 +115,10 @@ class OutputDataset:
 
     def _require_open(self) -> None:
         if not self._is_open:
-            raise RuntimeError(f"{self.shard.dir} shard {self.shard.shard_index}: call open() first")
+            raise RuntimeError(
+                f"{self.shard.dir} shard {self.shard.shard_index} is not open (never opened, closed, or a "
+                "write failed midway): call open() to (re)start it"
+            )
 
     @property
     def committed_rows(self) -> int:
@@ -136,10 +142,21 @@ class OutputDataset:
         _check_row_ids(table)
         if table.num_rows == 0:
             return
-        entry = self._write_part(table, self._next_seq, final_dir=self.path)
-        manifest.append_add(self.storage, self.manifest_path, entry)
+        with self._writing():
+            entry = self._write_part(table, self._next_seq, final_dir=self.path)
+            manifest.append_add(self.storage, self.manifest_path, entry)
         self._parts[entry.name] = entry
         self._next_seq += 1
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A write that fails midway may leave a stray part or a torn manifest line, which only open()'s
+        recovery may continue from: until then the shard refuses further writes."""
+        try:
+            yield
+        except BaseException:
+            self._is_open = False
+            raise
 
     def _write_part(self, table: pa.Table, seq: int, final_dir: str | None) -> PartEntry:
         """Write a durable part under `_tmp/`; move it to `final_dir` if given (else it stays in `_tmp/`)."""
@@ -175,17 +192,18 @@ class OutputDataset:
         ids = self.committed_row_ids()
         old = list(self._parts.values())
         new: list[PartEntry] = []
-        for start in range(0, len(ids), rows_per_part):
-            lo, hi = int(ids[start]), int(ids[min(start + rows_per_part, len(ids)) - 1])
-            sources = [p.name for p in old if p.row_id_max >= lo and p.row_id_min <= hi]
-            in_range = (pads.field("row_id") >= lo) & (pads.field("row_id") <= hi)
-            chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
-            new.append(self._write_part(chunk, self._next_seq + len(new), final_dir=None))
-        manifest.append_replace(self.storage, self.manifest_path, [p.name for p in old], new)
-        for entry in new:
-            self.storage.rename(self.storage.join(self.tmp_dir, entry.name), self._file(entry.name))
-        for entry in old:
-            self.storage.remove(self._file(entry.name))
+        with self._writing():
+            for start in range(0, len(ids), rows_per_part):
+                lo, hi = int(ids[start]), int(ids[min(start + rows_per_part, len(ids)) - 1])
+                sources = [p.name for p in old if p.row_id_max >= lo and p.row_id_min <= hi]
+                in_range = (pads.field("row_id") >= lo) & (pads.field("row_id") <= hi)
+                chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
+                new.append(self._write_part(chunk, self._next_seq + len(new), final_dir=None))
+            manifest.append_replace(self.storage, self.manifest_path, [p.name for p in old], new)
+            for entry in new:
+                self.storage.rename(self.storage.join(self.tmp_dir, entry.name), self._file(entry.name))
+            for entry in old:
+                self.storage.remove(self._file(entry.name))
         self._parts = {e.name: e for e in new}
         self._next_seq += len(new)
 

@@ -123,6 +123,9 @@ class Storage:
                 os.link(tmp, path)
             except FileExistsError:
                 return False
+            except OSError:
+                # No hard links here (some FUSE mounts): exclusive create, briefly visible half-written.
+                return self._create_exclusive_unlinked(path, data)
             finally:
                 os.remove(tmp)
             self.fsync_dir(os.path.dirname(path))
@@ -132,6 +135,17 @@ class Storage:
                 f.write(data)
         except FileExistsError:
             return False
+        return True
+
+    def _create_exclusive_unlinked(self, path: str, data: bytes) -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         return True
 
     def append_line(self, path: str, line: str) -> None:

@@ -50,8 +50,8 @@ def run_proc(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(PROCS), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def start_proc(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def start_proc(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, str(PROCS), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

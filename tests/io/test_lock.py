@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import signal
@@ -11,6 +13,7 @@ import pytest
 from conftest import run_proc, start_proc
 
 from batchjob.io import LockError, OutputDataset
+from batchjob.io.lock import LockHolder
 
 JOB = {"model": "tiny", "sampling": {"max_new_tokens": 4}}  # the record procs.py opens with
 
@@ -58,3 +61,27 @@ def test_close_releases_the_lock(tmp_path: Path) -> None:
     assert not (tmp_path / "_lock-s00000").exists()
     with OutputDataset(str(tmp_path)) as again:
         again.open(JOB)
+
+
+def test_lock_of_an_earlier_run_of_a_requeued_slurm_job_is_taken_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The earlier run may sit on another node where its pid cannot be checked; the requeue proves it over.
+    earlier = start_proc("hold-lock", str(tmp_path), env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"})
+    try:
+        assert earlier.stdout.readline() == "locked\n", earlier.stderr.read()
+        monkeypatch.setenv("SLURM_JOB_ID", "77")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        with caplog.at_level(logging.WARNING), OutputDataset(str(tmp_path)) as out:
+            out.open(JOB)
+        assert "Slurm requeued job 77 (restart 1)" in caplog.text
+    finally:
+        earlier.kill()
+        earlier.wait()
+
+
+def test_lock_held_on_another_host_is_refused_with_how_to_clear_it(tmp_path: Path) -> None:
+    other = dataclasses.replace(LockHolder.this_process(), host="node-17")
+    (tmp_path / "_lock-s00000").write_text(json.dumps(dataclasses.asdict(other)))
+    with pytest.raises(LockError, match=r"on host node-17 since .* delete .*_lock-s00000 and rerun"):
+        OutputDataset(str(tmp_path)).open(JOB)
