@@ -25,6 +25,14 @@ CONF_DIR = Path(batchjob.__file__).resolve().parent / "conf"
 FAST = ("engine=hf", "sampling.max_new_tokens=4")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> None:
+    """Tests share two cores with other work; spinning OpenMP threads there are ten times slower."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     return str(default_tiny_model())
@@ -40,7 +48,8 @@ def run_in_process(*overrides: str) -> int:
 
 
 def cli_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    path = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def cli_command(*overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
