@@ -1,0 +1,36 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from slurm_cluster import JOB_OVERRIDES, REPO, cluster_answers, job_env
+
+from batchjob.tiny_model import make_tiny_model
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if any(item.get_closest_marker("slurm") for item in items) and not cluster_answers():
+        skip = pytest.mark.skip(reason="no Slurm cluster answers (start one: scripts/slurm/local-cluster.sh start)")
+        for item in items:
+            if item.get_closest_marker("slurm"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def workload(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Overrides for a 40-row job on a tiny model; the files live where every Slurm task can read them."""
+    root = tmp_path_factory.mktemp("slurm_workload")
+    model = make_tiny_model(root / "model")
+    prompts = pq.read_table(REPO / "batchjob" / "data" / "sample_prompts.parquet").slice(0, 40)
+    pq.write_table(prompts, root / "prompts.parquet", row_group_size=10)
+    return [f"model.path={model}", f"data.path={root / 'prompts.parquet'}", *JOB_OVERRIDES]
+
+
+@pytest.fixture(scope="session")
+def reference(workload: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same job, uninterrupted, in one local process: what every Slurm run must reproduce."""
+    out = tmp_path_factory.mktemp("slurm_reference") / "out"
+    cmd = [sys.executable, "-m", "batchjob", *workload, f"output.dir={out}", "shard.index=0", "shard.count=1"]
+    subprocess.run(cmd, check=True, env=job_env(), cwd=out.parent, capture_output=True)
+    return out
