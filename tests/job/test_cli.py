@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from batchjob.tiny_model import SAMPLE_PROMPTS
-from tests.job.conftest import read_output, read_report, run_cli
+from tests.job.conftest import REPO, cli_env, read_output, read_report, run_cli
 
 
 def test_default_job_runs_end_to_end_and_marks_the_shard_complete(tmp_path: Path) -> None:
@@ -42,6 +44,13 @@ def test_default_job_runs_end_to_end_and_marks_the_shard_complete(tmp_path: Path
     visible = [p.name for p in out.iterdir() if not p.name.startswith(("_", "."))]
     assert all(name.endswith(".parquet") for name in visible)
     assert "done: 300 rows" in done.stderr + done.stdout
+
+
+def test_the_default_engine_runs_the_default_job(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "batchjob", f"output.dir={tmp_path / 'out'}", "data.limit=8"]
+    done = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert read_output(tmp_path / "out").num_rows == 8
 
 
 def test_rerunning_a_complete_job_changes_nothing(tmp_path: Path) -> None:
