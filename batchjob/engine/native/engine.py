@@ -261,6 +261,7 @@ class NativeEngine:
         runner = self.runner
         stats.update(
             steps=runner.steps,
+            tokens_fed=runner.tokens_fed,
             prep_ms_per_step=1000 * runner.prep_s / max(runner.steps, 1),
             output_tokens=self._tokens_out,
             wasted_tokens=self._wasted,

@@ -111,6 +111,7 @@ class ModelRunner:
         self.graph_buckets: list[int] = []
         self.prep_s = 0.0
         self.steps = 0
+        self.tokens_fed = 0
         if self.cuda:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
             for slot in self.slots:
@@ -241,6 +242,7 @@ class ModelRunner:
                 slot.events.d2h_done.record(self.d2h)
         self.prep_s += time.perf_counter() - began
         self.steps += 1
+        self.tokens_fed += t
         return StepHandle(plan=plan, slot=slot, shape=shape, rows=rows, mode=mode, timing=timing)
 
     def collect(self, step: StepHandle) -> StepResult:

@@ -71,7 +71,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         budget = self.config.max_num_batched_tokens
-        chosen: list[tuple[Sequence, int, int]] = []
+        chosen: list[tuple[Sequence, int, int, bool]] = []
         scheduled: set[int] = set()
 
         # Running sequences, oldest first; a sequence in the middle of its prefill continues with a chunk.
@@ -85,7 +85,7 @@ class Scheduler:
                 continue
             if not self._reserve(seq, seq.num_computed + count, scheduled):
                 continue  # `seq` itself was preempted and left self.running: index i is the next one
-            chosen.append((seq, seq.num_computed, count))
+            self._choose(chosen, seq, count)
             scheduled.add(seq.seq_id)
             budget -= count
             i += 1
@@ -111,7 +111,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chosen.append((seq, cached_tokens, count))
+            self._choose(chosen, seq, count)
             scheduled.add(seq.seq_id)
             budget -= count
 
@@ -121,19 +121,25 @@ class Scheduler:
         seqs = [c[0] for c in chosen]
         starts = np.fromiter((c[1] for c in chosen), dtype=np.int64, count=n)
         counts = np.fromiter((c[2] for c in chosen), dtype=np.int64, count=n)
-        samples = np.fromiter((s.num_computed + c == s.num_tokens for s, _, c in chosen), dtype=bool, count=n)
+        samples = np.fromiter((c[3] for c in chosen), dtype=bool, count=n)
         carry_rows = np.full(n, -1, dtype=np.int64)
         row = 0
-        for i, (seq, _, count) in enumerate(chosen):
+        for i, seq in enumerate(seqs):
             if seq.pending:
                 carry_rows[i] = seq.pending[-1]
-            seq.num_computed += count
-            seq.inflight += 1
             if samples[i]:
                 seq.append_pending(row)
                 row += 1
-            self._register_full_prompt_blocks(seq)
         return StepPlan(seqs=seqs, starts=starts, counts=counts, samples=samples, carry_rows=carry_rows)
+
+    def _choose(self, chosen: list, seq: Sequence, count: int) -> None:
+        start = seq.num_computed
+        seq.num_computed += count
+        seq.inflight += 1
+        chosen.append((seq, start, count, seq.num_computed == seq.num_tokens))
+        # Registered now, a later sequence in this same step can share these blocks: every layer stores the
+        # step's K/V for all tokens before any of them attends.
+        self._register_full_prompt_blocks(seq)
 
     def _fits(self, shared: list[int], needed: int) -> bool:
         reusable = sum(1 for b in shared if self.blocks.ref_counts[b] == 0)
