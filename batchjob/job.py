@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import warnings
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.prompts import PromptBuilder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
 from batchjob.shard_run import ShardRun
+from batchjob.signals import Interrupted, exit_code_for
 
 log = logging.getLogger("batchjob")
 EXIT_USAGE = 2
@@ -130,6 +132,12 @@ def run_job(cfg: DictConfig) -> int:
         return EXIT_USAGE
     try:
         return _generate(job)
+    except Interrupted as stopped:  # a second signal while the first one's commit was running
+        print("interrupted again: rows committed so far are kept; resumable: rerun the same command", file=sys.stderr)
+        return exit_code_for(stopped.signum)
+    except KeyboardInterrupt:  # Ctrl-C while the model was still loading: nothing was generated yet
+        print("interrupted before generation started; resumable: rerun the same command", file=sys.stderr)
+        return exit_code_for(signal.SIGINT)
     finally:
         job.output.close()
 
