@@ -169,6 +169,9 @@ class HFEngine:
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1, :].float()
+            if self.device.type == "cuda":
+                # Sampling syncs right after anyway; syncing here makes forward_s the GPU's time, not launch time.
+                torch.cuda.synchronize(self.device)
             self._stats["forward_s"] += time.perf_counter() - t0
             self._stats["steps"] += 1
             chosen, logprobs = choose_tokens(logits, rows, sampling)
