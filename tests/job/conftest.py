@@ -1,28 +1,10 @@
-"""Helpers for job tests: real configs (the packaged Hydra conf), real Parquet, the real tiny model."""
+"""Fixtures for job tests; the helpers they use live in jobtools.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-import batchjob
-from batchjob.io.layout import REPORT_NAME
-from batchjob.job import run_job
-from batchjob.tiny_model import SAMPLE_PROMPTS, default_tiny_model
-
-REPO = Path(batchjob.__file__).resolve().parent.parent
-CONF_DIR = Path(batchjob.__file__).resolve().parent / "conf"
-# Small and greedy everywhere: the suite runs on two shared CPU cores.
-FAST = ("engine=hf", "sampling.max_new_tokens=4")
+from batchjob.tiny_model import default_tiny_model
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,65 +18,3 @@ def one_torch_thread() -> None:
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     return str(default_tiny_model())
-
-
-def job_config(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=[*FAST, *overrides])
-
-
-def run_in_process(*overrides: str) -> int:
-    return run_job(job_config(*overrides))
-
-
-def cli_env() -> dict[str, str]:
-    path = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-
-
-def cli_command(*overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "batchjob", *flags, *FAST, *overrides]
-
-
-def run_cli(*overrides: str, flags: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cli_command(*overrides, flags=flags),
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def start_cli(*overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        cli_command(*overrides), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def read_output(out_dir: Path) -> pa.Table:
-    """Exactly what a user reading the directory gets, in row_id order."""
-    return pads.dataset(str(out_dir), format="parquet").to_table().sort_by("row_id")
-
-
-def read_report(out_dir: Path) -> dict:
-    import json
-
-    return json.loads((out_dir / REPORT_NAME).read_text())
-
-
-def write_prompts(path: Path, rows: int, **extra_columns: list) -> Path:
-    """The first `rows` bundled prompts (with their `id` and `topic`) as a Parquet file."""
-    table = pq.read_table(SAMPLE_PROMPTS).slice(0, rows)
-    for name, values in extra_columns.items():
-        table = table.append_column(name, pa.array(values))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
-    return path
-
-
-def write_table(path: Path, columns: dict[str, pa.Array | list]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(columns), path)
-    return path

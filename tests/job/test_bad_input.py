@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-
-from tests.job.conftest import read_output, read_report, run_in_process, write_prompts, write_table
+from jobtools import read_output, read_report, run_in_process, write_prompts, write_table
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(1500))  # far more tokens than the tiny model's 1024 context
 

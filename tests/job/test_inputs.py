@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from jobtools import read_output, read_report, run_in_process, write_prompts, write_table
 from transformers import AutoTokenizer
 
 from batchjob.tiny_model import SAMPLE_PROMPTS
-from tests.job.conftest import read_output, read_report, run_in_process, write_prompts, write_table
 
 
 def test_parquet_directory_input_reads_every_file(tmp_path: Path) -> None:

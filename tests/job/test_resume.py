@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from jobtools import read_output, run_cli, run_in_process, start_cli, write_prompts
 
 from batchjob.io.output import OutputDataset
-from tests.job.conftest import read_output, run_cli, run_in_process, start_cli, write_prompts
 
 ROWS = 100
 # One row per micro-batch makes every generation bit-identical however rows are grouped across
