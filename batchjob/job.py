@@ -153,7 +153,9 @@ def _generate(job: PreparedJob) -> int:
     total = job.source.num_rows()
     remaining = None if total is None else max(total - len(committed), 0)
     if len(committed):
-        log.info("resuming: %d rows already committed, %s to go", len(committed), remaining or "?")
+        log.info(
+            "resuming: %d rows already committed, %s to go", len(committed), "?" if remaining is None else remaining
+        )
     engine = create_engine(settings.engine_name, job.model_path, settings.engine_options)
     try:
         columns = list(dict.fromkeys([*settings.prompt.input_columns, *job.passthrough]))
