@@ -50,7 +50,8 @@ def _hf_greedy(model_dir, requests) -> dict:
 
 
 def _run(model_dir, requests, engine="native", **options) -> dict:
-    eng = create_engine(engine, str(model_dir), {"dtype": "float32", **options})
+    # 64 sequences keep the number of captured graphs (and the suite's time) small.
+    eng = create_engine(engine, str(model_dir), {"dtype": "float32", "max_num_seqs": 64, **options})
     try:
         return {c.id: c.token_ids for c in eng.generate(requests)}
     finally:
@@ -145,3 +146,34 @@ def test_bf16_logits_match_transformers_within_bf16_tolerance(tmp_path):
 
     # Our bf16 error against the float64 truth is of the same size as transformers' own bf16 error.
     assert rel(ours_logits) < max(2 * rel(hf_logits), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
+    from batchjob.engine.native import triton_ops
+    from batchjob.engine.native.layers import RMSNorm, RopeSpec, RotaryEmbedding, apply_rotary
+
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    x = torch.randn(37, 4096, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x)
+    norm = RMSNorm(4096, 1e-5).to("cuda", dtype)
+    norm.weight.data.normal_()
+    cpu_norm = RMSNorm(4096, 1e-5).to(dtype)
+    cpu_norm.weight.data.copy_(norm.weight.data.cpu())
+    want_h, want_r = cpu_norm(x.cpu(), residual.cpu())
+    got_h, got_r = norm(x, residual.clone())
+    torch.testing.assert_close(got_r.cpu(), want_r, **tol)
+    torch.testing.assert_close(got_h.cpu(), want_h, **tol)
+
+    gate_up = torch.randn(37, 2 * 1000, device="cuda", dtype=dtype)
+    gate, up = gate_up.cpu().chunk(2, dim=-1)
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up).cpu(), torch.nn.functional.silu(gate) * up, **tol)
+
+    rope = RotaryEmbedding(RopeSpec(rope_type="default", theta=10000.0), 128, 512).to("cuda", dtype)
+    qkv = torch.randn(37, 12 * 128, device="cuda", dtype=dtype)
+    positions = torch.randint(0, 512, (37,), device="cuda")
+    q = qkv[:, : 8 * 128].view(37, 8, 128)
+    cos, sin = rope(positions)
+    want = apply_rotary(q.clone().float(), cos.float(), sin.float())
+    triton_ops.rotary_(q, positions, rope.cos_sin)
+    torch.testing.assert_close(q.float(), want, **tol)

@@ -23,15 +23,32 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the sum also written into `residual`
+        on CUDA (one fused kernel there)."""
+        if x.is_cuda:
+            from batchjob.engine.native import triton_ops
+
+            shape = x.shape
+            out = triton_ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps, residual)
+            return out.reshape(shape) if residual is None else out
+        if residual is not None:
+            x = residual = x + residual
         # float32 statistics: bf16 squares of large activations lose too much precision.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        h = self.weight * h.to(x.dtype)
+        return h if residual is None else (h, residual)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [.., 2 * intermediate] gate/up projection."""
+    if gate_up.is_cuda:
+        from batchjob.engine.native import triton_ops
+
+        return triton_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -144,6 +161,31 @@ class RotaryEmbedding(nn.Module):
         """cos, sin [T, 1, head_dim] for `positions` [T], broadcastable over heads."""
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
+
+    def prepare(self, positions: torch.Tensor) -> RopeStep:
+        """What every layer of one step needs to rotate its q and k."""
+        if positions.is_cuda:
+            return RopeStep(positions, self.cos_sin, None, None)
+        cos, sin = self(positions)
+        return RopeStep(positions, self.cos_sin, cos, sin)
+
+
+@dataclass
+class RopeStep:
+    positions: torch.Tensor
+    table: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [T, H, D] rotated (in place, by one kernel each, on CUDA)."""
+        if self.cos is None:
+            from batchjob.engine.native import triton_ops
+
+            triton_ops.rotary_(q, self.positions, self.table)
+            triton_ops.rotary_(k, self.positions, self.table)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchjob.engine.native.attention import AttentionMetadata, PagedAttentionBackend
-from batchjob.engine.native.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from batchjob.engine.native.layers import RMSNorm, RopeStep, RotaryEmbedding, silu_and_mul
 from batchjob.engine.native.models.spec import ModelSpec
 
 
@@ -32,8 +32,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
@@ -44,7 +43,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope.apply(q, k)
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -70,13 +69,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeStep,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x + residual` is this layer's input (residual None: x alone); returns the pair for the next layer,
+        so each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -104,11 +110,11 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for input_ids, positions int64 [T]; stores the step's K/V."""
-        cos, sin = self.rotary(positions)
-        x = self.embed_tokens(input_ids)
+        rope = self.rotary.prepare(positions)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta, kv_cache)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden] (usually each sequence's last token)."""
