@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
-from batchjob.config import ConfigError
+from batchjob.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,19 @@ def slurm_task_id(env: Mapping[str, str] | None = None) -> str | None:
     return env.get("SLURM_JOB_ID") or None
 
 
+def _slurm_command(*args: str, timeout_s: float) -> subprocess.CompletedProcess | None:
+    """Run a Slurm client command; None when it cannot run. The rows are already committed when this is
+    called, so a missing client or a hung controller must cost a log line, not the exit status."""
+    try:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("%s failed: %s", args[0], err)
+        return None
+
+
 def _state_and_reason(task_id: str) -> set[str]:
-    done = subprocess.run(["squeue", "-h", "-j", task_id, "-o", "%T %r"], capture_output=True, text=True, timeout=30)
-    return set(done.stdout.split()) if done.returncode == 0 else set()
+    done = _slurm_command("squeue", "-h", "-j", task_id, "-o", "%T %r", timeout_s=30)
+    return set(done.stdout.split()) if done is not None and done.returncode == 0 else set()
 
 
 def requeue_after_preemption(signum: int, env: Mapping[str, str] | None = None) -> str | None:
@@ -125,7 +135,9 @@ def requeue_after_preemption(signum: int, env: Mapping[str, str] | None = None) 
     if signum == signal.SIGTERM and not _state_and_reason(task_id) & _REQUEUE_AFTER_TERM:
         log.info("SIGTERM from Slurm: left to Slurm whether task %s runs again (scancel or requeue)", task_id)
         return None
-    done = subprocess.run(["scontrol", "requeue", task_id], capture_output=True, text=True, timeout=60)
+    done = _slurm_command("scontrol", "requeue", task_id, timeout_s=60)
+    if done is None:
+        return None
     if done.returncode != 0:
         # Another task of the same job (or Slurm itself) may have requeued it first: not an error.
         log.warning("scontrol requeue %s failed: %s", task_id, done.stderr.strip() or done.stdout.strip())
