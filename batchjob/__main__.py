@@ -2,6 +2,7 @@
 
 The config lives inside the package (batchjob/conf), so an installed batchjob finds it; add your own
 presets with `--config-dir DIR` or `hydra.searchpath=[file://DIR]` (e.g. DIR/model/my_model.yaml).
+With `engine.data_parallel=N` this process only launches N children, one GPU and one sub-shard each.
 """
 
 from __future__ import annotations
@@ -11,11 +12,33 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from batchjob.slurm import register_resolvers
+
+# The conf's shard defaults are `${slurm_shard_index:}`/`${slurm_shard_count:}`, and Hydra resolves
+# them (hydra.run.dir names the shard) before main() is called.
+register_resolvers()
+
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from batchjob.job import run_job
+    from batchjob.config import data_parallel, load_settings
+    from batchjob.errors import ConfigError
+    from batchjob.job import EXIT_USAGE, run_job
 
+    try:
+        processes = data_parallel(cfg)
+        if processes > 1:
+            from hydra.core.hydra_config import HydraConfig
+
+            from batchjob.launch import run_data_parallel
+
+            # Checked once here, so a bad config is one message, not one per child.
+            settings = load_settings(cfg)
+            overrides = HydraConfig.get().overrides.task
+            sys.exit(run_data_parallel(overrides, processes, settings.shard_index, settings.shard_count))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     status = run_job(cfg)
     if status:
         sys.exit(status)

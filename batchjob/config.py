@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from batchjob.engine import SamplingParams, check_engine_options
 from batchjob.errors import ConfigError
@@ -106,10 +107,27 @@ def _prompt(cfg: DictConfig) -> PromptSpec:
     )
 
 
+def data_parallel(cfg: DictConfig) -> int:
+    """`engine.data_parallel`: GPU processes this command launches (batchjob/launch.py); 1 = run here."""
+    return _positive_int(cfg.engine.get("data_parallel", 1), "engine.data_parallel")
+
+
+def _shard_key(cfg: DictConfig, key: str) -> Any:
+    """`shard.<key>`, whose default comes from Slurm's variables through a resolver (batchjob/slurm.py)."""
+    try:
+        return cfg.shard[key]
+    except InterpolationResolutionError as err:
+        # OmegaConf rewraps the resolver's ConfigError without its cause; its message is the first line.
+        reason = str(err).splitlines()[0].split("while resolving interpolation: ", 1)[-1]
+        raise ConfigError(f"shard.{key}: {reason}") from None
+
+
 def load_settings(cfg: DictConfig) -> JobSettings:
     """Check `cfg` (and the engine options, through the backend's own check) without loading anything."""
     engine_cfg = OmegaConf.to_container(cfg.engine, resolve=True)
     engine_name = engine_cfg.pop("name", None)
+    # A launcher setting, not a backend option: the launched processes each run one engine on one GPU.
+    engine_cfg.pop("data_parallel", None)
     if not engine_name:
         raise ConfigError("engine.name is missing: pick a backend with engine=hf|native|native_sync")
     try:
@@ -119,8 +137,8 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     on_error = cfg.on_error
     if on_error not in ON_ERROR:
         raise ConfigError(f"on_error={on_error!r}: choose one of {', '.join(ON_ERROR)}")
-    shard_count = _positive_int(cfg.shard.count, "shard.count")
-    shard_index = _positive_int(cfg.shard.index, "shard.index", minimum=0)
+    shard_count = _positive_int(_shard_key(cfg, "count"), "shard.count")
+    shard_index = _positive_int(_shard_key(cfg, "index"), "shard.index", minimum=0)
     if shard_index >= shard_count:
         raise ConfigError(f"shard.index={shard_index} must be below shard.count={shard_count}")
     data = cfg.data

@@ -24,6 +24,7 @@ from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.rows import RowLayout
 from batchjob.progress import Progress
 from batchjob.signals import Interrupted, StopSignals, exit_code_for
+from batchjob.slurm import requeue_after_preemption
 
 log = logging.getLogger("batchjob")
 EXIT_OK = 0
@@ -100,6 +101,8 @@ class ShardRun:
         total = self.previously_committed + self.counts.committed
         if stop.requested and not complete:
             print(f"interrupted: {total} rows committed; resumable: rerun the same command", file=sys.stderr)
+            # Only after the commit: a requeued task restarts from the manifest. No-op outside Slurm.
+            requeue_after_preemption(stop.signum)
             return exit_code_for(stop.signum)
         if self._failure is not None:
             print(

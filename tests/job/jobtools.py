@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 import batchjob
 from batchjob.io.layout import REPORT_NAME
 from batchjob.job import run_job
+from batchjob.slurm import register_resolvers
 from batchjob.tiny_model import SAMPLE_PROMPTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,6 +26,7 @@ FAST = ("engine=hf", "sampling.max_new_tokens=4")
 
 
 def job_config(*overrides: str) -> DictConfig:
+    register_resolvers()  # what `python -m batchjob` does first: the conf's shard defaults need them
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(config_name="config", overrides=[*FAST, *overrides])
 

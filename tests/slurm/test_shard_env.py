@@ -1,10 +1,12 @@
 """Shard defaults from Slurm's variables, and the local data-parallel split (no cluster needed)."""
 
+import signal
+
 import pytest
 
 from batchjob.errors import ConfigError
 from batchjob.launch import ChildShard, child_command, plan_children
-from batchjob.slurm import SlurmShard, shard_from_env, slurm_task_id
+from batchjob.slurm import SlurmShard, requeue_after_preemption, shard_from_env, slurm_task_id
 
 
 def array_env(task: int, lowest: int = 0, highest: int = 3, count: int = 4) -> dict[str, str]:
@@ -60,6 +62,15 @@ def test_requeue_id_names_the_array_task() -> None:
     assert slurm_task_id(array_env(3)) == "100_3"
     assert slurm_task_id({"SLURM_JOB_ID": "42"}) == "42"
     assert slurm_task_id({}) is None
+
+
+def test_requeue_after_preemption_does_nothing_outside_slurm() -> None:
+    assert requeue_after_preemption(signal.SIGUSR1, env={}) is None
+    assert requeue_after_preemption(signal.SIGTERM, env={}) is None
+
+
+def test_requeue_after_ctrl_c_does_nothing_even_under_slurm() -> None:
+    assert requeue_after_preemption(signal.SIGINT, env=array_env(1)) is None
 
 
 def test_data_parallel_children_split_the_parent_shard_on_visible_gpus() -> None:
