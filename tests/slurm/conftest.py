@@ -19,10 +19,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def workload(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Overrides for a 40-row job on a tiny model; the files live where every Slurm task can read them."""
+    """Overrides for an 80-row job (20 rows a shard) on a tiny model; the files live where every Slurm
+    task can read them."""
     root = tmp_path_factory.mktemp("slurm_workload")
     model = make_tiny_model(root / "model")
-    prompts = pq.read_table(REPO / "batchjob" / "data" / "sample_prompts.parquet").slice(0, 40)
+    prompts = pq.read_table(REPO / "batchjob" / "data" / "sample_prompts.parquet").slice(0, 80)
     pq.write_table(prompts, root / "prompts.parquet", row_group_size=10)
     return [f"model.path={model}", f"data.path={root / 'prompts.parquet'}", *JOB_OVERRIDES]
 

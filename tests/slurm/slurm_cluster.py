@@ -16,12 +16,13 @@ import batchjob
 
 REPO = Path(batchjob.__file__).resolve().parents[1]
 TEMPLATE = REPO / "scripts" / "slurm" / "batchjob.sbatch"
-# Slow enough (one row at a time, every row forced to full length, committed one by one) that a test
-# can catch a task mid-run; identical for every run so outputs compare row by row.
+# Slow enough that a test can catch a task mid-run: one row at a time, every row forced to 512 tokens
+# (~0.2 s a row even with one uncontended thread) and committed on its own, so a task of 20 rows is
+# still generating for seconds after its first commits. Identical for every run: outputs compare row by row.
 JOB_OVERRIDES = [
     "engine=hf",
     "engine.max_batch_size=1",
-    "sampling.max_new_tokens=16",
+    "sampling.max_new_tokens=512",
     "sampling.ignore_eos=true",
     "output.commit_every_rows=1",
 ]
