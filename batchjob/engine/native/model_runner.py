@@ -110,7 +110,10 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.graph_buckets: list[int] = []
         self.prep_s = 0.0
+        self.fill_s = 0.0
+        self.launch_s = [0.0, 0.0]  # graph steps, eager steps
         self.steps = 0
+        self.graph_steps = 0
         self.tokens_fed = 0
         if self.cuda:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
@@ -205,6 +208,8 @@ class ModelRunner:
         if self.debug_poison:
             slot.poison_host_inputs()
         slot.fill(plan, shape, self.block_size)
+        filled = time.perf_counter()
+        self.fill_s += filled - began
 
         timing = None
         with self._stream(self.h2d if self.cuda else None):
@@ -240,8 +245,11 @@ class ModelRunner:
                 slot.host_top_logprobs[:rows].copy_(slot.dev_top_logprobs[:rows], non_blocking=True)
             if self.cuda:
                 slot.events.d2h_done.record(self.d2h)
-        self.prep_s += time.perf_counter() - began
+        done = time.perf_counter()
+        self.prep_s += done - began
+        self.launch_s[0 if bucket else 1] += done - filled
         self.steps += 1
+        self.graph_steps += 1 if bucket else 0
         self.tokens_fed += t
         return StepHandle(plan=plan, slot=slot, shape=shape, rows=rows, mode=mode, timing=timing)
 

@@ -1,0 +1,6 @@
+import json, sys
+d = json.load(open(sys.argv[1]))
+for name, s in d["workloads"][0]["systems"].items():
+    st = s.get("engine_stats") or {}
+    keep = ("steps", "graph_steps", "prep_ms_per_step", "fill_ms_per_step", "graph_launch_ms_per_step", "eager_launch_ms_per_step", "gpu_busy_fraction")
+    print(sys.argv[2], name, round(s.get("seconds", 0), 2), {k: round(st[k], 3) for k in keep if k in st})
