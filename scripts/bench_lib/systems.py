@@ -95,10 +95,10 @@ def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
                 break
         wall_s = time.perf_counter() - start
         stats = dict(engine.stats())
+        timeline = engine.busy_timeline() if hasattr(engine, "busy_timeline") else None
     finally:
         engine.close()
     del engine
-    timeline = stats.get("busy_timeline")
     return SystemResult(
         system=name,
         wall_s=wall_s,

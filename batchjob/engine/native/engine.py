@@ -273,8 +273,11 @@ class NativeEngine:
         )
         if runner.clock is not None and runner.clock.fraction() is not None:
             stats["gpu_busy_fraction"] = runner.clock.fraction()
-            stats["busy_timeline"] = list(runner.clock.timeline)
         return stats
+
+    def busy_timeline(self) -> list[tuple[float, float]]:
+        """(start, end) seconds of the first few thousand steps' compute on the GPU (empty on CPU)."""
+        return list(self.runner.clock.timeline) if self.runner.clock is not None else []
 
     def close(self) -> None:
         self.kv_caches = []
