@@ -87,6 +87,12 @@ class IOSlot:
         self.host_top_logprobs = _pinned((b, k), torch.float32, pin)
         self.events = None  # set by the runner on CUDA: h2d_done, compute_done, d2h_done
 
+    @property
+    def device_bytes(self) -> int:
+        tensors = (self.dev_int, self.dev_meta, self.dev_tables, self.dev_float, self.dev_tokens, self.dev_logprobs)
+        tensors += (self.dev_top_ids, self.dev_top_logprobs)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def fill(self, plan: StepPlan, shape: StepShape, block_size: int) -> None:
         """Write `plan` into the host buffers, padded to `shape` (padding: scratch block 0, no carry-over)."""
         n, t, rows = len(plan.seqs), plan.num_tokens, int(plan.samples.sum())
