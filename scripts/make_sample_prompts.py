@@ -29,19 +29,43 @@ TASKS = [
     "Résumez en une phrase : {text}",
     "Fasse kurz zusammen: {text}",
 ]
-TOPICS = ["photosynthesis", "black holes", "the French revolution", "tea", "gradient descent", "volcanoes",
-          "the immune system", "jazz", "prime numbers", "glaciers", "the printing press", "honeybees",
-          "quantum tunnelling", "sourdough bread", "plate tectonics", "the Silk Road", "compilers", "owls"]
+TOPICS = [
+    "photosynthesis",
+    "black holes",
+    "the French revolution",
+    "tea",
+    "gradient descent",
+    "volcanoes",
+    "the immune system",
+    "jazz",
+    "prime numbers",
+    "glaciers",
+    "the printing press",
+    "honeybees",
+    "quantum tunnelling",
+    "sourdough bread",
+    "plate tectonics",
+    "the Silk Road",
+    "compilers",
+    "owls",
+]
 COUNTRIES = ["France", "Japan", "Kenya", "Peru", "Canada", "Norway", "India", "Chile", "Egypt", "Vietnam"]
-TEXTS = ["The train was late again, and the platform filled with people holding coffee.",
-         "Rain fell on the old city all night; by morning the river had risen to the bridge.",
-         "She opened the letter slowly, knowing what it would say.",
-         "The committee met on Tuesday and approved the new budget after a long debate.",
-         "A small robot woke up in an empty warehouse and wondered where everyone had gone.",
-         "Les enfants jouent dans le parc pendant que leurs parents discutent.",
-         "Der Zug fährt um acht Uhr ab, aber niemand weiß, wann er ankommt."]
-REVIEWS = ["Absolutely loved it, would buy again!", "Broke after two days. Waste of money.",
-           "It's fine, nothing special.", "The best meal I've had this year 🍜", "Terrible service, cold food."]
+TEXTS = [
+    "The train was late again, and the platform filled with people holding coffee.",
+    "Rain fell on the old city all night; by morning the river had risen to the bridge.",
+    "She opened the letter slowly, knowing what it would say.",
+    "The committee met on Tuesday and approved the new budget after a long debate.",
+    "A small robot woke up in an empty warehouse and wondered where everyone had gone.",
+    "Les enfants jouent dans le parc pendant que leurs parents discutent.",
+    "Der Zug fährt um acht Uhr ab, aber niemand weiß, wann er ankommt.",
+]
+REVIEWS = [
+    "Absolutely loved it, would buy again!",
+    "Broke after two days. Waste of money.",
+    "It's fine, nothing special.",
+    "The best meal I've had this year 🍜",
+    "Terrible service, cold food.",
+]
 
 
 def main() -> None:
@@ -50,8 +74,13 @@ def main() -> None:
     for i in range(300):
         task = rng.choice(TASKS)
         prompt = task.format(
-            text=rng.choice(TEXTS), topic=rng.choice(TOPICS), country=rng.choice(COUNTRIES),
-            review=rng.choice(REVIEWS), a=rng.randint(1, 999), b=rng.randint(1, 999), nth=rng.randint(2, 40),
+            text=rng.choice(TEXTS),
+            topic=rng.choice(TOPICS),
+            country=rng.choice(COUNTRIES),
+            review=rng.choice(REVIEWS),
+            a=rng.randint(1, 999),
+            b=rng.randint(1, 999),
+            nth=rng.randint(2, 40),
         )
         if rng.random() < 0.15:
             prompt = " ".join([prompt] * rng.randint(2, 5))

@@ -56,7 +56,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
-        _config(args.arch).save_pretrained(tmp)
+        config = _config(args.arch)
+        config.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[config.model_type]]
+        config.save_pretrained(tmp)
         spec = read_model_spec(tmp, "bfloat16", max_model_len=args.context + 64)
     attn = TritonPagedAttention()
     with torch.device("meta"):
