@@ -250,3 +250,15 @@ def test_requests_are_pulled_only_as_room_allows(llama_case):
 def test_unknown_engine_option_is_named_before_loading():
     with pytest.raises(ValueError, match="max_num_seq"):
         create_engine("native", "/nonexistent", {"max_num_seq": 3})
+
+
+@pytest.mark.parametrize("engine", ["native", "native_sync"])
+def test_an_abandoned_generate_leaves_the_engine_clean_for_the_next(llama_case, engine):
+    model_dir, reqs, expected = llama_case
+    eng = create_engine(engine, str(model_dir), {"dtype": "float32", "max_num_seqs": 8})
+    stream = eng.generate(reqs)
+    next(stream)
+    stream.close()  # what a signal or an error in the consumer does mid-run
+    assert eng.blocks.num_free == eng.blocks.num_blocks - 1
+    got = {c.id: c.token_ids for c in eng.generate(reqs)}
+    assert got == expected

@@ -131,35 +131,47 @@ class NativeEngine:
         inflight: deque[StepHandle] = deque()
         depth = 1 if self.options.async_loop else 0
         idle_rounds = 0
-        while True:
-            while not exhausted and self.scheduler.free_seq_slots > 0:
-                request = next(source, None)
-                if request is None:
-                    exhausted = True
-                    break
-                refused = self._admit(request)
-                if refused is not None:
-                    yield refused
-            plan = self.scheduler.schedule()
-            if plan is not None:
-                inflight.append(self.runner.launch(plan))
-            # Async: keep one step in flight while this one's results are processed.
-            while len(inflight) > (depth if plan is not None else 0):
-                yield from self._process(inflight.popleft())
-            if plan is None and not inflight:
-                if not self.scheduler.has_unfinished:
-                    if exhausted:
+        finished = False
+        try:
+            while True:
+                while not exhausted and self.scheduler.free_seq_slots > 0:
+                    request = next(source, None)
+                    if request is None:
+                        exhausted = True
                         break
-                elif idle_rounds > 0:
-                    # Nothing in flight and the previous round freed all it could: nothing can ever run.
-                    raise RuntimeError(
-                        f"scheduler stalled: {len(self.scheduler.waiting)} waiting, "
-                        f"{len(self.scheduler.running)} running, {self.blocks.num_free} free blocks"
-                    )
-                idle_rounds += 1
-            else:
-                idle_rounds = 0
-        self.runner.finish()
+                    refused = self._admit(request)
+                    if refused is not None:
+                        yield refused
+                plan = self.scheduler.schedule()
+                if plan is not None:
+                    inflight.append(self.runner.launch(plan))
+                # Async: keep one step in flight while this one's results are processed.
+                while len(inflight) > (depth if plan is not None else 0):
+                    yield from self._process(inflight.popleft())
+                if plan is None and not inflight:
+                    if not self.scheduler.has_unfinished:
+                        if exhausted:
+                            break
+                    elif idle_rounds > 0:
+                        # Nothing in flight and the previous round freed all it could: nothing can ever run.
+                        raise RuntimeError(
+                            f"scheduler stalled: {len(self.scheduler.waiting)} waiting, "
+                            f"{len(self.scheduler.running)} running, {self.blocks.num_free} free blocks"
+                        )
+                    idle_rounds += 1
+                else:
+                    idle_rounds = 0
+            finished = True
+        finally:
+            self.runner.finish()
+            if not finished:
+                # The caller stopped early (a signal, an error): drop every request in flight so the engine
+                # can serve a new `generate` call from a clean state.
+                self._reset_scheduler()
+
+    def _reset_scheduler(self) -> None:
+        self.blocks = KVBlockManager(self.blocks.num_blocks, self.blocks.block_size, self.options.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler.config, self.blocks)
 
     def _admit(self, request: Request) -> Completion | None:
         prompt_len = len(request.prompt_ids)
