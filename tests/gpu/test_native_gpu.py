@@ -177,3 +177,37 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     want = apply_rotary(q.clone().float(), cos.float(), sin.float())
     triton_ops.rotary_(q, positions, rope.cos_sin)
     torch.testing.assert_close(q.float(), want, **tol)
+
+
+def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    probe = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 64})
+    texts = {c.id: c.text for c in probe.generate(_requests(40, seed=5))}
+    probe.close()
+    reqs = [
+        Request(
+            r.id,
+            r.prompt_ids,
+            SamplingParams(
+                max_new_tokens=r.sampling.max_new_tokens,
+                stop=(texts[r.id][3:6],) if len(texts[r.id]) > 8 else (),
+                n=1 + r.id % 3,
+                temperature=0.0 if r.id % 2 else 0.7,
+                seed=r.id,
+            ),
+        )
+        for r in _requests(40, seed=5)
+    ]
+
+    def run(engine):
+        eng = create_engine(engine, str(model_dir), {"dtype": "float32", "max_num_seqs": 64})
+        try:
+            return {c.id: [(s.token_ids, s.text, s.finish_reason) for s in c.samples] for c in eng.generate(reqs)}
+        finally:
+            eng.close()
+
+    got = run("native")
+    assert got == run("native_sync")
+    for r in reqs:
+        for _, text, _ in got[r.id]:
+            assert not any(stop in text for stop in r.sampling.stop)
