@@ -3,8 +3,8 @@
 It holds the model (path, a hash of its config and tokenizer files, the weight files' names and sizes),
 the engine name and dtype (backends differ numerically, so switching them mid-job would mix outputs;
 throughput knobs such as batch sizes are left out, so a resume may retune them), sampling, prompt
-settings, the output columns, the input's fingerprint and the batchjob version. The IO layer adds the
-shard count and compares records on every open.
+settings, the output columns, the input's fingerprint, the rows the job owns and the batchjob version. The IO
+layer adds the shard count and compares records on every open.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def job_record(
     model_path: str,
     input_fingerprint: dict[str, Any],
     passthrough: list[str],
+    job_rows: int | None,
 ) -> dict[str, Any]:
+    """`job_rows`: rows of all shards together after `data.limit` (None when unknown, streaming)."""
     sampling = dataclasses.asdict(settings.sampling)
     return {
         "batchjob_version": batchjob_version(),
@@ -85,4 +87,7 @@ def job_record(
         },
         "on_error": settings.on_error,
         "input": input_fingerprint,
+        # What `python -m batchjob.status` checks the output against. Also guards resume: a new
+        # data.limit moves the shard boundaries, and a new id column renames every row.
+        "rows": {"count": job_rows, "id_column": settings.data.id_column},
     }

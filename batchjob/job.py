@@ -115,7 +115,7 @@ def prepare(settings: JobSettings) -> PreparedJob:
     builder = PromptBuilder(settings.prompt, tokenizer)
     builder.check(list(source.columns))
     passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
-    record = job_record(settings, model_path, source.fingerprint(), passthrough)
+    record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
     output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
     output.open(record, resume=settings.resume)
     return PreparedJob(settings, model_path, source, builder, passthrough, output)

@@ -3,7 +3,8 @@
 Prints one line per shard (rows done/total, output tokens, tokens/s, complete) and checks that the
 committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
 not in the input are listed. With `data.path` (and the same `data.*` keys the job ran with) the check is
-against the input's own row ids; without, against the row count in the job record and ids 0..N-1.
+against the input's own row ids; without, against the job record's row count (after `data.limit`) and,
+unless the job took its ids from `data.id_column`, ids 0..N-1.
 Reads manifests, reports and the `row_id`/`completion_tokens` columns of committed parts; takes no lock,
 so it is safe while shards are still writing. Exit status: 0 when complete and exactly once, 1 otherwise,
 2 for bad arguments.
@@ -58,6 +59,7 @@ class RowIds:
 class Validation:
     rows_expected: int | None
     rows_committed: int
+    ids_checked: bool  # False: the expected row ids are unknown, so missing/unexpected could not be listed
     duplicates: RowIds  # committed more than once (by one shard or several)
     missing: RowIds  # in the input, committed by no shard
     unexpected: RowIds  # committed but not in the input
@@ -105,14 +107,21 @@ def _input_ids(spec: InputSpec) -> np.ndarray:
 
 
 def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatus:
-    """Progress of every shard of `output_dir`, and the exactly-once check against `input_spec` (or
-    against ids 0..N-1, N from the job record, when None)."""
+    """Progress of every shard of `output_dir`, and the exactly-once check against `input_spec` (or,
+    when None, against the job record's row count: ids 0..N-1 unless the ids came from an id column)."""
     storage, path = Storage.for_uri(output_dir)
     record = _record(storage, path)
     statuses = shard_status(output_dir)
     count = max(record.get("shard_count") or 1, len(statuses))
-    expected = _input_ids(input_spec) if input_spec is not None else None
-    total = len(expected) if expected is not None else record.get("input", {}).get("rows")
+    if input_spec is not None:
+        expected = _input_ids(input_spec)
+        total = len(expected)
+    else:
+        rows = record.get("rows") or {}
+        total = rows.get("count")
+        # Without the input, the ids are known only when they are the rows' positions.
+        by_position = total is not None and rows.get("id_column") is None
+        expected = np.arange(total, dtype=np.int64) if by_position else None
     shards, all_ids = [], []
     for st in statuses:
         ids, tokens = _committed(storage, path, st["shard"], count)
@@ -132,8 +141,6 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
         )
     committed = np.sort(np.concatenate(all_ids or [np.empty(0, np.int64)]))
     duplicates = np.unique(committed[1:][committed[1:] == committed[:-1]])
-    if expected is None and total is not None:
-        expected = np.arange(total, dtype=np.int64)
     unique = np.unique(committed)
     if expected is None:
         missing = unexpected = np.empty(0, np.int64)
@@ -141,7 +148,14 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
         expected = np.unique(expected)
         missing = np.setdiff1d(expected, unique, assume_unique=True)
         unexpected = np.setdiff1d(unique, expected, assume_unique=True)
-    validation = Validation(total, len(committed), RowIds.of(duplicates), RowIds.of(missing), RowIds.of(unexpected))
+    validation = Validation(
+        total,
+        len(committed),
+        expected is not None,
+        RowIds.of(duplicates),
+        RowIds.of(missing),
+        RowIds.of(unexpected),
+    )
     return JobStatus(tuple(shards), validation)
 
 
@@ -159,8 +173,10 @@ def format_status(status: JobStatus) -> str:
         if ids.count:
             more = ", ..." if ids.count > len(ids.first) else ""
             lines.append(f"{ids.count} row ids {name}: {', '.join(map(str, ids.first))}{more}")
-    if v.exactly_once:
-        lines.append("every row exactly once" if v.rows_expected is not None else "no duplicates")
+    if v.exactly_once and v.ids_checked:
+        lines.append("every row exactly once")
+    elif v.exactly_once:
+        lines.append("no duplicates (pass the job's data.* keys to check the row ids against the input)")
     lines.append("job COMPLETE" if status.complete else "job INCOMPLETE: rerun the incomplete shards")
     return "\n".join(lines)
 

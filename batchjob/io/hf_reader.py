@@ -67,8 +67,8 @@ class ArrowDatasetSource(InputSource):
         self.dataset = dataset
         feature = dataset.features.get(spec.id_column) if spec.id_column else None
         self._check_id_column(_is_integer(feature), str(feature))
-        n = len(dataset) if spec.limit is None else min(spec.limit, len(dataset))
-        self.start, self.stop = shard_range(n, spec.shard_index, spec.shard_count)
+        self.limited_rows = len(dataset) if spec.limit is None else min(spec.limit, len(dataset))
+        self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
     def fingerprint(self) -> dict[str, Any]:
         files = []
@@ -85,6 +85,9 @@ class ArrowDatasetSource(InputSource):
 
     def num_rows(self) -> int:
         return self.stop - self.start
+
+    def job_rows(self) -> int:
+        return self.limited_rows
 
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         arrow = self.dataset.select_columns(self._columns_to_read(columns)).with_format("arrow")
@@ -119,6 +122,9 @@ class StreamingDatasetSource(InputSource):
         }
 
     def num_rows(self) -> None:
+        return None
+
+    def job_rows(self) -> None:
         return None
 
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:

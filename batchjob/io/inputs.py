@@ -74,6 +74,10 @@ class InputSource(ABC):
         """Rows in this shard after `limit`; None when unknown (streaming)."""
 
     @abstractmethod
+    def job_rows(self) -> int | None:
+        """Rows of the whole job, every shard together: the input's after `limit`; None when unknown."""
+
+    @abstractmethod
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         """Batches of `row_id` (int64) plus `columns`, in deterministic order, minus rows in `skip_row_ids`.
 

@@ -87,8 +87,8 @@ class ParquetSource(InputSource):
         self.total_rows = sum(g.rows for g in self.row_groups)
         id_type = schema.field(spec.id_column).type if spec.id_column in schema.names else None
         self._check_id_column(id_type is not None and pa.types.is_integer(id_type), str(id_type))
-        n = self.total_rows if spec.limit is None else min(spec.limit, self.total_rows)
-        self.start, self.stop = shard_range(n, spec.shard_index, spec.shard_count)
+        self.limited_rows = self.total_rows if spec.limit is None else min(spec.limit, self.total_rows)
+        self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
     def fingerprint(self) -> dict[str, Any]:
         files = []
@@ -100,6 +100,9 @@ class ParquetSource(InputSource):
 
     def num_rows(self) -> int:
         return self.stop - self.start
+
+    def job_rows(self) -> int:
+        return self.limited_rows
 
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         read_columns = self._columns_to_read(columns)

@@ -11,6 +11,7 @@ import pytest
 from jobtools import read_output, run_cli, run_in_process, start_cli, write_prompts
 
 from batchjob.io.output import OutputDataset
+from batchjob.status import job_status
 
 ROWS = 100
 # One row per micro-batch makes every generation bit-identical however rows are grouped across
@@ -133,3 +134,22 @@ def test_a_second_writer_of_the_same_shard_is_refused(prompts: Path, tmp_path: P
     assert refused.returncode == 2
     assert "error:" in refused.stderr and "lock" in refused.stderr.lower()
     assert not list(out.glob("*.parquet"))
+
+
+def test_status_of_a_limited_job_expects_only_the_limited_rows(prompts: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    base = (f"data.path={prompts}", f"output.dir={out}", "data.limit=3", "shard.count=2")
+    assert run_in_process(*base, "shard.index=0") == 0
+    assert run_in_process(*base, "shard.index=1") == 0
+    status = job_status(str(out))
+    assert [(s.rows_done, s.rows_total) for s in status.shards] == [(1, 1), (2, 2)]
+    assert (status.validation.rows_expected, status.validation.missing.count) == (3, 0)
+    assert status.complete
+
+
+def test_rerun_with_a_different_limit_is_refused(prompts: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert run_in_process(f"data.path={prompts}", f"output.dir={out}", "data.limit=3") == 0
+    capsys.readouterr()
+    assert run_in_process(f"data.path={prompts}", f"output.dir={out}", "data.limit=4") == 2
+    assert "rows.count: 3 -> 4" in capsys.readouterr().err

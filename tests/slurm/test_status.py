@@ -10,12 +10,12 @@ from batchjob.io.inputs import InputSpec
 from batchjob.io.output import OutputDataset
 from batchjob.status import job_status, main
 
-RECORD = {"input": {"rows": 8}}
+RECORD = {"rows": {"count": 8, "id_column": None}}
 
 
-def commit(out: Path, shard: int, row_ids: list[int], *, success: bool) -> None:
+def commit(out: Path, shard: int, row_ids: list[int], *, success: bool, record: dict = RECORD) -> None:
     dataset = OutputDataset(str(out), shard, 2)
-    dataset.open(RECORD)
+    dataset.open(record)
     dataset.commit(pa.table({"row_id": pa.array(row_ids, pa.int64()), "completion_tokens": [3] * len(row_ids)}))
     if success:
         dataset.mark_success()
@@ -58,6 +58,17 @@ def test_validation_against_the_input_uses_its_id_column(tmp_path: Path) -> None
     commit(out, 1, [12, 99], success=True)
     validation = job_status(str(out), InputSpec(path=str(tmp_path / "in.parquet"), id_column="id")).validation
     assert (validation.missing.first, validation.unexpected.first) == ((13,), (99,))
+
+
+def test_ids_from_an_id_column_are_not_checked_against_positions(tmp_path: Path, capsys) -> None:
+    record = {"rows": {"count": 4, "id_column": "id"}}
+    commit(tmp_path, 0, [10, 11], success=True, record=record)
+    commit(tmp_path, 1, [12, 13], success=True, record=record)
+    status = job_status(str(tmp_path))
+    assert status.complete
+    assert (status.validation.rows_expected, status.validation.ids_checked) == (4, False)
+    assert main([f"output.dir={tmp_path}"]) == 0
+    assert "pass the job's data.* keys to check the row ids" in capsys.readouterr().out
 
 
 def test_bad_arguments_print_usage(capsys: pytest.CaptureFixture) -> None:
