@@ -52,6 +52,12 @@ def test_parquet_shards_partition_the_limited_input(prompts_dir: Path, count: in
     assert_partition(shard_ids({"path": str(prompts_dir), "limit": 45}, count), np.arange(45))
 
 
+def test_every_shard_reports_the_whole_jobs_row_count_after_limit(prompts_dir: Path, saved_dataset: Path) -> None:
+    for path, limit, expected in ((prompts_dir, 45, 45), (prompts_dir, None, 100), (saved_dataset, 500, 50)):
+        sources = [open_input(InputSpec(str(path), limit=limit, shard_index=i, shard_count=3)) for i in range(3)]
+        assert [s.job_rows() for s in sources] == [expected] * 3
+
+
 def test_more_shards_than_rows_leaves_some_empty(tmp_path: Path) -> None:
     path = write_prompts(tmp_path / "p.parquet", 0, 3, row_group_rows=3)
     shards = shard_ids({"path": str(path)}, 7)
@@ -94,7 +100,7 @@ def test_streaming_shards_partition_the_input(parquet_for_load_dataset: str, cou
 def test_streaming_limit_and_id_column(parquet_for_load_dataset: str) -> None:
     spec = InputSpec("parquet", data_files=parquet_for_load_dataset, streaming=True, id_column="id", limit=5)
     source = open_input(spec)
-    assert source.num_rows() is None
+    assert (source.num_rows(), source.job_rows()) == (None, None)
     ids = [i for b in source.iter_batches(["prompt"]) for i in b.column("row_id").to_pylist()]
     assert ids == [10_000 + 3 * i for i in range(5)]
 
