@@ -79,9 +79,12 @@ class JobStatus:
         return all(s.complete for s in self.shards) and self.validation.exactly_once
 
 
-def _record(storage: Storage, path: str) -> dict:
+def _record(storage: Storage, path: str, output_dir: str) -> dict:
     record_path = storage.join(path, JOB_RECORD_NAME)
-    return json.loads(storage.read_bytes(record_path)) if storage.exists(record_path) else {}
+    if not storage.exists(record_path):
+        # Every shard writes the record before anything else, so without it there is no job to report.
+        raise ValueError(f"{output_dir} holds no batchjob output (no {JOB_RECORD_NAME}): set output.dir to a job's")
+    return json.loads(storage.read_bytes(record_path))
 
 
 def _committed(storage: Storage, path: str, shard: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +113,7 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
     """Progress of every shard of `output_dir`, and the exactly-once check against `input_spec` (or,
     when None, against the job record's row count: ids 0..N-1 unless the ids came from an id column)."""
     storage, path = Storage.for_uri(output_dir)
-    record = _record(storage, path)
+    record = _record(storage, path, output_dir)
     statuses = shard_status(output_dir)
     count = max(record.get("shard_count") or 1, len(statuses))
     if input_spec is not None:

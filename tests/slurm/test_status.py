@@ -74,3 +74,8 @@ def test_ids_from_an_id_column_are_not_checked_against_positions(tmp_path: Path,
 def test_bad_arguments_print_usage(capsys: pytest.CaptureFixture) -> None:
     assert main(["data.path=x"]) == 2
     assert "usage: python -m batchjob.status output.dir=DIR" in capsys.readouterr().err
+
+
+def test_a_directory_without_a_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([f"output.dir={tmp_path / 'typo'}"]) == 2
+    assert "holds no batchjob output (no _job.json)" in capsys.readouterr().err
