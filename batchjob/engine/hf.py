@@ -119,7 +119,7 @@ class HFEngine:
                     )
                 else:
                     runnable.append(req)
-            runnable.sort(key=lambda r: (repr(dataclasses.replace(r.sampling, seed=None)), -len(r.prompt_ids)))
+            runnable.sort(key=lambda r: (repr(_batch_kind(r)), -len(r.prompt_ids)))
             for batch in self._micro_batches(runnable):
                 yield from self._run_batch(batch)
 
