@@ -27,7 +27,10 @@ from batchjob.io.sharding import shard_range
 from batchjob.io.status import shard_status
 from batchjob.io.storage import Storage
 
-USAGE = "usage: python -m batchjob.status output.dir=DIR [data.path=PATH] [data.id_column=COL] [data.limit=N]"
+USAGE = (
+    "usage: python -m batchjob.status output.dir=DIR [data.path=PATH data.id_column=COL data.limit=N "
+    "data.format=FMT data.split=SPLIT] (the data.* keys the job ran with)"
+)
 _DATA_KEYS = {"data.path": "path", "data.format": "format", "data.split": "split", "data.id_column": "id_column"}
 _LISTED = 20  # ids shown per problem; the counts are always complete
 
