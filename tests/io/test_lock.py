@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from conftest import run_proc, start_proc
 
@@ -41,6 +42,10 @@ def test_other_shards_are_not_blocked(tmp_path: Path) -> None:
     with OutputDataset(str(tmp_path), 0, 2) as first, OutputDataset(str(tmp_path), 1, 2) as second:
         first.open(JOB)
         second.open(JOB)
+        first.commit(pa.table({"row_id": pa.array([0], pa.int64())}))
+        second.commit(pa.table({"row_id": pa.array([1], pa.int64())}))
+        assert first.committed_row_ids().tolist() == [0]
+        assert second.committed_row_ids().tolist() == [1]
 
 
 def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
