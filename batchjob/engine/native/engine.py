@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, Request, Sample
+from batchjob.engine.api import Completion, Request
 from batchjob.engine.native.block_manager import KVBlockManager
-from batchjob.engine.native.detokenizer import StopStringMatcher
 from batchjob.engine.native.io_slot import SlotLimits
 from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
 from batchjob.engine.native.model_runner import ModelRunner, StepHandle
 from batchjob.engine.native.options import NativeOptions
+from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
-from batchjob.engine.native.sequence import RequestGroup, Sequence, Status
+from batchjob.engine.native.sequence import RequestGroup, Sequence
 
 log = logging.getLogger("batchjob.engine.native")
 
@@ -120,8 +120,7 @@ class NativeEngine:
             self._stats.update(graph_capture_s=seconds, graph_bytes=nbytes, kv_cache_bytes=kv_bytes)
         self._stats["startup_s"] = time.perf_counter() - started
         self._next_seq_id = 0
-        self._tokens_out = 0
-        self._wasted = 0
+        self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize)
 
     # ---- the loop ----
 
@@ -209,70 +208,7 @@ class NativeEngine:
         return None
 
     def _process(self, step: StepHandle) -> Iterator[Completion]:
-        result = self.runner.collect(step)
-        row = 0
-        for seq, samples in zip(step.plan.seqs, step.plan.samples, strict=True):
-            seq.inflight -= 1
-            if samples:
-                if seq.status is Status.FINISHED:
-                    self._wasted += 1
-                else:
-                    finished = self._append(seq, result, row)
-                    if finished is not None:
-                        yield finished
-                row += 1
-            self.scheduler.release_if_idle(seq)
-
-    def _append(self, seq: Sequence, result, row: int) -> Completion | None:
-        token = int(result.tokens[row])
-        position = seq.resolve_oldest(token)
-        self._tokens_out += 1
-        sampling = seq.sampling
-        if result.logprobs is not None:
-            seq.logprobs.append(float(result.logprobs[row]))
-            if result.top_ids is not None:
-                ids, values = result.top_ids[row], result.top_logprobs[row]
-                seq.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
-        reason = None
-        if (not sampling.ignore_eos and token in self.spec.eos_token_ids) or token in sampling.stop_token_ids:
-            reason = FINISH_STOP
-        elif sampling.stop:
-            matcher = seq.stop_matcher
-            if matcher is None:
-                matcher = seq.stop_matcher = StopStringMatcher(self.tokenizer, sampling.stop)
-            index = matcher.feed(seq.tokens[seq.prompt_len : position + 1].tolist())
-            if index is not None:
-                seq.stop_text = matcher.text[:index]
-                reason = FINISH_STOP
-        if reason is None and position + 1 >= seq.max_len:
-            reason = FINISH_LENGTH
-        if reason is None:
-            return None
-        seq.truncate_after(position)
-        self.scheduler.finish(seq, reason)
-        group = seq.group
-        group.num_finished += 1
-        if group.num_finished < len(group.sequences):
-            return None
-        return Completion(
-            id=group.request.id,
-            samples=tuple(self._sample(s) for s in group.sequences),
-            prompt_tokens=group.prompt_len,
-        )
-
-    def _sample(self, seq: Sequence) -> Sample:
-        ids = seq.output_ids.tolist()
-        if seq.stop_text is not None:
-            text = seq.stop_text
-        elif self.options.detokenize:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        else:
-            text = ""
-        logprobs = tuple(seq.logprobs[: len(ids)]) if seq.sampling.logprobs is not None else None
-        top = tuple(seq.top_logprobs[: len(ids)]) if seq.sampling.logprobs else None
-        return Sample(
-            token_ids=tuple(ids), text=text, finish_reason=seq.finish_reason, logprobs=logprobs, top_logprobs=top
-        )
+        yield from self.outputs.process(step, self.runner.collect(step), self.scheduler)
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
@@ -285,8 +221,8 @@ class NativeEngine:
             graph_steps=runner.graph_steps,
             graph_launch_ms_per_step=1000 * runner.launch_s[0] / max(runner.graph_steps, 1),
             eager_launch_ms_per_step=1000 * runner.launch_s[1] / max(runner.steps - runner.graph_steps, 1),
-            output_tokens=self._tokens_out,
-            wasted_tokens=self._wasted,
+            output_tokens=self.outputs.tokens_out,
+            wasted_tokens=self.outputs.wasted,
             preemptions=self.scheduler.num_preemptions,
         )
         if runner.clock is not None and runner.clock.fraction() is not None:
