@@ -7,13 +7,13 @@ Run on the GPU machine:  python -m pytest tests/gpu -q
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from engine_cases import hf_greedy, mixed_requests, with_stops  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
@@ -21,32 +21,6 @@ from batchjob.engine.native.engine import graph_buckets  # noqa: E402
 from batchjob.tiny_model import ARCHITECTURES, make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-EOS = 2
-
-
-def _requests(n: int, seed: int, max_prompt: int = 64, max_new: int = 32) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        prompt = tuple(int(t) for t in rng.integers(6, 500, int(rng.integers(1, max_prompt))))
-        out.append(Request(i, prompt, SamplingParams(max_new_tokens=int(rng.integers(1, max_new)), ignore_eos=True)))
-    return out
-
-
-def _hf_greedy(model_dir, requests) -> dict:
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    hf.generation_config.eos_token_id = None
-    ref = {}
-    for r in requests:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([r.prompt_ids], device="cuda"),
-                max_new_tokens=r.sampling.max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        ref[r.id] = tuple(out[0, len(r.prompt_ids) :].tolist())
-    return ref
 
 
 def _run(model_dir, requests, engine="native", **options) -> dict:
@@ -61,20 +35,9 @@ def _run(model_dir, requests, engine="native", **options) -> dict:
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def case(request, tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("m") / request.param, arch=request.param)
-    reqs = _requests(80, seed=3)
-    ref = _hf_greedy(model_dir, reqs)
-    # Every third request stops on EOS or a token it generates mid-way, while the next step is in flight.
-    stopped, expected = [], {}
-    for r in reqs:
-        tokens = ref[r.id]
-        if r.id % 3 == 0 and len(tokens) > 3:
-            stop = tokens[len(tokens) // 2]
-            cut = next(i for i, t in enumerate(tokens) if t in (stop, EOS)) + 1
-            r = Request(r.id, r.prompt_ids, SamplingParams(max_new_tokens=len(tokens), stop_token_ids=(stop,)))
-            tokens = tokens[:cut]
-        stopped.append(r)
-        expected[r.id] = tokens
-    return model_dir, stopped, expected
+    base = mixed_requests(80, seed=3, max_prompt=64, max_new=32)
+    reqs, expected = with_stops(base, hf_greedy(model_dir, base, device="cuda"))
+    return model_dir, reqs, expected
 
 
 @pytest.mark.parametrize(
@@ -182,7 +145,7 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
 def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     probe = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 64})
-    texts = {c.id: c.text for c in probe.generate(_requests(40, seed=5))}
+    texts = {c.id: c.text for c in probe.generate(mixed_requests(40, seed=5, max_prompt=64, max_new=32))}
     probe.close()
     reqs = [
         Request(
@@ -196,7 +159,7 @@ def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):
                 seed=r.id,
             ),
         )
-        for r in _requests(40, seed=5)
+        for r in mixed_requests(40, seed=5, max_prompt=64, max_new=32)
     ]
 
     def run(engine):

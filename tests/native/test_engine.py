@@ -3,62 +3,15 @@ architecture, whatever the scheduling (preemption, chunked prefill, batch width,
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from engine_cases import hf_greedy as _hf_greedy
+from engine_cases import mixed_requests as _requests
+from engine_cases import with_stops as _with_stops
 from transformers import AutoModelForCausalLM
 
 from batchjob.engine import Request, SamplingParams, create_engine
 from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
-
-
-def _requests(n: int, seed: int = 0, max_prompt: int = 48, max_new: int = 24) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        prompt = tuple(int(t) for t in rng.integers(6, 500, int(rng.integers(1, max_prompt))))
-        new = int(rng.integers(1, max_new))
-        out.append(Request(i, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True)))
-    return out
-
-
-def _hf_greedy(model_dir, requests: list[Request]) -> dict[int, tuple[int, ...]]:
-    """transformers' greedy tokens, generated past EOS (what `ignore_eos` means: EOS may be sampled, but
-    does not end the request)."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    ref = {}
-    for r in requests:
-        new = r.sampling.max_new_tokens
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([r.prompt_ids]),
-                max_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        ref[r.id] = tuple(out[0, len(r.prompt_ids) :].tolist())
-    return ref
-
-
-EOS = 2  # the tiny models' <|end|>
-
-
-def _with_stops(requests: list[Request], ref: dict) -> tuple[list[Request], dict]:
-    """Every third request stops on EOS or on a token it generates mid-way (a stop while the next step is
-    already in flight)."""
-    reqs, expected = [], {}
-    for r in requests:
-        tokens = ref[r.id]
-        if r.id % 3 == 0 and len(tokens) > 3:
-            stop = tokens[len(tokens) // 2]
-            cut = next(i for i, t in enumerate(tokens) if t in (stop, EOS)) + 1
-            r = Request(r.id, r.prompt_ids, SamplingParams(max_new_tokens=len(tokens), stop_token_ids=(stop,)))
-            expected[r.id] = tokens[:cut]
-        else:
-            expected[r.id] = tokens
-        reqs.append(r)
-    return reqs, expected
 
 
 def _run(model_dir, requests, engine: str = "native", **options) -> dict:

@@ -1,0 +1,56 @@
+"""Request sets and transformers references shared by the CPU (tests/native) and GPU (tests/gpu) engine suites."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchjob.engine import Request, SamplingParams
+
+EOS = 2  # the tiny models' <|end|>
+
+
+def mixed_requests(n: int, seed: int, max_prompt: int = 48, max_new: int = 24) -> list[Request]:
+    """`n` greedy requests of random prompt and output lengths, EOS ignored."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = tuple(int(t) for t in rng.integers(6, 500, int(rng.integers(1, max_prompt))))
+        new = int(rng.integers(1, max_new))
+        out.append(Request(i, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True)))
+    return out
+
+
+def hf_greedy(model_dir, requests: list[Request], device: str = "cpu") -> dict:
+    """transformers' greedy tokens, generated past EOS (what `ignore_eos` means: EOS may be sampled, but
+    does not end the request)."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    ref = {}
+    for r in requests:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([r.prompt_ids], device=device),
+                max_new_tokens=r.sampling.max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        ref[r.id] = tuple(out[0, len(r.prompt_ids) :].tolist())
+    return ref
+
+
+def with_stops(requests: list[Request], ref: dict) -> tuple[list[Request], dict]:
+    """Every third request stops on EOS or on a token it generates mid-way (a stop while the next step is
+    already in flight); returns the requests and the tokens each must produce."""
+    reqs, expected = [], {}
+    for r in requests:
+        tokens = ref[r.id]
+        if r.id % 3 == 0 and len(tokens) > 3:
+            stop = tokens[len(tokens) // 2]
+            cut = next(i for i, t in enumerate(tokens) if t in (stop, EOS)) + 1
+            r = Request(r.id, r.prompt_ids, SamplingParams(max_new_tokens=len(tokens), stop_token_ids=(stop,)))
+            tokens = tokens[:cut]
+        reqs.append(r)
+        expected[r.id] = tokens
+    return reqs, expected
