@@ -19,7 +19,7 @@ from batchjob.engine.api import Completion, Request
 from batchjob.engine.native.block_manager import KVBlockManager
 from batchjob.engine.native.io_slot import SlotLimits
 from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
-from batchjob.engine.native.model_runner import ModelRunner, StepHandle
+from batchjob.engine.native.model_runner import GRAPH_MODES, ModelRunner, StepHandle
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
@@ -105,19 +105,26 @@ class NativeEngine:
             "slot_bytes": self.runner.slots[1].device_bytes,
         }
         if self.device.type == "cuda" and opts.cuda_graphs:
-            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch))
+            modes = GRAPH_MODES if opts.graph_sampling else GRAPH_MODES[:1]
+            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch), modes)
             kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
             log.info(
-                "captured %d CUDA graphs (2 slots x %d buckets) in %.1f s using %.1f MiB, plus %.1f MiB for the "
-                "second IO slot (%.2f%% of the KV cache together)",
+                "captured %d CUDA graphs (2 slots x %d buckets x %d sampler modes) in %.1f s using %.1f MiB, "
+                "plus %.1f MiB for the second IO slot (%.2f%% of the KV cache together)",
                 len(self.runner.graphs),
                 len(self.runner.graph_buckets),
+                len(self.runner.graph_modes),
                 seconds,
                 nbytes / 2**20,
                 self._stats["slot_bytes"] / 2**20,
                 100 * (nbytes + self._stats["slot_bytes"]) / kv_bytes,
             )
-            self._stats.update(graph_capture_s=seconds, graph_bytes=nbytes, kv_cache_bytes=kv_bytes)
+            self._stats.update(
+                graph_capture_s=seconds,
+                graph_bytes=nbytes,
+                kv_cache_bytes=kv_bytes,
+                graph_modes=len(self.runner.graph_modes),
+            )
         self._stats["startup_s"] = time.perf_counter() - started
         self._next_seq_id = 0
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize)

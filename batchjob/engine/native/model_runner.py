@@ -14,6 +14,7 @@ On CPU the same code runs without streams or events (all work is synchronous the
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,6 +25,22 @@ import torch
 from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.sampler import SamplerMode, sample
 from batchjob.engine.native.scheduler import StepPlan
+
+log = logging.getLogger("batchjob.engine.native")
+
+
+GREEDY = SamplerMode()
+# One graph mode serves every sampling decode step: the filtering path with top-k/top-p/min-p off is the
+# plain draw (rows without filters get the same tokens, up to float ties), and greedy rows stay greedy.
+SAMPLING = SamplerMode(sampling=True, filtering=True)
+GRAPH_MODES = (GREEDY, SAMPLING)
+
+
+def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
+    """The captured mode that can run a decode step needing `mode`, if any (log-probabilities: none)."""
+    if mode.logprobs is not None:
+        return None
+    return SAMPLING if mode.sampling else GREEDY
 
 
 @dataclass
@@ -107,8 +124,10 @@ class ModelRunner:
         self.cuda = device.type == "cuda"
         self.slots = [IOSlot(i, limits, device) for i in range(2)]
         self.step_index = 0
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
         self.graph_buckets: list[int] = []
+        self.graph_modes: set[SamplerMode] = set()
+        self.capture_errors: list[str] = []
         self.prep_s = 0.0
         self.fill_s = 0.0
         self.launch_s = [0.0, 0.0]  # graph steps, eager steps
@@ -151,30 +170,43 @@ class ModelRunner:
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.graph_buckets if b >= n), None)
 
-    def capture_graphs(self, buckets: list[int]) -> tuple[float, int]:
-        """Capture greedy decode steps for every bucket and both slots into one memory pool. Returns the
-        seconds and device bytes it took."""
+    def capture_graphs(self, buckets: list[int], modes: tuple[SamplerMode, ...]) -> tuple[float, int]:
+        """Capture decode steps for every bucket, sampler mode and slot into one memory pool. Returns the
+        seconds and device bytes it took. A mode other than greedy that fails to capture is logged and left
+        to run eagerly; greedy must capture."""
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        mode = SamplerMode()
-        for bucket in sorted(buckets, reverse=True):
-            shape = StepShape(tokens=bucket, seqs=bucket, rows=bucket)
-            for slot in self.slots:
-                prev = self.slots[1 - slot.index]
-                self._prepare_dummy(slot, shape)
-                with torch.cuda.stream(self.compute):
-                    self._forward(slot, prev, shape, 1, self.max_model_len, mode)  # warm-up: autotuning, lazy init
-                self.compute.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # All graphs share one pool: safe because they only ever run one at a time, on `compute`.
-                with torch.cuda.graph(graph, pool=pool, stream=self.compute):
-                    self._forward(slot, prev, shape, 1, self.max_model_len, mode)
-                self.graphs[(slot.index, bucket)] = graph
+        for mode in modes:
+            try:
+                for bucket in sorted(buckets, reverse=True):
+                    self._capture(bucket, mode, pool)
+            except RuntimeError as exc:
+                if mode == GREEDY:
+                    raise
+                log.warning("decode steps with %s run eagerly: capturing them failed (%s)", mode, exc)
+                self.graphs = {key: g for key, g in self.graphs.items() if key[2] != mode}
+                self.capture_errors.append(f"{mode}: {exc}")
+                torch.cuda.synchronize(self.device)
         self.graph_buckets = sorted(buckets)
+        self.graph_modes = {key[2] for key in self.graphs}
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start, torch.cuda.memory_reserved(self.device) - before
+
+    def _capture(self, bucket: int, mode: SamplerMode, pool) -> None:
+        shape = StepShape(tokens=bucket, seqs=bucket, rows=bucket)
+        for slot in self.slots:
+            prev = self.slots[1 - slot.index]
+            self._prepare_dummy(slot, shape)
+            with torch.cuda.stream(self.compute):
+                self._forward(slot, prev, shape, 1, self.max_model_len, mode)  # warm-up: autotuning, lazy init
+            self.compute.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # All graphs share one pool: safe because they only ever run one at a time, on `compute`.
+            with torch.cuda.graph(graph, pool=pool, stream=self.compute):
+                self._forward(slot, prev, shape, 1, self.max_model_len, mode)
+            self.graphs[(slot.index, bucket, mode)] = graph
 
     def _prepare_dummy(self, slot: IOSlot, shape: StepShape) -> None:
         """Valid inputs for a capture: every token a padding token in the scratch block."""
@@ -199,7 +231,10 @@ class ModelRunner:
         rows = int(plan.samples.sum())
         mode = self._sampler_mode(plan)
         n, t = len(plan.seqs), plan.num_tokens
-        bucket = self.bucket_for(n) if plan.is_decode and mode == SamplerMode() else None
+        graph_mode = graph_mode_for(mode)
+        bucket = self.bucket_for(n) if plan.is_decode and graph_mode in self.graph_modes else None
+        if bucket:
+            mode = graph_mode
         shape = StepShape(bucket, bucket, bucket) if bucket else StepShape(t, n, rows)
 
         if self.cuda:
@@ -228,7 +263,7 @@ class ModelRunner:
                 timing = self.clock.pair()
                 timing[0].record(self.compute)
             if bucket:
-                self.graphs[(slot.index, bucket)].replay()
+                self.graphs[(slot.index, bucket, mode)].replay()
             else:
                 max_seq_len = int((plan.starts + plan.counts).max())
                 self._forward(slot, prev, shape, int(plan.counts.max()), max_seq_len, mode)
