@@ -1,0 +1,279 @@
+"""Multi-GPU scaling on one node (issue 5): the whole `python -m batchjob engine.data_parallel=N` job, per N.
+
+    python scripts/bench_data_parallel.py --gpus 1,2 --out bench-dp        # on a 2-GPU machine
+    python scripts/bench_data_parallel.py --tiny --gpus 1,2 --rows 24 --max-new-tokens 8 --out /tmp/dp   # CPU
+
+One model (W2's architecture, Llama-3.2-1B with seeded random bf16 weights, cached in --model-cache; --tiny:
+batchjob's tiny llama on the CPU) and one Parquet file of --rows seeded text prompts that the model's tokenizer
+encodes to about U(--prompt-tokens) tokens each. For each N the same job runs into its own output dir with EOS
+ignored, so every N does the same work; the clock is the whole command (start-up included). Per-shard reports
+give each shard's own wall time and engine start-up. Every input row must be in the output exactly once.
+Writes OUT/data_parallel.json and prints a table last; exits 1 if any run failed or lost or repeated a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_lib.workloads import SEED, WORKLOADS
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
+ARCHITECTURE = WORKLOADS["W2"].architecture
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", default="1,2", help="comma-separated values of engine.data_parallel")
+    parser.add_argument("--rows", type=int, default=2048, help="prompts in the input file")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="per row (EOS ignored)")
+    parser.add_argument("--prompt-tokens", default="64,512", help="LOW,HIGH: prompt lengths drawn uniformly")
+    parser.add_argument("--max-model-len", type=int, default=None, help="engine.max_model_len (2048; --tiny 1024)")
+    parser.add_argument("--engine", default="native", help="engine preset (batchjob/conf/engine)")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="extra batchjob override (repeatable)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="data_parallel.json, inputs, runs")
+    parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE, help="random-weight models, reused")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on batchjob's tiny llama")
+    return parser.parse_args(argv)
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    """The model, built on first use. The random model is built in a child process so that this one never holds
+    a CUDA context on GPU 0, which would shrink the KV cache of the N=1 run and of one child of every other N."""
+    if args.tiny:
+        from bench_lib.models import tiny_model_dir
+
+        return tiny_model_dir(args.model_cache)
+    code = (
+        "import sys; from pathlib import Path; from bench_lib.models import random_model_dir; "
+        "print(random_model_dir(sys.argv[1], Path(sys.argv[2])))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")])}
+    built = subprocess.run(
+        [sys.executable, "-c", code, ARCHITECTURE, str(args.model_cache)], env=env, capture_output=True, text=True
+    )
+    if built.returncode != 0:
+        raise SystemExit(f"building the {ARCHITECTURE} model failed:\n{built.stderr[-3000:]}")
+    return Path(built.stdout.strip().splitlines()[-1])
+
+
+def single_token_words(tokenizer: Any, rng: np.random.Generator, candidates: int = 4096) -> list[str]:
+    """Words that encode to exactly one token after a space, so a prompt of L such words is ~L tokens. A seeded
+    sample of the vocabulary is enough (the 128k-word vocabulary would take long to check one by one)."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    picked = rng.choice(ids, size=min(candidates, len(ids)), replace=False)
+    words = []
+    for token_id in picked.tolist():
+        word = tokenizer.decode([token_id]).strip()
+        if word.isalnum() and len(tokenizer(" " + word, add_special_tokens=False).input_ids) == 1:
+            words.append(word)
+    if len(words) < 16:
+        raise SystemExit(f"the tokenizer has only {len(words)} single-token words in its sample: cannot make prompts")
+    return sorted(set(words))
+
+
+def write_prompts(path: Path, model: Path, rows: int, lengths: tuple[int, int]) -> dict[str, Any]:
+    """The seeded input file (columns id, prompt); returns its prompt token statistics as the tokenizer sees them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rng = np.random.default_rng(SEED)
+    words = np.array(single_token_words(tokenizer, rng))
+    sizes = rng.integers(lengths[0], lengths[1] + 1, size=rows)
+    prompts = [" ".join(rng.choice(words, size=int(n)).tolist()) for n in sizes]
+    tokens = np.array([len(ids) for ids in tokenizer(prompts).input_ids])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": np.arange(rows, dtype=np.int64), "prompt": prompts}), path)
+    return {"rows": rows, "min": int(tokens.min()), "mean": float(tokens.mean()), "max": int(tokens.max())}
+
+
+def data_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def job_command(args: argparse.Namespace, model: Path, data: Path, out_dir: Path, gpus: int) -> list[str]:
+    max_model_len = args.max_model_len or (1024 if args.tiny else 2048)
+    return [
+        sys.executable,
+        "-m",
+        "batchjob",
+        f"model.path={model}",
+        f"data.path={data}",
+        f"output.dir={out_dir}",
+        f"engine={args.engine}",
+        f"engine.data_parallel={gpus}",
+        f"engine.max_model_len={max_model_len}",
+        f"sampling.max_new_tokens={args.max_new_tokens}",
+        "sampling.ignore_eos=true",
+        *(["engine.device=cpu"] if args.tiny else []),
+        *args.override,
+    ]
+
+
+def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dict[str, Any]:
+    """One whole job with `engine.data_parallel=gpus`, from scratch, timed end to end and then checked."""
+    from batchjob.io.inputs import InputSpec
+    from batchjob.status import job_status
+
+    out_dir = args.out / "runs" / f"dp{gpus}"
+    shutil.rmtree(out_dir, ignore_errors=True)  # a leftover output would be resumed, not measured
+    out_dir.mkdir(parents=True)
+    command = job_command(args, model, data, out_dir, gpus)
+    # The children are independent processes (no collectives), so NCCL is unused; NVLS off per the machine notes.
+    env = {
+        **os.environ,
+        "NCCL_NVLS_ENABLE": "0",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    log = args.out / "runs" / f"dp{gpus}.log"
+    print(f"data_parallel={gpus}: {' '.join(command[1:])}", flush=True)
+    started = time.perf_counter()
+    with log.open("w") as log_file:
+        try:
+            status = subprocess.run(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout_s)
+            returncode = status.returncode
+        except subprocess.TimeoutExpired:
+            returncode = 124
+    wall_s = time.perf_counter() - started
+    result: dict[str, Any] = {"gpus": gpus, "returncode": returncode, "wall_s": wall_s, "log": str(log)}
+    if returncode != 0:
+        print(f"data_parallel={gpus}: exited {returncode}; last lines of {log}:", file=sys.stderr)
+        print("\n".join(log.read_text().splitlines()[-30:]), file=sys.stderr)
+    try:
+        job = job_status(str(out_dir), InputSpec(path=str(data)))
+    except ValueError as error:  # no job record: the command failed before writing anything
+        result.update(exactly_once=False, complete=False, completion_tokens=0, tok_per_s=0.0, error=str(error))
+        result.update(rows_committed=0, rows_expected=data_rows(data))
+        return result
+    reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("_report-*.json"))]
+    tokens = sum(s.completion_tokens for s in job.shards)
+    v = job.validation
+    result.update(
+        rows_expected=v.rows_expected,
+        rows_committed=v.rows_committed,
+        duplicates=v.duplicates.count,
+        missing=v.missing.count,
+        exactly_once=v.exactly_once and v.ids_checked and v.rows_committed == v.rows_expected,
+        complete=job.complete,
+        completion_tokens=tokens,
+        tok_per_s=tokens / wall_s,
+        shards=[
+            {
+                "shard": r["shard"]["index"],
+                "wall_s": r["wall_s"],
+                "completion_tokens": r["completion_tokens"],
+                "startup_s": r["engine"].get("startup_s"),
+            }
+            for r in reports
+        ],
+    )
+    if reports:
+        # The slowest shard decides the job; the rest of the command's time is process and model start-up.
+        result["shard_wall_s_max"] = max(r["wall_s"] for r in reports)
+        startups = [r["engine"]["startup_s"] for r in reports if r["engine"].get("startup_s") is not None]
+        result["engine_startup_s_max"] = max(startups) if startups else None
+        result["outside_shard_loop_s"] = wall_s - result["shard_wall_s_max"]
+        # Start-up excluded: what N GPUs give once every shard is generating.
+        result["generation_tok_per_s"] = tokens / result["shard_wall_s_max"] if result["shard_wall_s_max"] else None
+    return result
+
+
+def add_efficiency(results: list[dict[str, Any]]) -> None:
+    """efficiency(N) = tok/s(N) / (N x tok/s(1)): 1.0 is perfect scaling."""
+    base = next((r for r in results if r["gpus"] == 1 and r["returncode"] == 0), None)
+    for r in results:
+        ok = base is not None and r["returncode"] == 0
+        r["scaling_efficiency"] = r["tok_per_s"] / (r["gpus"] * base["tok_per_s"]) if ok else None
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """tok/s and efficiency are of the whole command; gen tok/s is over the slowest shard's generation loop."""
+    header = (
+        f"{'N':>3} {'wall s':>8} {'startup s':>9} {'tokens':>10} {'tok/s':>10} {'efficiency':>10} "
+        f"{'gen tok/s':>10}  rows"
+    )
+    lines = [header]
+    for r in results:
+        startup = r.get("engine_startup_s_max")
+        eff = r["scaling_efficiency"]
+        gen = r.get("generation_tok_per_s")
+        rows = "exactly once" if r["exactly_once"] else f"{r['rows_committed']}/{r['rows_expected']} NOT exactly once"
+        if r["returncode"]:
+            rows += f" (exit {r['returncode']})"
+        lines.append(
+            f"{r['gpus']:>3} {r['wall_s']:>8.1f} {'-' if startup is None else f'{startup:.1f}':>9} "
+            f"{r['completion_tokens']:>10} {r['tok_per_s']:>10,.0f} {'-' if eff is None else f'{eff:.2f}':>10} "
+            f"{'-' if gen is None else f'{gen:,.0f}':>10}  {rows}"
+        )
+    return "\n".join(lines)
+
+
+def _device_names() -> list[str]:
+    """GPU names from nvidia-smi (not torch: this process must not create a CUDA context)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return query.stdout.strip().splitlines() if query.returncode == 0 else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # The checkout's batchjob is what is measured, whether or not (and wherever) it is pip-installed.
+    sys.path.insert(1, str(REPO))
+    try:
+        counts = sorted({int(n) for n in args.gpus.split(",") if n.strip()})
+        low, high = (int(x) for x in args.prompt_tokens.split(","))
+    except ValueError:
+        raise SystemExit("--gpus takes integers like 1,2 and --prompt-tokens LOW,HIGH like 64,512") from None
+    if not counts or counts[0] < 1 or not 1 <= low <= high:
+        raise SystemExit("--gpus needs values >= 1 and --prompt-tokens 1 <= LOW <= HIGH")
+    args.out = args.out.resolve()
+    model = model_dir(args)
+    data = args.out / "prompts.parquet"
+    prompt_tokens = write_prompts(data, model, args.rows, (low, high))
+    print(f"{args.rows} prompts, {prompt_tokens['min']}-{prompt_tokens['max']} tokens; model {model}", flush=True)
+    results = [run_one(args, model, data, n) for n in counts]
+    add_efficiency(results)
+    import torch
+    import transformers
+
+    report = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "devices": _device_names(),
+        "model": str(model),
+        "architecture": "tiny-llama" if args.tiny else ARCHITECTURE,
+        "engine": args.engine,
+        "overrides": args.override,
+        "max_new_tokens": args.max_new_tokens,
+        "prompt_tokens": prompt_tokens,
+        "results": results,
+    }
+    (args.out / "data_parallel.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table(results))
+    return 0 if all(r["returncode"] == 0 and r["exactly_once"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

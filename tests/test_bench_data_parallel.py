@@ -1,0 +1,43 @@
+"""scripts/bench_data_parallel.py: the CPU smoke run of the multi-GPU scaling benchmark (issue 5).
+
+On a CPU, engine.data_parallel=2 starts two CPU children (one sub-shard each), so the whole path the GPU run
+takes (input file, launcher, per-shard reports, exactly-once check, JSON) is exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_data_parallel.py"
+
+
+def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--tiny", "--gpus", "1,2", "--rows", "24", "--max-new-tokens", "8"]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--out", str(out), "--model-cache", str(tmp_path / "models")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "data_parallel.json").read_text())
+    assert pq.ParquetFile(out / "prompts.parquet").metadata.num_rows == 24
+    assert 64 <= report["prompt_tokens"]["min"] <= report["prompt_tokens"]["max"] <= 512 + 1
+    one, two = report["results"]
+    assert (one["gpus"], two["gpus"]) == (1, 2)
+    for result in (one, two):
+        assert result["returncode"] == 0
+        assert result["exactly_once"] and result["complete"]
+        assert result["rows_committed"] == result["rows_expected"] == 24
+        assert result["completion_tokens"] == 24 * 8  # EOS ignored: every row generates max_new_tokens
+        assert result["tok_per_s"] > 0 and result["generation_tok_per_s"] > 0
+        assert len(result["shards"]) == result["gpus"]
+        assert sum(s["completion_tokens"] for s in result["shards"]) == 24 * 8
+    assert one["scaling_efficiency"] == 1.0 and two["scaling_efficiency"] > 0
+    assert run.stdout.rstrip().splitlines()[-1].lstrip().startswith("2 ")
