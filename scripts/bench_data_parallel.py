@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -45,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="data_parallel.json, inputs, runs")
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE, help="random-weight models, reused")
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    parser.add_argument(
+        "--timeout-s", type=float, default=240.0, help="per run; one stuck run still leaves the others' results"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on batchjob's tiny llama")
     return parser.parse_args(argv)
 
@@ -147,10 +150,13 @@ def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dic
     print(f"data_parallel={gpus}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
     with log.open("w") as log_file:
+        # Its own process group, so a run past --timeout-s is stopped with every GPU child it started.
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            status = subprocess.run(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout_s)
-            returncode = status.returncode
+            returncode = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             returncode = 124
     wall_s = time.perf_counter() - started
     result: dict[str, Any] = {"gpus": gpus, "returncode": returncode, "wall_s": wall_s, "log": str(log)}
@@ -250,11 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     data = args.out / "prompts.parquet"
     prompt_tokens = write_prompts(data, model, args.rows, (low, high))
     print(f"{args.rows} prompts, {prompt_tokens['min']}-{prompt_tokens['max']} tokens; model {model}", flush=True)
-    results = [run_one(args, model, data, n) for n in counts]
-    add_efficiency(results)
     import torch
     import transformers
 
+    results: list[dict[str, Any]] = []
     report = {
         "argv": sys.argv[1:] if argv is None else argv,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -270,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": prompt_tokens,
         "results": results,
     }
-    (args.out / "data_parallel.json").write_text(json.dumps(report, indent=2) + "\n")
+    for n in counts:
+        results.append(run_one(args, model, data, n))
+        add_efficiency(results)
+        # Written after every N, so a run stopped by a time limit still leaves what it measured.
+        (args.out / "data_parallel.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(results))
     return 0 if all(r["returncode"] == 0 and r["exactly_once"] for r in results) else 1
 
