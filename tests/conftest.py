@@ -5,3 +5,10 @@ start (subprocesses, Slurm tasks)."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels can only run interpreted here. Triton 3.6 reads this when it is first imported, and
+    # transformers imports it early (through torch._dynamo), so it has to be set before any test module loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")

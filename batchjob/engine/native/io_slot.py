@@ -130,7 +130,8 @@ class IOSlot:
         view["seeds"][:rows] = [s.seed for s in sampled]
         # The sampled token's index in the output: its position minus the prompt length.
         view["out_positions"][:rows] = [s.num_tokens - 1 - s.prompt_len for s in sampled]
-        view["top_k"][:rows] = [s.sampling.top_k for s in sampled]
+        sampler_rows = np.array([s.sampler_row for s in sampled], dtype=np.float64).reshape(rows, 4)
+        view["top_k"][:rows] = sampler_rows[:, 0]
         for name in ("seeds", "out_positions", "top_k"):
             view[name][rows:] = 0
 
@@ -143,9 +144,7 @@ class IOSlot:
 
         floats = self.host_float.numpy()
         temperature, top_p, min_p = (floats[i * shape.rows : (i + 1) * shape.rows] for i in range(3))
-        temperature[:rows] = [s.sampling.temperature for s in sampled]
-        top_p[:rows] = [s.sampling.top_p for s in sampled]
-        min_p[:rows] = [s.sampling.min_p for s in sampled]
+        temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
         temperature[rows:], top_p[rows:], min_p[rows:] = 0.0, 1.0, 0.0
 
     def copy_inputs(self, shape: StepShape) -> None:

@@ -165,14 +165,16 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_registered = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _register_full_prompt_blocks(self, seq: Sequence) -> None:
         full = min(seq.num_computed, seq.prompt_len) // self.blocks.block_size
-        for index in range(full):
+        for index in range(seq.num_registered, full):
             self.blocks.register(seq.block_table[index], seq.prompt_hashes[index])
+        seq.num_registered = max(seq.num_registered, full)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished; its blocks are freed once no step in flight still uses them."""

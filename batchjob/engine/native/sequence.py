@@ -45,6 +45,7 @@ class Sequence:
     seed: int
     num_tokens: int = 0
     num_computed: int = 0
+    num_registered: int = 0
     pending: deque[int] = field(default_factory=deque)
     inflight: int = 0
     status: Status = Status.WAITING
@@ -55,12 +56,15 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_text: str | None = None
     stop_matcher: Any = None
+    # (top_k, temperature, top_p, min_p): read every step this sequence samples in, so looked up once.
+    sampler_row: tuple = ()
 
     @classmethod
     def create(
         cls, seq_id: int, group: RequestGroup, sample_index: int, max_len: int, seed: int, block_size: int
     ) -> Sequence:
         prompt = np.asarray(group.request.prompt_ids, dtype=np.int64)
+        sp = group.request.sampling
         tokens = np.zeros(max_len + 1, dtype=np.int64)
         tokens[: len(prompt)] = prompt
         hashes, h = [], 0
@@ -77,6 +81,7 @@ class Sequence:
             seed=seed,
             num_tokens=len(prompt),
             prompt_hashes=hashes,
+            sampler_row=(sp.top_k, sp.temperature, sp.top_p, sp.min_p),
         )
 
     @property
