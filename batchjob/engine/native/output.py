@@ -27,20 +27,22 @@ class OutputProcessor:
         """Apply one collected step: resolve each sampled row's pending token, stop what must stop, and
         yield the requests whose samples have all finished."""
         row = 0
-        for seq, samples in zip(step.plan.seqs, step.plan.samples, strict=True):
+        tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
+        for seq, samples in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True):
             seq.inflight -= 1
             if samples:
                 if seq.status is Status.FINISHED:
                     self.wasted += 1
                 else:
-                    finished = self._append(seq, result, row, scheduler)
+                    finished = self._append(seq, tokens[row], result, row, scheduler)
                     if finished is not None:
                         yield finished
                 row += 1
             scheduler.release_if_idle(seq)
 
-    def _append(self, seq: Sequence, result: StepResult, row: int, scheduler: Scheduler) -> Completion | None:
-        token = int(result.tokens[row])
+    def _append(
+        self, seq: Sequence, token: int, result: StepResult, row: int, scheduler: Scheduler
+    ) -> Completion | None:
         position = seq.resolve_oldest(token)
         self.tokens_out += 1
         sampling = seq.sampling
