@@ -215,3 +215,10 @@ def test_an_abandoned_generate_leaves_the_engine_clean_for_the_next(llama_case, 
     assert eng.blocks.num_free == eng.blocks.num_blocks - 1
     got = {c.id: c.token_ids for c in eng.generate(reqs)}
     assert got == expected
+
+
+def test_an_engine_option_of_the_wrong_type_is_named_before_loading():
+    with pytest.raises(ValueError, match=r"engine.max_num_seqs='many': must be int"):
+        create_engine("native", "/nonexistent", {"max_num_seqs": "many"})
+    with pytest.raises(ValueError, match=r"engine.cuda_graphs=1: must be bool"):
+        create_engine("native", "/nonexistent", {"cuda_graphs": 1})

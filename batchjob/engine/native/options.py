@@ -8,6 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _has_type(value: Any, annotation: str) -> bool:
+    """`value` fits a field annotated `bool`, `int`, `float`, `str`, or one of those `| None`."""
+    base, _, optional = annotation.partition(" | ")
+    if value is None:
+        return optional == "None"
+    if isinstance(value, bool) and base != "bool":
+        return False
+    return isinstance(value, _TYPES[base])
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,13 @@ class NativeOptions:
         return opts
 
     def validate(self) -> None:
-        problems = []
+        problems = [
+            f"engine.{f.name}={getattr(self, f.name)!r}: must be {f.type.replace(' | None', ' or null')}"
+            for f in dataclasses.fields(self)
+            if not _has_type(getattr(self, f.name), f.type)
+        ]
+        if problems:
+            raise ValueError("invalid native engine options: " + "; ".join(problems))
         if self.dtype not in DTYPES:
             problems.append(f"engine.dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
