@@ -73,12 +73,17 @@ class NativeEngine:
                 f"of max_model_len={self.max_model_len} needs ({blocks_per_seq}); lower engine.max_model_len "
                 f"or give the cache more memory (engine.gpu_memory_utilization / engine.kv_cache_gb)"
             )
+        if not opts.enable_chunked_prefill and opts.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole sequence must fit one step, but engine.max_num_batched_tokens="
+                f"{opts.max_num_batched_tokens} < max_model_len={self.max_model_len}; raise it, lower "
+                "engine.max_model_len, or set engine.enable_chunked_prefill=true"
+            )
         self.blocks = KVBlockManager(num_blocks, opts.block_size, opts.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=opts.max_num_seqs,
-                max_num_batched_tokens=max(opts.max_num_batched_tokens, 1),
-                max_model_len=self.max_model_len,
+                max_num_batched_tokens=opts.max_num_batched_tokens,
                 enable_chunked_prefill=opts.enable_chunked_prefill,
             ),
             self.blocks,
@@ -168,6 +173,7 @@ class NativeEngine:
                 else:
                     idle_rounds = 0
             finished = True
+            self.blocks.check_invariants()
         finally:
             self.runner.finish()
             if not finished:

@@ -25,7 +25,6 @@ from batchjob.engine.native.sequence import Sequence, Status
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
     enable_chunked_prefill: bool = True
 
 
