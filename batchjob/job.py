@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -121,17 +122,21 @@ def prepare(settings: JobSettings) -> PreparedJob:
     return PreparedJob(settings, model_path, source, builder, passthrough, output)
 
 
-def run_job(cfg: DictConfig) -> int:
+def run_job(cfg: DictConfig, started: float | None = None) -> int:
     """Run this process's shard of the job; returns the exit status: 0 when the shard is complete,
-    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N."""
+    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N.
+    `started`: the process's `time.perf_counter()` at start, for the start-up breakdown (default: now)."""
+    startup = StartupClock(time.perf_counter() if started is None else started)
     quiet_libraries()
+    startup.lap("imports_config_s")
     try:
         job = prepare(load_settings(cfg))
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    startup.lap("checks_s")
     try:
-        return _generate(job)
+        return _generate(job, startup)
     except Interrupted as stopped:  # a second signal while the first one's commit was running
         print("interrupted again: rows committed so far are kept; resumable: rerun the same command", file=sys.stderr)
         return exit_code_for(stopped.signum)
@@ -142,7 +147,23 @@ def run_job(cfg: DictConfig) -> int:
         job.output.close()
 
 
-def _generate(job: PreparedJob) -> int:
+class StartupClock:
+    """Seconds from process start to the first generate, by phase; logged once and kept in the report."""
+
+    def __init__(self, started: float) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = started
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def summary(self) -> dict[str, float]:
+        return {**self.phases, "total_s": sum(self.phases.values())}
+
+
+def _generate(job: PreparedJob, startup: StartupClock) -> int:
     settings, output = job.settings, job.output
     if output.is_success():
         log.info(
@@ -157,6 +178,16 @@ def _generate(job: PreparedJob) -> int:
             "resuming: %d rows already committed, %s to go", len(committed), "?" if remaining is None else remaining
         )
     engine = create_engine(settings.engine_name, job.model_path, settings.engine_options)
+    startup.lap("engine_s")
+    phases = startup.summary()
+    log.info(
+        "ready to generate %.1f s after start: imports and config %.1f s, input/tokenizer/output checks %.1f s, "
+        "engine %.1f s",
+        phases["total_s"],
+        phases["imports_config_s"],
+        phases["checks_s"],
+        phases["engine_s"],
+    )
     try:
         columns = list(dict.fromkeys([*settings.prompt.input_columns, *job.passthrough]))
         feeder = PromptFeeder(
@@ -166,6 +197,6 @@ def _generate(job: PreparedJob) -> int:
             queue_batches=settings.queue_batches,
             tokenize_batch_rows=settings.tokenize_batch_rows,
         )
-        return ShardRun(settings, engine, output, feeder, committed, remaining).run()
+        return ShardRun(settings, engine, output, feeder, committed, remaining, startup=phases).run()
     finally:
         engine.close()

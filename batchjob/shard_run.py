@@ -52,8 +52,10 @@ class ShardRun:
         feeder: PromptFeeder,
         already_committed: np.ndarray,
         total_rows: int | None,
+        startup: dict[str, float] | None = None,
     ) -> None:
         self.settings = settings
+        self.startup = startup or {}
         self.engine = engine
         self.output = output
         self.feeder = feeder
@@ -202,6 +204,8 @@ class ShardRun:
             "prompt_tokens": counts.prompt_tokens,
             "completion_tokens": counts.completion_tokens,
             "wall_s": wall_s,
+            # process start to first generate, by phase (not in wall_s, which is the generation loop)
+            "startup_s": self.startup,
             "output_tokens_per_s": counts.completion_tokens / wall_s if wall_s > 0 else 0.0,
             # read and tokenize run in the feeder thread, overlapping generate: busy time, not wall time.
             "stage_s": {

@@ -39,5 +39,7 @@ def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp
         assert result["tok_per_s"] > 0 and result["generation_tok_per_s"] > 0
         assert len(result["shards"]) == result["gpus"]
         assert sum(s["completion_tokens"] for s in result["shards"]) == 24 * 8
+        assert all(s["process_startup_s"] > s["engine_startup_s"] > 0 for s in result["shards"])
     assert one["scaling_efficiency"] == 1.0 and two["scaling_efficiency"] > 0
+    assert one["generation_scaling_efficiency"] == 1.0 and two["generation_scaling_efficiency"] > 0
     assert run.stdout.rstrip().splitlines()[-1].lstrip().startswith("2 ")

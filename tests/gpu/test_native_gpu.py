@@ -59,17 +59,24 @@ def test_greedy_equals_transformers_fp32(case, engine, options):
 def test_graph_replay_equals_eager_for_every_bucket_greedy_and_sampling(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     max_seqs = 40
-    graphed_engine = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": max_seqs})
-    assert graphed_engine.stats()["graph_modes"] == 2, graphed_engine.runner.capture_errors
-    graphed_engine.close()
-    for bucket in graph_buckets(max_seqs):
-        for temperature in (0.0, 0.8):
-            # top_p < 1 puts eager sampling steps on the same filtering path the sampling graphs use.
-            params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=temperature, top_p=0.95, seed=11)
-            reqs = [Request(i, (10 + i, 20, 30 + i), params) for i in range(bucket)]
-            graphed = _run(model_dir, reqs, max_num_seqs=max_seqs)
-            eager = _run(model_dir, reqs, max_num_seqs=max_seqs, cuda_graphs=False)
-            assert graphed == eager, f"bucket {bucket}, temperature {temperature}"
+    # One engine each, reused for every bucket (a generate() leaves no state behind); a fixed KV size lets
+    # both live on one GPU.
+    options = {"dtype": "float32", "max_num_seqs": max_seqs, "num_kv_blocks": 512}
+    graphed_engine = create_engine("native", str(model_dir), options)
+    eager_engine = create_engine("native", str(model_dir), {**options, "cuda_graphs": False})
+    try:
+        assert graphed_engine.stats()["graph_modes"] == 2, graphed_engine.runner.capture_errors
+        for bucket in graph_buckets(max_seqs):
+            for temperature in (0.0, 0.8):
+                # top_p < 1 puts eager sampling steps on the same filtering path the sampling graphs use.
+                params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=temperature, top_p=0.95, seed=11)
+                reqs = [Request(i, (10 + i, 20, 30 + i), params) for i in range(bucket)]
+                graphed = {c.id: c.token_ids for c in graphed_engine.generate(reqs)}
+                eager = {c.id: c.token_ids for c in eager_engine.generate(reqs)}
+                assert graphed == eager, f"bucket {bucket}, temperature {temperature}"
+    finally:
+        graphed_engine.close()
+        eager_engine.close()
 
 
 def test_sampled_output_is_the_same_async_and_sync(tmp_path):

@@ -64,8 +64,10 @@ class NativeEngine:
         self.model, self.spec = load_model(model_path, opts.dtype, self.device, attn, opts.max_model_len)
         self.max_model_len = self.spec.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
+        loaded = time.perf_counter()
         num_blocks = decide_num_blocks(self.model, self.spec, opts, self.device)
         self.kv_caches = allocate_kv_cache(self.spec, num_blocks, opts.block_size, self.device)
+        kv_sized = time.perf_counter()
         blocks_per_seq = -(-(self.max_model_len + 1) // opts.block_size)
         if num_blocks - 1 < blocks_per_seq:
             raise ValueError(
@@ -108,6 +110,9 @@ class NativeEngine:
             "kv_blocks": num_blocks,
             "block_size": opts.block_size,
             "slot_bytes": self.runner.slots[1].device_bytes,
+            # where start-up goes: weights + tokenizer, then the KV sizing profile (first kernel compiles too)
+            "load_s": loaded - started,
+            "kv_sizing_s": kv_sized - loaded,
         }
         if self.device.type == "cuda" and opts.cuda_graphs:
             modes = GRAPH_MODES if opts.graph_sampling else GRAPH_MODES[:1]
