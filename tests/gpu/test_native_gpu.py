@@ -153,6 +153,19 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     torch.testing.assert_close(q.float(), want, **tol)
 
 
+def test_fused_sampler_noise_equals_the_torch_noise():
+    from batchjob.engine.native import triton_ops
+    from batchjob.engine.native.sampler import noise_keys, torch_exponential_noise
+
+    seeds = torch.tensor([0, 1, 2**63 - 1, -(2**63), -12345, 2**40 + 7], dtype=torch.int64)
+    positions = torch.tensor([0, 1, 7, 4095, 10**6, 3], dtype=torch.int64)
+    keys = noise_keys(seeds, positions)
+    want = torch_exponential_noise(keys.cuda(), 128256)  # the torch ops on the GPU
+    got = triton_ops.exponential_noise(keys.cuda(), 128256)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(got.cpu(), torch_exponential_noise(keys, 128256), rtol=1e-6, atol=0.0)
+
+
 def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     probe = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 64})

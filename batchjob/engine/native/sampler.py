@@ -58,11 +58,25 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One hash key per row, in [0, 2^32): the row's (seed, output position)."""
+    return _hash32((seeds & _MASK32) ^ _hash32((positions * 0x9E3779B1 + (seeds >> 32)) & _MASK32))
+
+
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """E[s, v] ~ Exp(1), a pure function of (seeds[s], positions[s], v)."""
-    key = _hash32((seeds & _MASK32) ^ _hash32((positions * 0x9E3779B1 + (seeds >> 32)) & _MASK32))
-    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _hash32((key[:, None] * 0x85EBCA6B + vocab[None, :]) & _MASK32)
+    """E[s, v] ~ Exp(1), a pure function of (seeds[s], positions[s], v). On CUDA one fused kernel computes the
+    same bits (batchjob.engine.native.triton_ops.exponential_noise); elsewhere `torch_exponential_noise`."""
+    keys = noise_keys(seeds, positions)
+    if seeds.is_cuda:
+        from batchjob.engine.native import triton_ops
+
+        return triton_ops.exponential_noise(keys, vocab_size)
+    return torch_exponential_noise(keys, vocab_size)
+
+
+def torch_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    vocab = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    bits = _hash32((keys[:, None] * 0x85EBCA6B + vocab[None, :]) & _MASK32)
     # 24 random bits give a float32 exactly in (0, 1): log never sees 0 or 1.
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(u)

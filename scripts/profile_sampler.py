@@ -1,0 +1,90 @@
+"""What the device sampler costs per decode step, by mode, and which kernels the sampling path spends it in.
+
+    python scripts/profile_sampler.py --rows 256 --vocab 128256 [--out sampler.json]
+
+Times `sample()` on random float32 logits [rows, vocab], replayed as a CUDA graph (as the engine runs it) for
+greedy, sampling without filters (the eager-only plain path) and the captured sampling mode (top-p/top-k/
+min-p path), and the noise hash alone; then lists the top kernels of one filtering-path call from the torch
+profiler. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from batchjob.engine.native.sampler import SamplerMode, SamplingTensors, exponential_noise, sample  # noqa: E402
+
+
+def graph_ms(fn, reps: int = 50) -> float:
+    """Milliseconds per replay of `fn` captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows, vocab = args.rows, args.vocab
+    logits = torch.randn(rows, vocab, device=device, generator=torch.Generator(device).manual_seed(0)) * 3
+    params = SamplingTensors(
+        temperature=torch.full((rows,), 0.8, device=device),
+        top_k=torch.zeros(rows, dtype=torch.int64, device=device),
+        top_p=torch.full((rows,), 0.95, device=device),
+        min_p=torch.zeros(rows, device=device),
+        seeds=torch.arange(rows, dtype=torch.int64, device=device),
+        positions=torch.full((rows,), 7, dtype=torch.int64, device=device),
+    )
+    modes = {
+        "greedy": SamplerMode(),
+        "sampling, no filters (eager path only)": SamplerMode(sampling=True),
+        "sampling, filtering path (the captured mode)": SamplerMode(sampling=True, filtering=True),
+    }
+    result: dict[str, object] = {"rows": rows, "vocab": vocab, "graph_ms": {}}
+    for name, mode in modes.items():
+        result["graph_ms"][name] = graph_ms(lambda mode=mode: sample(logits, params, mode))
+    result["graph_ms"]["noise hash alone"] = graph_ms(lambda: exponential_noise(params.seeds, params.positions, vocab))
+    result["graph_ms"]["sort alone"] = graph_ms(lambda: logits.sort(dim=-1, descending=True))
+    for name, ms in result["graph_ms"].items():
+        print(f"{ms:8.3f} ms  {name}")
+
+    filtering = modes["sampling, filtering path (the captured mode)"]
+    sample(logits, params, filtering)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sample(logits, params, filtering)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    print(table)
+    result["top_kernels"] = table
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
