@@ -11,6 +11,7 @@ bounded explicitly: a micro-batch holds at most `max_batch_tokens` KV positions.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
@@ -31,6 +32,17 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "max_model_len": None,
     "attn_implementation": "sdpa",
 }
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward() keyword for the KV cache: transformers renamed `past_key_values` to `cache` (5.24 has
+    `cache` and warns on the old name, 5.17 has only `past_key_values`). A name forward() does not list would
+    vanish into **kwargs and run without a cache, so it is read from the signature, never guessed."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`: engine=hf needs one")
 
 
 class HFEngine:
@@ -73,6 +85,7 @@ class HFEngine:
             model_path, dtype=DTYPES[dtype], attn_implementation=opts["attn_implementation"]
         ).to(self.device)
         self.model.eval()
+        self._cache_kwarg = cache_keyword(self.model)
         config = self.model.config
         self.max_model_len = int(opts["max_model_len"] or config.max_position_embeddings)
         self.max_batch_size = opts["max_batch_size"]
@@ -164,7 +177,7 @@ class HFEngine:
                 input_ids=step_input,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                **{self._cache_kwarg: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )

@@ -109,3 +109,23 @@ def test_requests_are_pulled_lazily(engine) -> None:
 def test_unknown_options_are_refused_before_loading() -> None:
     with pytest.raises(ValueError, match="unknown hf engine option"):
         check_engine_options("hf", {"max_batch_sise": 8})
+
+
+def test_the_cache_keyword_is_read_from_forward_not_guessed() -> None:
+    # transformers 5.24 renamed forward(past_key_values=) to forward(cache=); a name forward() does not list
+    # would be swallowed by **kwargs and the model would run without its KV cache.
+    from batchjob.engine.hf import cache_keyword
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids, **kwargs): ...
+
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Old()) == "past_key_values"
+    with pytest.raises(TypeError, match="neither `cache` nor `past_key_values`"):
+        cache_keyword(Neither())
