@@ -47,13 +47,7 @@ def quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    try:
-        import datasets
-
-        datasets.utils.logging.disable_progress_bar()
-        datasets.utils.logging.set_verbosity_error()
-    except ImportError:
-        pass
+    # `datasets` is imported only for HF inputs (batchjob.io.hf_reader quiets it then): a Parquet job skips it.
 
 
 @dataclass

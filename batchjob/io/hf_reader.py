@@ -19,6 +19,10 @@ import pyarrow as pa
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.sharding import all_skipped, shard_range
 
+# A batch job's log gets no per-file progress bars or advisory messages from `datasets`.
+datasets.utils.logging.disable_progress_bar()
+datasets.utils.logging.set_verbosity_error()
+
 
 def open_hf_dataset(spec: InputSpec, fmt: str) -> InputSource:
     if fmt == "hf_disk":
