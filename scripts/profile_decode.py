@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_lib.hardware import graph_ms  # noqa: E402
 from bench_lib.models import _config  # noqa: E402
 
 from batchjob.engine.native.attention import make_metadata  # noqa: E402
@@ -26,25 +27,6 @@ from batchjob.engine.native.kv_cache import allocate_kv_cache  # noqa: E402
 from batchjob.engine.native.loader import read_model_spec  # noqa: E402
 from batchjob.engine.native.models import CausalLM  # noqa: E402
 from batchjob.engine.native.triton_attention import TritonPagedAttention  # noqa: E402
-
-
-def graph_ms(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 Times `sample()` on random float32 logits [rows, vocab], replayed as a CUDA graph (as the engine runs it) for
 greedy, sampling without filters (the eager-only plain path) and the captured sampling mode (top-p/top-k/
-min-p path), and the noise hash alone; then lists the top kernels of one filtering-path call from the torch
+min-p path), and the noise hash and the sort alone; then lists the top kernels of one filtering-path call from the torch
 profiler. Needs CUDA.
 """
 
@@ -19,28 +19,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib.hardware import graph_ms  # noqa: E402
 
 from batchjob.engine.native.sampler import SamplerMode, SamplingTensors, exponential_noise, sample  # noqa: E402
-
-
-def graph_ms(fn, reps: int = 50) -> float:
-    """Milliseconds per replay of `fn` captured as a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -65,11 +48,11 @@ def main() -> None:
         "sampling, no filters (eager path only)": SamplerMode(sampling=True),
         "sampling, filtering path (the captured mode)": SamplerMode(sampling=True, filtering=True),
     }
-    result: dict[str, object] = {"rows": rows, "vocab": vocab, "graph_ms": {}}
-    for name, mode in modes.items():
-        result["graph_ms"][name] = graph_ms(lambda mode=mode: sample(logits, params, mode))
-    result["graph_ms"]["noise hash alone"] = graph_ms(lambda: exponential_noise(params.seeds, params.positions, vocab))
-    result["graph_ms"]["sort alone"] = graph_ms(lambda: logits.sort(dim=-1, descending=True))
+    timed = {name: (lambda mode=mode: sample(logits, params, mode)) for name, mode in modes.items()}
+    timed["noise hash alone"] = lambda: exponential_noise(params.seeds, params.positions, vocab)
+    timed["sort alone"] = lambda: logits.sort(dim=-1, descending=True)
+    result: dict[str, object] = {"rows": rows, "vocab": vocab}
+    result["graph_ms"] = {name: graph_ms(fn, reps=50) for name, fn in timed.items()}
     for name, ms in result["graph_ms"].items():
         print(f"{ms:8.3f} ms  {name}")
 

@@ -1,5 +1,5 @@
 """The two numbers the roofline needs, measured in the same run as the systems: device-to-device copy
-bandwidth and bf16 matmul rate."""
+bandwidth and bf16 matmul rate; and `graph_ms`, the profiling scripts' timer of one CUDA-graph replay."""
 
 from __future__ import annotations
 
@@ -12,6 +12,28 @@ class HardwareRates:
     copy_bytes_per_s: float  # bytes read + bytes written per second by a large device-to-device copy
     matmul_flops_per_s: float  # dense bf16 matmul rate
     device: str
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Milliseconds per replay of `fn` captured as a CUDA graph (as the engine runs its decode steps)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _median_seconds(fn, repeats: int, warmup: int = 3) -> float:
