@@ -42,6 +42,8 @@ class PagedAttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,  # > 0: a query at position p attends only keys at positions > p - window (sliding window)
+        softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)
     ) -> torch.Tensor:  # [T, Hq, D]; k, v are stored at meta.slot_mapping first
         ...
 
@@ -153,6 +155,8 @@ def dense_reference_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """What every backend must compute, written as plainly as possible in float64: same arguments as
     `PagedAttentionBackend.forward`, but the caches are left untouched (the step's K/V are written into a
@@ -174,7 +178,10 @@ def dense_reference_attention(
         q_len = cu[b + 1] - cu[b]
         for j in range(q_len):
             position = seq_len - q_len + j
+            first = max(0, position - window + 1) if window > 0 else 0
             query = q[cu[b] + j].double().cpu()  # [Hq, D]
-            scores = torch.einsum("hd,shd->hs", query, keys[: position + 1]) * scale
-            out[cu[b] + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), values[: position + 1])
+            scores = torch.einsum("hd,shd->hs", query, keys[first : position + 1]) * scale
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[cu[b] + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), values[first : position + 1])
     return out
