@@ -24,7 +24,7 @@ from batchjob.engine.native import triton_moe  # noqa: E402
 if not isinstance(triton_moe._grouped_gemm_kernel, InterpretedFunction):
     triton_moe = importlib.reload(triton_moe)  # imported compiled by another module: CPU needs interpreted
 
-E, K, H, I = 8, 2, 64, 32
+E, K, H, INTER = 8, 2, 64, 32
 
 
 def reference_moe(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -52,8 +52,8 @@ def routing(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.
 def random_moe(num_tokens: int, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(num_tokens)
     hidden = torch.randn(num_tokens, H, generator=gen).to(dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
+    w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, INTER, generator=gen) / INTER**0.5).to(dtype)
     return (hidden, w13, w2, *routing(num_tokens, gen))
 
 
