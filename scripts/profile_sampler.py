@@ -3,9 +3,9 @@
     python scripts/profile_sampler.py --rows 256 --vocab 128256 [--out sampler.json]
 
 Times `sample()` on random float32 logits [rows, vocab], replayed as a CUDA graph (as the engine runs it) for
-greedy, sampling without filters (the eager-only plain path) and the captured sampling mode (top-p/top-k/
-min-p path), and the noise hash and the sort alone; then lists the top kernels of one filtering-path call from the torch
-profiler. Needs CUDA.
+each graph mode: greedy, temperature-only sampling and filtered sampling (top_p=0.95), and the threshold search
+and a full sort alone (what the filter used to cost); then lists the top kernels of one filtering call from the
+torch profiler. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib.hardware import graph_ms  # noqa: E402
 
-from batchjob.engine.native.sampler import SamplerMode, SamplingTensors, exponential_noise, sample  # noqa: E402
+from batchjob.engine.native.sampler import SamplerMode, SamplingTensors, sample  # noqa: E402
+from batchjob.engine.native.triton_filter import filter_thresholds  # noqa: E402
 
 
 def main() -> None:
@@ -43,20 +44,22 @@ def main() -> None:
         seeds=torch.arange(rows, dtype=torch.int64, device=device),
         positions=torch.full((rows,), 7, dtype=torch.int64, device=device),
     )
-    modes = {
-        "greedy": SamplerMode(),
-        "sampling, no filters (eager path only)": SamplerMode(sampling=True),
-        "sampling, filtering path (the captured mode)": SamplerMode(sampling=True, filtering=True),
+    plain = SamplingTensors(**{**vars(params), "top_p": torch.ones(rows, device=device)})
+    filtering = SamplerMode(sampling=True, filtering=True)
+    timed = {
+        "greedy": lambda: sample(logits, params, SamplerMode()),
+        "temperature only": lambda: sample(logits, plain, SamplerMode(sampling=True)),
+        "top_p=0.95": lambda: sample(logits, params, filtering),
+        "threshold search alone": lambda: filter_thresholds(
+            logits, params.temperature, params.top_k, params.top_p, params.min_p
+        ),
+        "a full sort alone": lambda: logits.sort(dim=-1, descending=True),
     }
-    timed = {name: (lambda mode=mode: sample(logits, params, mode)) for name, mode in modes.items()}
-    timed["noise hash alone"] = lambda: exponential_noise(params.seeds, params.positions, vocab)
-    timed["sort alone"] = lambda: logits.sort(dim=-1, descending=True)
     result: dict[str, object] = {"rows": rows, "vocab": vocab}
     result["graph_ms"] = {name: graph_ms(fn, reps=50) for name, fn in timed.items()}
     for name, ms in result["graph_ms"].items():
         print(f"{ms:8.3f} ms  {name}")
 
-    filtering = modes["sampling, filtering path (the captured mode)"]
     sample(logits, params, filtering)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

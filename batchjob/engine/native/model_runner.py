@@ -30,16 +30,20 @@ log = logging.getLogger("batchjob.engine.native")
 
 
 GREEDY = SamplerMode()
-# One graph mode serves every sampling decode step: the filtering path with top-k/top-p/min-p off is the
-# plain draw (rows without filters get the same tokens, up to float ties), and greedy rows stay greedy.
-SAMPLING = SamplerMode(sampling=True, filtering=True)
-GRAPH_MODES = (GREEDY, SAMPLING)
+# Temperature-only steps get their own graphs: their draw is one pass over the logits, as cheap as greedy,
+# while a filtering step adds the threshold search. Rows without a filter draw the same token in either mode,
+# and greedy rows stay greedy in both.
+SAMPLING = SamplerMode(sampling=True)
+FILTERING = SamplerMode(sampling=True, filtering=True)
+GRAPH_MODES = (GREEDY, SAMPLING, FILTERING)
 
 
 def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
     """The captured mode that can run a decode step needing `mode`, if any (log-probabilities: none)."""
     if mode.logprobs is not None:
         return None
+    if mode.filtering:
+        return FILTERING
     return SAMPLING if mode.sampling else GREEDY
 
 

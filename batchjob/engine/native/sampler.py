@@ -4,6 +4,10 @@ Randomness comes from a counter-based hash of (seed, output position, vocabulary
 generator, so a request's samples depend only on its own seed and logits: the same whatever else is in the
 batch, and graph-capturable (no generator state). A token is drawn by the exponential race
 `argmax(p_i / E_i)` with `E_i = -log(u_i)`, which picks token i with probability p_i.
+
+Stages, one function each: `row_filter` (which tokens each row may draw: a per-row threshold and min-p),
+`draw` (the race among them, or the argmax for greedy rows), then the log-probabilities. The draw does not
+renormalise the kept probabilities: the race's winner among the kept tokens is the same either way.
 """
 
 from __future__ import annotations
@@ -63,18 +67,8 @@ def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _hash32((seeds & _MASK32) ^ _hash32((positions * 0x9E3779B1 + (seeds >> 32)) & _MASK32))
 
 
-def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """E[s, v] ~ Exp(1), a pure function of (seeds[s], positions[s], v). On CUDA one fused kernel computes the
-    same bits (batchjob.engine.native.triton_ops.exponential_noise); elsewhere `torch_exponential_noise`."""
-    keys = noise_keys(seeds, positions)
-    if seeds.is_cuda:
-        from batchjob.engine.native import triton_ops
-
-        return triton_ops.exponential_noise(keys, vocab_size)
-    return torch_exponential_noise(keys, vocab_size)
-
-
 def torch_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """E[s, v] ~ Exp(1), a pure function of (keys[s], v); the CUDA draw computes the same bits in registers."""
     vocab = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     bits = _hash32((keys[:, None] * 0x85EBCA6B + vocab[None, :]) & _MASK32)
     # 24 random bits give a float32 exactly in (0, 1): log never sees 0 or 1.
@@ -82,38 +76,83 @@ def torch_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor
     return -torch.log(u)
 
 
-def _filtered_probs(scaled: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities in descending order with top-k, top-p and min-p applied, and the token of each column."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    vocab = scaled.shape[-1]
-    rank = torch.arange(vocab, device=scaled.device)[None, :]
-    k = torch.where(params.top_k > 0, params.top_k, vocab)[:, None]
-    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Top-p keeps the smallest prefix whose mass reaches p: a token is dropped when the mass before it does.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before > params.top_p[:, None]
-    drop |= probs < params.min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False
-    return probs.masked_fill(drop, 0.0), order
+@dataclass
+class RowFilter:
+    """Which tokens a row may draw, over its scaled logits l = logits / temperature: those with
+    l > threshold (top-k and top-p) and exp(l - row_max) >= min_p. All [S] float32."""
+
+    threshold: torch.Tensor
+    row_max: torch.Tensor
+    min_p: torch.Tensor
+
+    def keep(self, scaled: torch.Tensor) -> torch.Tensor:
+        return (scaled > self.threshold[:, None]) & ((scaled - self.row_max[:, None]).exp() >= self.min_p[:, None])
+
+
+def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits / temperature, greedy rows (temperature 0) left as they are."""
+    return logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+
+
+def row_filter(logits: torch.Tensor, params: SamplingTensors) -> RowFilter:
+    """The top-k/top-p/min-p filter of each row: found by search on CUDA (batchjob.engine.native.triton_filter),
+    by a sort elsewhere; both keep the same tokens (up to float rounding of the probability sums)."""
+    if logits.is_cuda:
+        from batchjob.engine.native import triton_filter
+
+        threshold, row_max = triton_filter.filter_thresholds(
+            logits, params.temperature, params.top_k, params.top_p, params.min_p
+        )
+        return RowFilter(threshold, row_max, params.min_p)
+    return sorted_row_filter(scaled_logits(logits, params.temperature), params)
+
+
+def sorted_row_filter(scaled: torch.Tensor, params: SamplingTensors) -> RowFilter:
+    """The filter read off the sorted row. Top-k keeps the k largest values and every token tied with the k-th;
+    top-p then keeps, among those, each token whose probability mass strictly above it is at most top_p; min-p
+    keeps tokens at least min_p times as probable as the most probable. A tie is never split."""
+    values = scaled.sort(dim=-1, descending=True).values
+    vocab = values.shape[-1]
+    row_max = values[:, 0]
+    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
+    kth = values.gather(1, (params.top_k.clamp(1, vocab) - 1)[:, None])
+    top_k_threshold = torch.where(values < kth, values, neg_inf).max(dim=-1).values
+    top_k_threshold = torch.where((params.top_k > 0) & (params.top_k < vocab), top_k_threshold, neg_inf)
+    weights = (values - row_max[:, None]).exp() * (values > top_k_threshold[:, None])
+    bound = params.top_p * weights.sum(dim=-1)
+    # The mass before a position is the mass strictly above its value at the first of a run of equal values.
+    mass_above = weights.cumsum(dim=-1) - weights
+    first_of_run = torch.ones_like(values, dtype=torch.bool)
+    first_of_run[:, 1:] = values[:, 1:] < values[:, :-1]
+    failing = (mass_above > bound[:, None]) & first_of_run
+    top_p_threshold = torch.where(failing, values, neg_inf).max(dim=-1).values
+    top_p_threshold = torch.where(params.top_p < 1, top_p_threshold, neg_inf)
+    return RowFilter(torch.maximum(top_k_threshold, top_p_threshold), row_max, params.min_p)
+
+
+def draw(logits: torch.Tensor, params: SamplingTensors, keep: RowFilter | None) -> torch.Tensor:
+    """One token per row: the exponential race among the tokens `keep` allows, or the argmax where
+    temperature is 0. On CUDA one fused pass over the logits (triton_sampling.draw)."""
+    keys = noise_keys(params.seeds, params.positions)
+    if logits.is_cuda:
+        from batchjob.engine.native import triton_sampling
+
+        filters = None if keep is None else (keep.threshold, keep.row_max, keep.min_p)
+        return triton_sampling.draw(logits, params.temperature, keys, filters)
+    scaled = scaled_logits(logits, params.temperature)
+    # argmax(p / E) = argmax(log p - log E); the softmax normaliser is the same for the whole row.
+    score = scaled - torch_exponential_noise(keys, logits.shape[-1]).log()
+    if keep is not None:
+        score = score.masked_fill(~keep.keep(scaled), float("-inf"))
+    return torch.where(params.temperature > 0, score.argmax(dim=-1), logits.argmax(dim=-1))
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode) -> SamplerOutput:
     """Sample one token per row of float32 `logits` [S, V]."""
-    greedy_tokens = logits.argmax(dim=-1)
-    tokens = greedy_tokens
     if mode.sampling:
-        temperature = torch.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-        scaled = logits / temperature
-        noise = exponential_noise(params.seeds, params.positions, logits.shape[-1])
-        if mode.filtering:
-            probs, order = _filtered_probs(scaled, params)
-            choice = (probs / noise.gather(1, order)).argmax(dim=-1, keepdim=True)
-            drawn = order.gather(1, choice).squeeze(1)
-        else:
-            # argmax(p / E) = argmax(log p - log E); the softmax normaliser is the same for the whole row.
-            drawn = (scaled - noise.log()).argmax(dim=-1)
-        tokens = torch.where(params.temperature > 0, drawn, greedy_tokens)
+        tokens = draw(logits, params, row_filter(logits, params) if mode.filtering else None)
+    else:
+        tokens = logits.argmax(dim=-1)
     out = SamplerOutput(tokens=tokens)
     if mode.logprobs is not None:
         logprobs = logits.log_softmax(dim=-1)

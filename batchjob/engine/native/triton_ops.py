@@ -1,7 +1,6 @@
 """Fused elementwise kernels for the CUDA path: residual-add + RMSNorm, rotary embedding on q and k in place,
-SiLU-and-mul, and the sampler's exponential noise. In plain torch each is 3-12 kernels; at batch 32 of an 8B
-model those launches cost more GPU time than the math, and the noise's dozen int64 passes over [rows, vocab]
-cost 2.2 ms per step at 256 rows of a 128k vocabulary (scripts/profile_sampler.py), so each is one kernel here.
+and SiLU-and-mul. In plain torch each is 3-12 kernels; at batch 32 of an 8B model those launches cost more GPU
+time than the math, so each is one kernel here. (The sampler's kernels are in triton_sampling.py.)
 
 Rounding follows transformers (fp32 statistics, a round to the model dtype before the weight multiply, SiLU
 rounded before the multiply), so bf16 results stay within bf16 tolerance of theirs and fp32 results agree
@@ -107,36 +106,4 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
-    return out
-
-
-@triton.jit
-def _hash32(x):
-    # The sampler's lowbias32 on int64 lanes holding values in [0, 2^32): the same arithmetic, so the same bits.
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _exponential_noise_kernel(keys_ptr, out_ptr, out_stride, vocab, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < vocab
-    key = tl.load(keys_ptr + row)
-    bits = _hash32((key * 0x85EBCA6B + cols.to(tl.int64)) & 0xFFFFFFFF)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    tl.store(out_ptr + row * out_stride + cols, -tl.log(u), mask=mask)
-
-
-def exponential_noise(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """E[s, v] ~ Exp(1) from the sampler's per-row hash keys (int64 in [0, 2^32)), in one pass."""
-    rows = row_keys.shape[0]
-    out = torch.empty((rows, vocab_size), dtype=torch.float32, device=row_keys.device)
-    if rows:
-        block = 1024
-        grid = (rows, triton.cdiv(vocab_size, block))
-        _exponential_noise_kernel[grid](row_keys.contiguous(), out, out.stride(0), vocab_size, BLOCK=block)
     return out

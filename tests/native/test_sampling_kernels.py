@@ -1,0 +1,171 @@
+"""The sampler's sort-free CUDA path, on CPU through the Triton interpreter: the threshold search keeps exactly
+the tokens the sorted filter keeps (top-k, top-p, min-p and their combinations, per-row parameters, ties and
+-inf logits), the fused draw picks the torch path's token, and the whole sampler draws the tokens the former
+sort-based sampler drew wherever no tie sits at a boundary."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("on a GPU, tests/gpu/test_sampler_gpu.py runs these checks compiled", allow_module_level=True)
+
+# Kernels are built as interpreted or compiled when their module is imported, so this must come first.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from batchjob.engine.native import triton_filter, triton_sampling  # noqa: E402
+from batchjob.engine.native.sampler import (  # noqa: E402
+    RowFilter,
+    SamplerMode,
+    SamplingTensors,
+    draw,
+    noise_keys,
+    sample,
+    scaled_logits,
+    sorted_row_filter,
+    torch_exponential_noise,
+)
+
+if not isinstance(triton_sampling._draw_kernel, InterpretedFunction):
+    # Imported compiled by another module: CPU needs them interpreted.
+    triton_filter, triton_sampling = importlib.reload(triton_filter), importlib.reload(triton_sampling)
+
+VOCAB = 1500
+
+
+def params_for(rows: list[tuple[float, int, float, float]], seed: int = 0) -> SamplingTensors:
+    """(temperature, top_k, top_p, min_p) per row."""
+    temperature, top_k, top_p, min_p = zip(*rows, strict=True)
+    n = len(rows)
+    return SamplingTensors(
+        temperature=torch.tensor(temperature, dtype=torch.float32),
+        top_k=torch.tensor(top_k, dtype=torch.int64),
+        top_p=torch.tensor(top_p, dtype=torch.float32),
+        min_p=torch.tensor(min_p, dtype=torch.float32),
+        seeds=torch.arange(n, dtype=torch.int64) * 7919 + seed,
+        positions=torch.arange(n, dtype=torch.int64) + 3,
+    )
+
+
+FILTERS = [
+    (0.8, 0, 0.95, 0.0),  # top-p alone, over a wide bracket: several search passes
+    (1.0, 0, 0.5, 0.0),
+    (0.7, 0, 0.999, 0.0),  # most of the vocabulary kept
+    (1.3, 0, 1e-4, 0.0),  # only the most probable token
+    (1.0, 40, 1.0, 0.0),  # top-k alone
+    (0.8, 1, 1.0, 0.0),
+    (1.0, 1400, 1.0, 0.0),  # all but a hundred: the bracket is far down the row
+    (1.0, VOCAB, 1.0, 0.0),  # k = vocabulary: off
+    (1.0, 0, 1.0, 0.05),  # min-p alone
+    (0.9, 50, 0.9, 0.0),  # top-p within the top-k
+    (0.9, 700, 0.8, 0.02),  # all three
+    (1.1, 5, 0.3, 0.1),
+    (0.0, 50, 0.9, 0.1),  # greedy row with filters set: ignored
+]
+
+
+def random_logits(rows: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=gen) * torch.linspace(0.5, 4.0, rows)[:, None]
+
+
+def tied_logits(rows: int, seed: int) -> torch.Tensor:
+    """Few distinct values, each hundreds of times (more than one exact test holds), and some -inf tokens (as a
+    grammar mask leaves them)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 6, (rows, VOCAB), generator=gen).float() * 0.75
+    logits[torch.rand(rows, VOCAB, generator=gen) < 0.2] = float("-inf")
+    return logits
+
+
+def kept(keep: RowFilter, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    return keep.keep(scaled_logits(logits, params.temperature))
+
+
+def searched_filter(logits: torch.Tensor, params: SamplingTensors, copies: tuple[int, int] | None = None) -> RowFilter:
+    wide, narrow = copies or (triton_filter.WIDE, triton_filter.NARROW)
+    threshold, row_max = triton_filter.filter_thresholds(
+        logits, params.temperature, params.top_k, params.top_p, params.min_p, wide=wide, narrow=narrow
+    )
+    return RowFilter(threshold, row_max, params.min_p)
+
+
+# At this vocabulary the whole row fits the first copy and one pivot pass over it leaves fewer tokens than
+# the exact test takes; small copies make the search narrow over the row, then over the copy, and meet ties
+# it cannot split.
+@pytest.mark.parametrize("copies", [None, (256, 32)], ids=["default", "narrowing"])
+@pytest.mark.parametrize("make_logits", [random_logits, tied_logits], ids=["distinct", "ties-and-inf"])
+def test_search_keeps_exactly_the_sorted_filters_tokens(make_logits, copies):
+    params = params_for(FILTERS)
+    logits = make_logits(len(FILTERS), seed=1)
+    searched = kept(searched_filter(logits, params, copies), logits, params)
+    want = kept(sorted_row_filter(scaled_logits(logits, params.temperature), params), logits, params)
+    sampled = params.temperature > 0
+    for row in range(len(FILTERS)):
+        if sampled[row]:
+            assert torch.equal(searched[row], want[row]), f"row {row} {FILTERS[row]}"
+    # The kept sets are real filters: never empty, never all of a filtering row.
+    assert searched[sampled].any(dim=-1).all()
+    assert (searched.sum(dim=-1) < (logits > float("-inf")).sum(dim=-1))[[0, 1, 3, 4, 5, 9, 10, 11]].all()
+
+
+def test_ties_at_the_top_k_boundary_are_all_kept():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :10] = 5.0
+    logits[0, 10:40] = 3.0  # the 20th largest is one of thirty tied values
+    params = params_for([(1.0, 20, 1.0, 0.0)])
+    keep = kept(searched_filter(logits, params), logits, params)[0]
+    assert keep.sum() == 40 and keep[:40].all()
+
+
+def reference_kept_set(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The former sort-based filter in float64, by position in the sorted row."""
+    scaled = scaled_logits(logits, params.temperature).double()
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1])[None, :]
+    k = torch.where(params.top_k > 0, params.top_k, scaled.shape[-1])[:, None]
+    probs = sorted_logits.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) > params.top_p[:, None].double()
+    drop |= probs < params.min_p[:, None].double() * probs[:, :1]
+    drop[:, 0] = False
+    keep_sorted = (probs > 0) & ~drop
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+
+def test_without_ties_the_kept_set_is_the_former_sort_based_one():
+    params = params_for(FILTERS[:-1])
+    logits = random_logits(len(FILTERS) - 1, seed=2)
+    assert torch.equal(kept(searched_filter(logits, params), logits, params), reference_kept_set(logits, params))
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["temperature-only", "filtered"])
+def test_fused_draw_picks_the_torch_paths_token(filtered):
+    params = params_for(FILTERS, seed=5)
+    logits = random_logits(len(FILTERS), seed=3)
+    keep = sorted_row_filter(scaled_logits(logits, params.temperature), params) if filtered else None
+    want = draw(logits, params, keep)  # the torch path: noise from torch_exponential_noise
+    filters = None if keep is None else (keep.threshold, keep.row_max, keep.min_p)
+    got = triton_sampling.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got[-1] == logits[-1].argmax()  # the greedy row
+
+
+def test_sampler_draws_the_former_sort_based_samplers_tokens():
+    params = params_for(FILTERS)
+    logits = random_logits(len(FILTERS), seed=4)
+    sampled = params.temperature > 0
+    for position in range(5):
+        params.positions.fill_(position)
+        keys = noise_keys(params.seeds, params.positions)
+        noise = torch_exponential_noise(keys, VOCAB).double()
+        race = reference_kept_set(logits, params).double() * scaled_logits(logits, params.temperature).softmax(-1)
+        want = torch.where(sampled, (race / noise).argmax(dim=-1), logits.argmax(dim=-1))
+        got = sample(logits, params, SamplerMode(sampling=True, filtering=True)).tokens
+        assert torch.equal(got, want), f"position {position}"
