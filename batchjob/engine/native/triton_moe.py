@@ -83,7 +83,9 @@ def moe_align_block_size(
     return sorted_pairs, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-@triton.jit
+# The row and block counts vary with every eager batch size: not specialising on them keeps one compiled
+# variant per config instead of one per divisibility class met mid-run.
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _grouped_gemm_kernel(
     a_ptr,
     b_ptr,
