@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchjob.engine.native.attention import TorchPagedAttention, make_metadata
-from batchjob.engine.native.layers import rope_inv_freq
+from batchjob.engine.native.rope import rope_inv_freq
 from batchjob.engine.native.loader import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
