@@ -120,7 +120,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         "Phi3Config",
         dict(
             partial_rotary_factor=0.5,
-            original_max_position_embeddings=32,
+            original_max_position_embeddings=64,
             rope_scaling={
                 "type": "longrope",
                 "short_factor": [1.0, 1.1, 1.3, 1.6],

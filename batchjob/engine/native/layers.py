@@ -44,12 +44,7 @@ class RMSNorm(nn.Module):
         # float32 statistics: bf16 squares of large activations lose too much precision.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if not self.weight_fp32:
-            return self._done(self.weight * h.to(x.dtype), residual)
-        return self._done((h * (self.offset + self.weight.float())).to(x.dtype), residual)
-
-    @staticmethod
-    def _done(h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        h = (h * (self.offset + self.weight.float())).to(x.dtype) if self.weight_fp32 else self.weight * h.to(x.dtype)
         return h if residual is None else (h, residual)
 
 
