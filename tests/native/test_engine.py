@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import CASES
 from engine_cases import hf_greedy as _hf_greedy
 from engine_cases import mixed_requests as _requests
 from engine_cases import with_stops as _with_stops
 from transformers import AutoModelForCausalLM
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
+from batchjob.tiny_model import make_tiny_model
 
 
 def _run(model_dir, requests, engine: str = "native", **options) -> dict:
@@ -22,11 +23,6 @@ def _run(model_dir, requests, engine: str = "native", **options) -> dict:
     return got, eng
 
 
-# Every tiny architecture, plus Mistral and Qwen2 with sliding windows far shorter than the prompts.
-CASES = {arch: (arch, {}) for arch in ARCHITECTURES} | {
-    "mistral_window": ("mistral", {"sliding_window": 8}),
-    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
-}
 # A KV cache of 29 usable blocks of 4 tokens and 24-token steps: prompts are chunked and sequences preempted.
 TIGHT = dict(num_kv_blocks=30, block_size=4, max_model_len=80, max_num_batched_tokens=24)
 
