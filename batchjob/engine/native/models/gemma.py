@@ -47,7 +47,7 @@ def _gemma3(config: Any, spec: ModelSpec) -> ModelSpec:
         LayerSpec(rope=ropes[kind], window=window)
         for kind, window in zip(config.layer_types, layer_windows(config), strict=True)
     )
-    return replace(_gemma(config, spec), qk_norm="head", rope=ropes["full_attention"], layers=layers)
+    return replace(_gemma(config, spec), qk_norm="head", layers=layers)
 
 
 GEMMA2 = Architecture("Gemma2ForCausalLM", adapt=_gemma2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from batchjob.engine.native.models.gemma import GEMMA2, GEMMA3
 from batchjob.engine.native.models.llama import LLAMA_FAMILY
@@ -40,7 +41,12 @@ def architecture_of(model_dir: Path) -> Architecture:
 
 
 def spec_from_config(
-    config, architecture: Architecture, model_dir: str, generation: dict, dtype: str, max_model_len: int | None
+    config: Any,
+    architecture: Architecture,
+    model_dir: str,
+    generation: dict[str, Any],
+    dtype: str,
+    max_model_len: int | None,
 ) -> ModelSpec:
     """The spec of a model from transformers' config object (the benchmark's roofline builds one in memory)."""
     spec = common_spec(config, architecture.name, model_dir, generation, dtype, max_model_len)

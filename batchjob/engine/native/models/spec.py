@@ -154,8 +154,15 @@ def rope_spec(params: dict[str, Any], config: Any, model_dir: str) -> RopeSpec:
     )
 
 
-def partial_rotary_factor(config: Any) -> float:
+def global_rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope parameters of the full-attention layers: configs with a rope per layer type (Gemma 3) key them
+    by type."""
     params = config.rope_parameters or {}
+    return params.get("full_attention", params)
+
+
+def partial_rotary_factor(config: Any) -> float:
+    params = global_rope_parameters(config)
     return float(params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
 
 
@@ -200,7 +207,7 @@ def common_spec(
         raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r} is not silu; use engine=hf")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    rope = rope_spec(config.rope_parameters or {}, config, model_dir)
+    rope = rope_spec(global_rope_parameters(config), config, model_dir)
     rotary_dim = int(head_dim * partial_rotary_factor(config))
     if rotary_dim % 2 or rotary_dim <= 0:
         raise UnsupportedModelError(f"{model_dir}: rotary dimension {rotary_dim} is not even; use engine=hf")
