@@ -129,7 +129,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     # A launcher setting, not a backend option: the launched processes each run one engine on one GPU.
     engine_cfg.pop("data_parallel", None)
     if not engine_name:
-        raise ConfigError("engine.name is missing: pick a backend with engine=hf|native|native_sync")
+        raise ConfigError("engine.name is missing: pick a backend with engine=auto|native|native_sync|hf")
     try:
         check_engine_options(engine_name, engine_cfg)
     except (ValueError, ImportError) as err:

@@ -6,6 +6,7 @@ loaded (`prepare`), so a typo costs seconds, not a model load or a queue wait.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from batchjob.config import JobSettings, load_settings
-from batchjob.engine import create_engine
+from batchjob.engine import choose_backend, create_engine
 from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
@@ -82,11 +83,25 @@ def passthrough_columns(settings: JobSettings, columns: list[str], prompt_column
     return list(wanted)
 
 
+def choose_engine(settings: JobSettings, model_path: str) -> JobSettings:
+    """The settings with `engine=auto` resolved to the backend that runs this model (logged, with why); an
+    explicitly chosen backend that cannot run the model is a `ConfigError`. Reads config files only."""
+    try:
+        choice = choose_backend(settings.engine_name, model_path, settings.engine_options)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"engine={settings.engine_name}: {err}") from err
+    if choice.name != settings.engine_name:
+        log.info("engine=%s: running %s, since %s", settings.engine_name, choice.name, choice.reason)
+    return dataclasses.replace(settings, engine_name=choice.name, engine_options=choice.options)
+
+
 def prepare(settings: JobSettings) -> PreparedJob:
-    """Check the model, the input and the output directory; lock the shard. Loads no model weights."""
+    """Check the model, the engine for it, the input and the output directory; lock the shard. Loads no
+    model weights."""
     from transformers import AutoTokenizer
 
     model_path = resolve_model_path(settings.model_path)
+    settings = choose_engine(settings, model_path)
     data = settings.data
     source = open_input(
         InputSpec(

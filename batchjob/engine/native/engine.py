@@ -46,6 +46,16 @@ class NativeEngine:
     def check_options(cls, options: Mapping[str, Any]) -> None:
         NativeOptions.from_mapping(options)
 
+    @classmethod
+    def check_model(cls, model_path: str, options: Mapping[str, Any]) -> str:
+        """The architecture the engine will run, from the model's config files alone. Raises
+        `UnsupportedModelError` when the native engine cannot run the model, or `ValueError` when the options
+        do not fit it (max_model_len beyond the model's)."""
+        from batchjob.engine.native.loader import read_model_spec
+
+        opts = NativeOptions.from_mapping(options)
+        return read_model_spec(model_path, opts.dtype, opts.max_model_len).architecture
+
     def __init__(self, model_path: str, **options: Any) -> None:
         from transformers import AutoTokenizer
 
