@@ -66,6 +66,15 @@ def batchjob_version() -> str:
         return "unknown"
 
 
+def _engine_record(options: dict[str, Any], name: str) -> dict[str, Any]:
+    record = {"name": name, "dtype": options.get("dtype", "auto")}
+    # Random weights make other outputs than the checkpoint's: a dummy run never resumes a real one. Recorded
+    # only when set, so the records of earlier jobs still match.
+    if options.get("load_format", "auto") != "auto":
+        record["load_format"] = options["load_format"]
+    return record
+
+
 def job_record(
     settings: JobSettings,
     model_path: str,
@@ -78,7 +87,7 @@ def job_record(
     return {
         "batchjob_version": batchjob_version(),
         "model": model_fingerprint(model_path),
-        "engine": {"name": settings.engine_name, "dtype": settings.engine_options.get("dtype", "auto")},
+        "engine": _engine_record(settings.engine_options, settings.engine_name),
         "sampling": sampling,
         "prompt": dataclasses.asdict(settings.prompt),
         "output_columns": {

@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from bench_lib.hardware import HardwareRates, measure_hardware
-from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, random_model_dir, tiny_model_dir
+from bench_lib.models import (
+    BENCH_SPECIAL_IDS,
+    TINY_SPECIAL_IDS,
+    config_model_dir,
+    random_model_dir,
+    tiny_model_dir,
+)
 from bench_lib.report import WorkloadReport, plot, table, write_json
 from bench_lib.roofline import model_shape, roofline
 from bench_lib.systems import NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult, run_system
@@ -57,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.9,
         help="share of GPU memory (less the weights) the roofline lets the KV cache use",
+    )
+    parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: the model directory holds only config.json and a tokenizer, and the native engines make "
+        "seeded random weights on the GPU (no disk; transformers systems are skipped). Default: the workload's "
+        "(W7: dummy), else auto",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
     return parser.parse_args(argv)
@@ -94,24 +108,47 @@ def run_workload(
 ) -> WorkloadReport:
     import torch
 
+    dummy = (args.load_format or spec.load_format) == "dummy"
+    options = dict(settings.engine_options)
+    if spec.tensor_parallel != 1:
+        options.setdefault("tensor_parallel", spec.tensor_parallel)
+    if dummy:
+        options["load_format"] = "dummy"
+    settings = dataclasses.replace(settings, engine_options=options)
+    gpus = int(options.get("tensor_parallel", 1))
     if args.tiny:
-        model_dir = tiny_model_dir(args.model_cache)
+        model_dir = tiny_model_dir(args.model_cache)  # with dummy weights its weight file is simply not read
         vocab = int(_read_json(model_dir / "config.json")["vocab_size"])
         requests = draw_requests(spec, vocab, TINY_SPECIAL_IDS)
         floor = None
     else:
-        model_dir = random_model_dir(spec.architecture, args.model_cache)
+        if dummy:
+            model_dir = config_model_dir(spec.architecture, args.model_cache)
+        else:
+            model_dir = random_model_dir(spec.architecture, args.model_cache)
         shape = model_shape(ARCHITECTURES[spec.architecture])
         requests = draw_requests(spec, shape.vocab, BENCH_SPECIAL_IDS)
-        kv_budget = int(args.kv_budget_fraction * torch.cuda.get_device_properties(0).total_memory)
+        # A tensor-parallel engine reads its weights and cache with every GPU's bandwidth and keeps its cache in
+        # every GPU's memory: the floor is that of one GPU `gpus` times as large (GPUs of one kind assumed).
+        kv_budget = int(args.kv_budget_fraction * torch.cuda.get_device_properties(0).total_memory) * gpus
         floor = roofline(
-            shape, requests, hardware.copy_bytes_per_s, hardware.matmul_flops_per_s, kv_budget - shape.weight_bytes
+            shape,
+            requests,
+            hardware.copy_bytes_per_s * gpus,
+            hardware.matmul_flops_per_s * gpus,
+            kv_budget - shape.weight_bytes,
         )
-        print(f"{spec.name}: roofline {floor.total_s:.2f} s = {floor.tok_per_s:,.0f} tok/s", flush=True)
+        print(
+            f"{spec.name}: roofline {floor.total_s:.2f} s = {floor.tok_per_s:,.0f} tok/s"
+            + (f" ({gpus} GPUs' bandwidth)" if gpus > 1 else ""),
+            flush=True,
+        )
     results: list[SystemResult] = []
     skipped, errors = {}, {}
     for system in systems:
         reason = unavailable_reason(system)
+        if reason is None and system not in NATIVE_SYSTEMS and (dummy or gpus > 1):
+            reason = "runs only with weight files on one GPU (this workload: dummy weights or tensor_parallel > 1)"
         if reason:
             skipped[system] = reason
             print(f"{spec.name} {system}: skipped, {reason}", flush=True)
@@ -194,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": hardware.device if hardware else "cpu",
         "time_limit_s": args.time_limit_s,
         "engine_options": options,
+        "load_format": args.load_format,
         "hf_batch": args.hf_batch,
     }
     write_json(args.out / "bench.json", reports, hardware, run)

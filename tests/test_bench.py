@@ -148,3 +148,38 @@ def test_w6_floor_is_between_the_active_and_the_total_weights_per_step(bench_lib
     assert requests.prompt_lengths.min() >= 100 and requests.output_lengths.max() <= 1024
     assert floor.decode_steps * shape.step_weight_bytes(1) / 4.27e12 < floor.decode_s
     assert floor.decode_s < floor.decode_steps * (shape.weight_bytes + 60 * 2**30) / 4.27e12
+
+
+def test_tiny_run_with_dummy_weights_runs_only_the_native_engines(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "bench.py"),
+            "--tiny",
+            "--load-format",
+            "dummy",
+            "--systems",
+            "native,hf_generate",
+        ]
+        + ["--out", str(out), "--model-cache", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (workload,) = json.loads((out / "bench.json").read_text())["workloads"]
+    assert list(workload["systems"]) == ["native"] and list(workload["skipped"]) == ["hf_generate"]
+    assert workload["systems"]["native"]["output_tokens"] == 8 * 16
+
+
+def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_its_70b_spec(bench_lib, tmp_path):
+    from bench_lib.models import config_model_dir
+
+    from batchjob.engine.native.loader import read_model_spec
+
+    model_dir = config_model_dir(bench_lib.workloads.WORKLOADS["W7"].architecture, tmp_path)
+    spec = read_model_spec(model_dir, "bfloat16")
+    assert not list(model_dir.glob("*.safetensors"))
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (80, 8192, 64, 8)
+    assert bench_lib.roofline.model_shape(bench_lib.workloads.ARCHITECTURES["llama-3.1-70b"]).parameters > 70e9

@@ -97,6 +97,38 @@ def random_model_dir(architecture: str, cache_dir: Path) -> Path:
     return out_dir
 
 
+def config_model_dir(architecture: str, cache_dir: Path) -> Path:
+    """The cached directory of `architecture` without weights (config.json, generation config, tokenizer), for
+    `engine.load_format=dummy`: the engine makes seeded random weights on the GPU, so a 70B model needs no disk
+    and no build step. Written atomically; needs no GPU."""
+    from transformers import GenerationConfig
+
+    out_dir = Path(cache_dir) / f"{architecture}-config-only"
+    if (out_dir / "config.json").exists():
+        return out_dir
+    config = _config(architecture)
+    config.architectures = [_causal_lm_class(config.model_type)]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        config.save_pretrained(staging)
+        GenerationConfig(
+            bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        ).save_pretrained(staging)
+        word_level_tokenizer(config.vocab_size).save_pretrained(staging)
+        staging.chmod(0o755)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _causal_lm_class(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
 def tiny_model_dir(cache_dir: Path) -> Path:
     """The tiny llama of `batchjob.tiny_model`, cached like the big ones."""
     from batchjob.tiny_model import make_tiny_model

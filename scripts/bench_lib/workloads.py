@@ -36,6 +36,27 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
             original_max_position_embeddings=8192,
         ),
     ),
+    "llama-3.1-70b": dict(
+        model_type="llama",
+        num_hidden_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     "llama-3.2-1b": dict(
         model_type="llama",
         num_hidden_layers=16,
@@ -106,6 +127,8 @@ class WorkloadSpec:
     prompt: tuple[int, int]
     new_tokens: tuple[int, int]
     shared_prefix: int = 0
+    tensor_parallel: int = 1  # GPUs of one engine
+    load_format: str = "auto"  # dummy: no weight files, the engine makes random weights (models too big to write)
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
@@ -114,6 +137,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "W3": WorkloadSpec("W3", "shared prefix", "llama-3.2-1b", 1024, (64, 64), (128, 128), shared_prefix=1024),
     "W4": WorkloadSpec("W4", "nano-vllm bench", "qwen3-0.6b", 256, (100, 1024), (100, 1024)),
     "W6": WorkloadSpec("W6", "MoE", "qwen3-30b-a3b", 512, (100, 1024), (100, 1024)),
+    "W7": WorkloadSpec(
+        "W7", "beyond one GPU", "llama-3.1-70b", 256, (128, 1024), (128, 512), tensor_parallel=2, load_format="dummy"
+    ),
 }
 
 # `--tiny`: the CPU smoke run, on the tiny llama of `batchjob.tiny_model`.

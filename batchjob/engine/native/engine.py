@@ -71,9 +71,12 @@ class NativeEngine:
             attn = TritonPagedAttention()
         else:
             attn = TorchPagedAttention()
-        self.model, self.spec = load_model(model_path, opts.dtype, self.device, attn, opts.max_model_len)
+        self.model, self.spec = load_model(
+            model_path, opts.dtype, self.device, attn, opts.max_model_len, opts.load_format
+        )
         self.max_model_len = self.spec.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
+        # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir) if opts.detokenize else None
         loaded = time.perf_counter()
         num_blocks = decide_num_blocks(self.model, self.spec, opts, self.device)
         self.kv_caches = allocate_kv_cache(self.spec, num_blocks, opts.block_size, self.device)

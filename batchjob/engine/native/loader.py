@@ -3,7 +3,8 @@
 The module is built on the `meta` device and materialised directly on the target device in the target dtype,
 then each checkpoint tensor is streamed from `safe_open` into its parameter (or its slice of a fused q/k/v or
 gate/up parameter, or its expert's entry of the stacked expert weights): an 8B model never exists as a full
-float32 copy on the host.
+float32 copy on the host. `load_format="dummy"` reads no weights at all: seeded random ones are made on the
+device (`dummy_weights.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from batchjob.engine.native.attention import PagedAttentionBackend
+from batchjob.engine.native.dummy_weights import fill_dummy_weights
 from batchjob.engine.native.models import CausalLM
 from batchjob.engine.native.models.registry import (
     ARCHITECTURES,
@@ -128,16 +130,27 @@ def load_model(
     device: str | torch.device,
     attn: PagedAttentionBackend,
     max_model_len: int | None = None,
+    load_format: str = "auto",
 ) -> tuple[CausalLM, ModelSpec]:
     """The model in eval mode, without gradients, on `device` in `dtype` (auto | float32 | bfloat16 |
-    float16), with its spec."""
-    model_dir = resolve_model_dir(model_path, with_weights=True)
+    float16), with its spec. `load_format`: auto (the safetensors weights) or dummy (seeded random weights,
+    no weight file read)."""
+    dummy = load_format == "dummy"
+    model_dir = resolve_model_dir(model_path, with_weights=not dummy)
     spec = read_model_spec(model_dir, dtype, max_model_len)
-    files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(spec, attn).to(spec.dtype)
     model.to_empty(device=device)
     model.reset_tables()
+    if dummy:
+        fill_dummy_weights(model)
+    else:
+        load_checkpoint(model, spec, model_dir)
+    return model.eval().requires_grad_(False), spec
+
+
+def load_checkpoint(model: CausalLM, spec: ModelSpec, model_dir: Path) -> None:
+    files = safetensors_files(model_dir)
     params = dict(model.named_parameters())
     loaded = dict.fromkeys(params, 0)
     with torch.no_grad():
@@ -166,4 +179,3 @@ def load_model(
     missing = [name for name, param in params.items() if loaded[name] != param.numel()]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: weights missing or incomplete for {', '.join(missing)}")
-    return model.eval().requires_grad_(False), spec

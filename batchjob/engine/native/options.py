@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 _TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 
 
@@ -26,6 +27,7 @@ class NativeOptions:
     async_loop: bool = True
     dtype: str = "auto"
     device: str = "auto"
+    load_format: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -64,6 +66,11 @@ class NativeOptions:
             raise ValueError("invalid native engine options: " + "; ".join(problems))
         if self.dtype not in DTYPES:
             problems.append(f"engine.dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            problems.append(
+                f"engine.load_format={self.load_format!r}: choose auto (the safetensors weights) or dummy "
+                "(random weights from config.json alone, for benchmarks)"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             problems.append(f"engine.device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
