@@ -39,7 +39,12 @@ def main(cfg: DictConfig) -> None:
             # Checked once here, so a bad config is one message, not one per child.
             settings = load_settings(cfg)
             overrides = HydraConfig.get().overrides.task
-            sys.exit(run_data_parallel(overrides, processes, settings.shard_index, settings.shard_count))
+            tensor_parallel = int(settings.engine_options.get("tensor_parallel", 1))
+            sys.exit(
+                run_data_parallel(
+                    overrides, processes, settings.shard_index, settings.shard_count, tensor_parallel=tensor_parallel
+                )
+            )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from batchjob.config import JobSettings, load_settings
-from batchjob.engine import choose_backend, create_engine
+from batchjob.engine import EngineFailure, choose_backend, create_engine
 from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
@@ -34,6 +34,8 @@ from batchjob.signals import Interrupted, exit_code_for
 
 log = logging.getLogger("batchjob")
 EXIT_USAGE = 2
+# sysexits' EX_TEMPFAIL: the engine broke down (a tensor-parallel rank died), nothing was wrong with the job.
+EXIT_ENGINE_FAILED = 75
 USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError)
 
 
@@ -133,7 +135,8 @@ def prepare(settings: JobSettings) -> PreparedJob:
 
 def run_job(cfg: DictConfig, started: float | None = None) -> int:
     """Run this process's shard of the job; returns the exit status: 0 when the shard is complete,
-    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N.
+    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N, 75 when the
+    engine failed (a tensor-parallel rank died: rerun to resume).
     `started`: the process's `time.perf_counter()` at start, for the start-up breakdown (default: now)."""
     startup = StartupClock(time.perf_counter() if started is None else started)
     quiet_libraries()
@@ -152,6 +155,13 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading: nothing was generated yet
         print("interrupted before generation started; resumable: rerun the same command", file=sys.stderr)
         return exit_code_for(signal.SIGINT)
+    except EngineFailure as err:  # the finished rows were committed on the way out of the generation loop
+        committed = len(job.output.committed_row_ids())
+        print(
+            f"error: the engine failed: {err}\n{committed} rows committed; resumable: rerun the same command",
+            file=sys.stderr,
+        )
+        return EXIT_ENGINE_FAILED
     finally:
         job.output.close()
 

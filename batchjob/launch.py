@@ -1,8 +1,9 @@
-"""Local multi-GPU: `python -m batchjob engine.data_parallel=N ...` runs N processes, one GPU and one shard each.
+"""Local multi-GPU: `python -m batchjob engine.data_parallel=N ...` runs N processes, one GPU and one shard each
+(with `engine.tensor_parallel=T`, T GPUs each: N x T in all).
 
 The parent does no generation. It splits its own shard (from shard.index/count, or Slurm's variables)
 N ways, exactly as Slurm tasks of one step would (`index * N + i` of `count * N`), and starts
-`python -m batchjob` once per GPU with CUDA_VISIBLE_DEVICES set to that GPU. So an 8-GPU node is one
+`python -m batchjob` once per GPU (per group of T GPUs) with CUDA_VISIBLE_DEVICES set to it. So an 8-GPU node is one
 array task with data_parallel=8, and the output is the same as 8 Slurm tasks would write. Signals to
 the parent (Ctrl-C, Slurm's USR1/TERM) are passed to every child, which commits and exits resumable;
 rerunning the same command resumes every child shard.
@@ -26,27 +27,41 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 @dataclass(frozen=True)
 class ChildShard:
-    gpu: str
+    gpu: str  # CUDA_VISIBLE_DEVICES of the child: one GPU, or a comma-separated tensor-parallel group
     shard_index: int
     shard_count: int
 
 
 def plan_children(
-    data_parallel: int, shard_index: int, shard_count: int, env: Mapping[str, str] | None = None
+    data_parallel: int,
+    shard_index: int,
+    shard_count: int,
+    env: Mapping[str, str] | None = None,
+    tensor_parallel: int = 1,
 ) -> list[ChildShard]:
-    """One child per GPU: the GPUs visible to this process (CUDA_VISIBLE_DEVICES, e.g. from Slurm) or 0..N-1."""
+    """One child per GPU, or per `tensor_parallel` consecutive GPUs: of the GPUs visible to this process
+    (CUDA_VISIBLE_DEVICES, e.g. from Slurm), or 0..N-1."""
     env = os.environ if env is None else env
     if data_parallel < 1:
         raise ConfigError(f"engine.data_parallel={data_parallel}: must be >= 1 (the number of GPUs to use)")
+    needed = data_parallel * tensor_parallel
     visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    gpus = visible or [str(i) for i in range(data_parallel)]
-    if len(gpus) < data_parallel:
+    gpus = visible or [str(i) for i in range(needed)]
+    if len(gpus) < needed:
+        asked = f"engine.data_parallel={data_parallel}" + (
+            f" x engine.tensor_parallel={tensor_parallel}" if tensor_parallel > 1 else ""
+        )
         raise ConfigError(
-            f"engine.data_parallel={data_parallel} but only {len(gpus)} GPU(s) are visible "
+            f"{asked} needs {needed} GPUs but only {len(gpus)} are visible "
             f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}): lower it or request more GPUs"
         )
     return [
-        ChildShard(gpus[i], shard_index * data_parallel + i, shard_count * data_parallel) for i in range(data_parallel)
+        ChildShard(
+            ",".join(gpus[i * tensor_parallel : (i + 1) * tensor_parallel]),
+            shard_index * data_parallel + i,
+            shard_count * data_parallel,
+        )
+        for i in range(data_parallel)
     ]
 
 
@@ -63,9 +78,11 @@ def child_command(overrides: Sequence[str], child: ChildShard, python: str = sys
     ]
 
 
-def run_data_parallel(overrides: Sequence[str], data_parallel: int, shard_index: int, shard_count: int) -> int:
+def run_data_parallel(
+    overrides: Sequence[str], data_parallel: int, shard_index: int, shard_count: int, tensor_parallel: int = 1
+) -> int:
     """Run the children to the end; returns 0 when all shards are complete, else the first failure's status."""
-    children = plan_children(data_parallel, shard_index, shard_count)
+    children = plan_children(data_parallel, shard_index, shard_count, tensor_parallel=tensor_parallel)
     procs = [
         subprocess.Popen(child_command(overrides, c), env={**os.environ, "CUDA_VISIBLE_DEVICES": c.gpu})
         for c in children

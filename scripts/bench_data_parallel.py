@@ -1,13 +1,17 @@
-"""Multi-GPU scaling on one node (issue 5): the whole `python -m batchjob engine.data_parallel=N` job, per N.
+"""Multi-GPU scaling on one node: the whole `python -m batchjob engine.data_parallel=D engine.tensor_parallel=T`
+job, per layout D x T.
 
     python scripts/bench_data_parallel.py --gpus 1,2 --out bench-dp        # on a 2-GPU machine
     python scripts/bench_data_parallel.py --tiny --gpus 1,2 --rows 24 --max-new-tokens 8 --out /tmp/dp   # CPU
+    python scripts/bench_data_parallel.py --layouts 1x1,1x2,2x1 --architecture llama-3.1-8b --load-format dummy \
+        --out bench-tp     # one 8B GPU vs the model split over two vs two copies (tok/s per GPU)
 
-One model (W2's architecture, Llama-3.2-1B with seeded random bf16 weights, cached in --model-cache; --tiny:
-batchjob's tiny llama on the CPU) and one Parquet file of --rows seeded text prompts that the model's tokenizer
-encodes to about U(--prompt-tokens) tokens each. For each N the same job runs into its own output dir with EOS
-ignored, so every N does the same work; the clock is the whole command (start-up included). Per-shard reports
-give each shard's own wall time and engine start-up. Every input row must be in the output exactly once.
+One model (by default W2's architecture, Llama-3.2-1B, with seeded random bf16 weights, cached in --model-cache;
+--load-format dummy: only its config and tokenizer, the engine makes the weights; --tiny: batchjob's tiny llama
+on the CPU) and one Parquet file of --rows seeded text prompts that the model's tokenizer encodes to about
+U(--prompt-tokens) tokens each. For each layout the same job runs into its own output dir with EOS ignored, so
+every layout does the same work; the clock is the whole command (start-up included). Per-shard reports give
+each shard's own wall time and engine start-up. Every input row must be in the output exactly once.
 Writes OUT/data_parallel.json and prints a table last; exits 1 if any run failed or lost or repeated a row.
 """
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_lib.workloads import SEED, WORKLOADS
+from bench_lib.workloads import ARCHITECTURES, SEED, WORKLOADS
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
@@ -36,6 +40,19 @@ ARCHITECTURE = WORKLOADS["W2"].architecture
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", default="1,2", help="comma-separated values of engine.data_parallel")
+    parser.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated DxT: engine.data_parallel=D with engine.tensor_parallel=T (replaces --gpus), "
+        "e.g. 1x1,1x2,2x1",
+    )
+    parser.add_argument("--architecture", default=ARCHITECTURE, help=f"one of {', '.join(ARCHITECTURES)}")
+    parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default="auto",
+        help="dummy: write only the config and tokenizer; the engine makes seeded random weights (no disk)",
+    )
     parser.add_argument("--rows", type=int, default=8192, help="prompts in the input file")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per row (EOS ignored)")
     parser.add_argument("--prompt-tokens", default="64,512", help="LOW,HIGH: prompt lengths drawn uniformly")
@@ -60,16 +77,20 @@ def model_dir(args: argparse.Namespace) -> Path:
         from bench_lib.models import tiny_model_dir
 
         return tiny_model_dir(args.model_cache)
+    if args.load_format == "dummy":
+        from bench_lib.models import config_model_dir
+
+        return config_model_dir(args.architecture, args.model_cache)
     code = (
         "import sys; from pathlib import Path; from bench_lib.models import random_model_dir; "
         "print(random_model_dir(sys.argv[1], Path(sys.argv[2])))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")])}
     built = subprocess.run(
-        [sys.executable, "-c", code, ARCHITECTURE, str(args.model_cache)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", code, args.architecture, str(args.model_cache)], env=env, capture_output=True, text=True
     )
     if built.returncode != 0:
-        raise SystemExit(f"building the {ARCHITECTURE} model failed:\n{built.stderr[-3000:]}")
+        raise SystemExit(f"building the {args.architecture} model failed:\n{built.stderr[-3000:]}")
     return Path(built.stdout.strip().splitlines()[-1])
 
 
@@ -112,7 +133,9 @@ def data_rows(path: Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows
 
 
-def job_command(args: argparse.Namespace, model: Path, data: Path, out_dir: Path, gpus: int) -> list[str]:
+def job_command(
+    args: argparse.Namespace, model: Path, data: Path, out_dir: Path, data_parallel: int, tensor_parallel: int
+) -> list[str]:
     max_model_len = args.max_model_len or (1024 if args.tiny else 2048)
     return [
         sys.executable,
@@ -122,7 +145,9 @@ def job_command(args: argparse.Namespace, model: Path, data: Path, out_dir: Path
         f"data.path={data}",
         f"output.dir={out_dir}",
         f"engine={args.engine}",
-        f"engine.data_parallel={gpus}",
+        f"engine.data_parallel={data_parallel}",
+        *([f"engine.tensor_parallel={tensor_parallel}"] if tensor_parallel > 1 else []),
+        *(["engine.load_format=dummy"] if args.load_format == "dummy" else []),
         f"engine.max_model_len={max_model_len}",
         f"sampling.max_new_tokens={args.max_new_tokens}",
         "sampling.ignore_eos=true",
@@ -131,23 +156,29 @@ def job_command(args: argparse.Namespace, model: Path, data: Path, out_dir: Path
     ]
 
 
-def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dict[str, Any]:
-    """One whole job with `engine.data_parallel=gpus`, from scratch, timed end to end and then checked."""
+def run_one(
+    args: argparse.Namespace, model: Path, data: Path, data_parallel: int, tensor_parallel: int
+) -> dict[str, Any]:
+    """One whole job with `engine.data_parallel=D engine.tensor_parallel=T`, from scratch, timed end to end and
+    then checked."""
+    gpus = data_parallel * tensor_parallel
+    name = f"dp{data_parallel}" + (f"tp{tensor_parallel}" if tensor_parallel > 1 else "")
     from batchjob.io.inputs import InputSpec
     from batchjob.status import job_status
 
-    out_dir = args.out / "runs" / f"dp{gpus}"
+    out_dir = args.out / "runs" / name
     shutil.rmtree(out_dir, ignore_errors=True)  # a leftover output would be resumed, not measured
     out_dir.mkdir(parents=True)
-    command = job_command(args, model, data, out_dir, gpus)
-    # The children are independent processes (no collectives), so NCCL is unused; NVLS off per the machine notes.
+    command = job_command(args, model, data, out_dir, data_parallel, tensor_parallel)
+    # Data-parallel children share nothing; tensor-parallel ranks all-reduce through NCCL, with NVLink multicast
+    # (NVLS) off: the benchmark machines forbid it.
     env = {
         **os.environ,
         "NCCL_NVLS_ENABLE": "0",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    log = args.out / "runs" / f"dp{gpus}.log"
-    print(f"data_parallel={gpus}: {' '.join(command[1:])}", flush=True)
+    log = args.out / "runs" / f"{name}.log"
+    print(f"{name}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
     with log.open("w") as log_file:
         # Its own process group, so a run past --timeout-s is stopped with every GPU child it started.
@@ -159,9 +190,16 @@ def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dic
             proc.wait()
             returncode = 124
     wall_s = time.perf_counter() - started
-    result: dict[str, Any] = {"gpus": gpus, "returncode": returncode, "wall_s": wall_s, "log": str(log)}
+    result: dict[str, Any] = {
+        "gpus": gpus,
+        "data_parallel": data_parallel,
+        "tensor_parallel": tensor_parallel,
+        "returncode": returncode,
+        "wall_s": wall_s,
+        "log": str(log),
+    }
     if returncode != 0:
-        print(f"data_parallel={gpus}: exited {returncode}; last lines of {log}:", file=sys.stderr)
+        print(f"{name}: exited {returncode}; last lines of {log}:", file=sys.stderr)
         print("\n".join(log.read_text().splitlines()[-30:]), file=sys.stderr)
     try:
         job = job_status(str(out_dir), InputSpec(path=str(data)))
@@ -181,6 +219,7 @@ def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dic
         complete=job.complete,
         completion_tokens=tokens,
         tok_per_s=tokens / wall_s,
+        tok_per_s_per_gpu=tokens / wall_s / gpus,
         shards=[
             {
                 "shard": r["shard"]["index"],
@@ -189,6 +228,8 @@ def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dic
                 "engine_startup_s": r["engine"].get("startup_s"),
                 # process start to first generate (imports, checks, engine), from batchjob's report
                 "process_startup_s": r.get("startup_s", {}).get("total_s"),
+                # every GPU of the shard's engine (rank 0's is gpu_busy_fraction)
+                **{k: v for k, v in r["engine"].items() if k.startswith("gpu_busy_fraction")},
             }
             for r in reports
         ],
@@ -203,6 +244,8 @@ def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dic
         result["outside_shard_loop_s"] = wall_s - result["shard_wall_s_max"]
         # Start-up excluded: what N GPUs give once every shard is generating.
         result["generation_tok_per_s"] = tokens / result["shard_wall_s_max"] if result["shard_wall_s_max"] else None
+        gen = result["generation_tok_per_s"]
+        result["generation_tok_per_s_per_gpu"] = gen / gpus if gen else None
     return result
 
 
@@ -217,11 +260,12 @@ def add_efficiency(results: list[dict[str, Any]]) -> None:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """tok/s and eff are of the whole command; gen tok/s and gen eff over the slowest shard's generation loop;
-    startup s is the slowest shard's process start to first generate."""
+    """N is the GPUs (D x T: data x tensor parallel); tok/s and eff are of the whole command; gen tok/s, per GPU
+    and gen eff over the slowest shard's generation loop; startup s is the slowest shard's process start to first
+    generate."""
     header = (
-        f"{'N':>3} {'wall s':>8} {'startup s':>9} {'tokens':>10} {'tok/s':>10} {'eff':>5} "
-        f"{'gen tok/s':>10} {'gen eff':>7}  rows"
+        f"{'N':>3} {'DxT':>5} {'wall s':>8} {'startup s':>9} {'tokens':>10} {'tok/s':>10} {'eff':>5} "
+        f"{'gen tok/s':>10} {'per GPU':>9} {'gen eff':>7}  rows"
     )
     lines = [header]
 
@@ -233,9 +277,11 @@ def table(results: list[dict[str, Any]]) -> str:
         if r["returncode"]:
             rows += f" (exit {r['returncode']})"
         lines.append(
-            f"{r['gpus']:>3} {r['wall_s']:>8.1f} {num(r.get('process_startup_s_max'), '.1f'):>9} "
+            f"{r['gpus']:>3} {r['data_parallel']:>3}x{r['tensor_parallel']} {r['wall_s']:>8.1f} "
+            f"{num(r.get('process_startup_s_max'), '.1f'):>9} "
             f"{r['completion_tokens']:>10} {r['tok_per_s']:>10,.0f} {num(r['scaling_efficiency'], '.2f'):>5} "
             f"{num(r.get('generation_tok_per_s'), ',.0f'):>10} "
+            f"{num(r.get('generation_tok_per_s_per_gpu'), ',.0f'):>9} "
             f"{num(r.get('generation_scaling_efficiency'), '.2f'):>7}  {rows}"
         )
     return "\n".join(lines)
@@ -254,12 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     # The checkout's batchjob is what is measured, whether or not (and wherever) it is pip-installed.
     sys.path.insert(1, str(REPO))
     try:
-        counts = sorted({int(n) for n in args.gpus.split(",") if n.strip()})
+        if args.layouts:
+            layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",") if item.strip()]
+        else:
+            layouts = [(n, 1) for n in sorted({int(n) for n in args.gpus.split(",") if n.strip()})]
         low, high = (int(x) for x in args.prompt_tokens.split(","))
     except ValueError:
-        raise SystemExit("--gpus takes integers like 1,2 and --prompt-tokens LOW,HIGH like 64,512") from None
-    if not counts or counts[0] < 1 or not 1 <= low <= high:
-        raise SystemExit("--gpus needs values >= 1 and --prompt-tokens 1 <= LOW <= HIGH")
+        raise SystemExit(
+            "--gpus takes integers like 1,2, --layouts DxT pairs like 1x1,1x2,2x1 and --prompt-tokens LOW,HIGH "
+            "like 64,512"
+        ) from None
+    if not layouts or any(len(lay) != 2 or min(lay) < 1 for lay in layouts) or not 1 <= low <= high:
+        raise SystemExit("--gpus / --layouts need values >= 1 and --prompt-tokens 1 <= LOW <= HIGH")
+    if args.architecture not in ARCHITECTURES:
+        raise SystemExit(f"--architecture: choose one of {', '.join(ARCHITECTURES)}")
     args.out = args.out.resolve()
     model = model_dir(args)
     data = args.out / "prompts.parquet"
@@ -277,17 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "devices": _device_names(),
         "model": str(model),
-        "architecture": "tiny-llama" if args.tiny else ARCHITECTURE,
+        "architecture": "tiny-llama" if args.tiny else args.architecture,
+        "load_format": args.load_format,
         "engine": args.engine,
         "overrides": args.override,
         "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": prompt_tokens,
         "results": results,
     }
-    for n in counts:
-        results.append(run_one(args, model, data, n))
+    for data_parallel, tensor_parallel in layouts:
+        results.append(run_one(args, model, data, data_parallel, tensor_parallel))
         add_efficiency(results)
-        # Written after every N, so a run stopped by a time limit still leaves what it measured.
+        # Written after every layout, so a run stopped by a time limit still leaves what it measured.
         (args.out / "data_parallel.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(results))
     return 0 if all(r["returncode"] == 0 and r["exactly_once"] for r in results) else 1

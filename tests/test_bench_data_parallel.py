@@ -43,3 +43,19 @@ def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp
     assert one["scaling_efficiency"] == 1.0 and two["scaling_efficiency"] > 0
     assert one["generation_scaling_efficiency"] == 1.0 and two["generation_scaling_efficiency"] > 0
     assert run.stdout.rstrip().splitlines()[-1].lstrip().startswith("2 ")
+
+
+def test_tiny_run_of_a_tensor_parallel_layout_reports_tokens_per_gpu(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--tiny", "--layouts", "1x2", "--rows", "12", "--max-new-tokens", "4"]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--out", str(out), "--model-cache", str(tmp_path / "models")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (result,) = json.loads((out / "data_parallel.json").read_text())["results"]
+    assert (result["gpus"], result["data_parallel"], result["tensor_parallel"]) == (2, 1, 2)
+    assert result["exactly_once"] and result["completion_tokens"] == 12 * 4
+    assert result["tok_per_s_per_gpu"] == result["tok_per_s"] / 2

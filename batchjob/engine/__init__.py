@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batchjob.engine.api import Completion, Engine, Request, Sample, SamplingParams
+from batchjob.engine.api import Completion, Engine, EngineFailure, Request, Sample, SamplingParams
 
 __all__ = [
     "BACKENDS",
     "BackendChoice",
     "Completion",
     "Engine",
+    "EngineFailure",
     "Request",
     "Sample",
     "SamplingParams",
@@ -87,10 +88,25 @@ def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> Ba
         try:
             architecture = _check_model("native", model_path, native)
         except UnsupportedModelError as err:
+            _check_fallback(native)
             return BackendChoice("hf", fallback, f"the native engine cannot run it: {err}")
         return BackendChoice("native", native, f"the native engine supports {architecture}")
     _check_model(name, model_path, options)
     return BackendChoice(name, dict(options), f"engine={name} was asked for")
+
+
+# Native engine options the hf fallback cannot honour, with the value that needs no native engine.
+NATIVE_ONLY = {"tensor_parallel": 1, "load_format": "auto"}
+
+
+def _check_fallback(native: Mapping[str, Any]) -> None:
+    asked = [f"engine.{key}={native[key]}" for key, plain in NATIVE_ONLY.items() if native.get(key, plain) != plain]
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)} need the native engine, which cannot run this model (engine=auto would fall "
+            "back to hf, which runs one device with the model's own weights): drop them, or use a model the "
+            "native engine supports"
+        )
 
 
 def _check_model(name: str, model_path: str, options: Mapping[str, Any]) -> str | None:

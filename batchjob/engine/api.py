@@ -121,3 +121,9 @@ class Engine(Protocol):
     def stats(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
+
+
+class EngineFailure(RuntimeError):
+    """The engine lost part of itself mid-run (a tensor-parallel rank died or hung), through no fault of the
+    requests: a rerun may well succeed. `generate` raises it; the job commits what had finished and exits with
+    a resumable status."""

@@ -31,6 +31,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "lookahead": 4,
     "max_model_len": None,
     "attn_implementation": "sdpa",
+    "tensor_parallel": 1,
 }
 
 
@@ -62,6 +63,11 @@ class HFEngine:
         for key in ("max_batch_size", "max_batch_tokens", "lookahead"):
             if not isinstance(opts[key], int) or opts[key] < 1:
                 raise ValueError(f"engine.{key} must be a positive integer, got {opts[key]!r}")
+        if opts["tensor_parallel"] != 1:
+            raise ValueError(
+                f"engine.tensor_parallel={opts['tensor_parallel']}: the hf engine runs a model on one device; "
+                "use engine=native to split a model over GPUs, or engine.data_parallel to use more GPUs"
+            )
         if opts["max_model_len"] is not None and (
             not isinstance(opts["max_model_len"], int) or opts["max_model_len"] < 2
         ):

@@ -5,7 +5,8 @@ depend on the values, only on the shapes. Matrices and embeddings are drawn from
 own initialiser scale, which keeps bf16 activations finite through every layer), biases are zero and norms
 the identity (weight 1, or 0 where the norm scales by 1 + weight). Each parameter has its own generator,
 seeded from its name, so the weights are the same in every run and do not depend on the order parameters are
-visited.
+visited; under tensor parallelism each rank takes its slices of the same full parameters, so the model is
+the same for every `tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from batchjob.engine.native.layers import RMSNorm
+from batchjob.engine.native.sharding import ParamShard
 
 DUMMY_SEED = 1234
 STD = 0.02
@@ -46,7 +48,17 @@ def norm_values(model: nn.Module) -> dict[str, float]:
 
 
 @torch.no_grad()
-def fill_dummy_weights(model: nn.Module) -> None:
+def fill_dummy_weights(model: nn.Module, shards: dict[str, ParamShard | None]) -> None:
+    """Fill every parameter; a sharded one (tensor parallelism) gets its slices of the full parameter, so a
+    rank holds exactly what it would hold of a checkpoint of these weights."""
     norms = norm_values(model)
     for name, param in model.named_parameters():
-        param.copy_(dummy_tensor(name, tuple(param.shape), param.dtype, param.device, norms.get(name)))
+        shard = shards.get(name)
+        if shard is None:
+            param.copy_(dummy_tensor(name, tuple(param.shape), param.dtype, param.device, norms.get(name)))
+        elif shard.first_rank_only:
+            param.zero_()  # a bias, zero anyway
+        else:
+            param.zero_()  # vocabulary padding rows stay zero
+            full = dummy_tensor(name, shard.full_shape(tuple(param.shape)), param.dtype, param.device, norms.get(name))
+            shard.copy_(param, full, 0, shard.full_size)

@@ -7,15 +7,18 @@ step N's tokens (the GPU is already busy with N+1) -> update sequences, emit fin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchjob.engine.api import Completion, Request
+from batchjob.engine.native import parallel
 from batchjob.engine.native.block_manager import KVBlockManager
 from batchjob.engine.native.io_slot import SlotLimits
 from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
@@ -25,12 +28,26 @@ from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.sequence import RequestGroup, Sequence
 
+if TYPE_CHECKING:
+    from batchjob.engine.native.rank_group import RankGroup
+
 log = logging.getLogger("batchjob.engine.native")
 
 
 def graph_buckets(max_batch: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b <= max_batch]
     return sorted(set(small + list(range(16, max_batch + 1, 16)) + [max_batch]))
+
+
+def _check_gpu_count(opts: NativeOptions) -> None:
+    if opts.tensor_parallel > 1 and _device(opts.device).type == "cuda":
+        visible = torch.cuda.device_count()
+        if visible < opts.tensor_parallel:
+            raise ValueError(
+                f"engine.tensor_parallel={opts.tensor_parallel} needs {opts.tensor_parallel} GPUs, but {visible} "
+                f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); lower it or "
+                "request more GPUs"
+            )
 
 
 def _device(name: str) -> torch.device:
@@ -52,9 +69,13 @@ class NativeEngine:
         `UnsupportedModelError` when the native engine cannot run the model, or `ValueError` when the options
         do not fit it (max_model_len beyond the model's)."""
         from batchjob.engine.native.loader import read_model_spec
+        from batchjob.engine.native.sharding import check_tensor_parallel
 
         opts = NativeOptions.from_mapping(options)
-        return read_model_spec(model_path, opts.dtype, opts.max_model_len).architecture
+        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
+        check_tensor_parallel(spec, opts.tensor_parallel)
+        _check_gpu_count(opts)
+        return spec.architecture
 
     def __init__(self, model_path: str, **options: Any) -> None:
         from transformers import AutoTokenizer
@@ -63,6 +84,10 @@ class NativeEngine:
         from batchjob.engine.native.loader import load_model
 
         self.options = opts = NativeOptions.from_mapping(options)
+        self.ranks: RankGroup | None = None
+        if opts.tensor_parallel > 1 and not parallel.current().active:
+            self._start_ranks(model_path)
+            return
         self.device = _device(opts.device)
         started = time.perf_counter()
         if self.device.type == "cuda":
@@ -94,15 +119,6 @@ class NativeEngine:
                 f"{opts.max_num_batched_tokens} < max_model_len={self.max_model_len}; raise it, lower "
                 "engine.max_model_len, or set engine.enable_chunked_prefill=true"
             )
-        self.blocks = KVBlockManager(num_blocks, opts.block_size, opts.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=opts.max_num_seqs,
-                max_num_batched_tokens=opts.max_num_batched_tokens,
-                enable_chunked_prefill=opts.enable_chunked_prefill,
-            ),
-            self.blocks,
-        )
         max_batch = min(opts.graph_max_batch or opts.max_num_seqs, opts.max_num_seqs)
         limits = SlotLimits(
             max_tokens=max(opts.max_num_batched_tokens, max_batch),
@@ -149,6 +165,39 @@ class NativeEngine:
                 graph_modes=len(self.runner.graph_modes),
             )
         self._stats["startup_s"] = time.perf_counter() - started
+        self._start_loop(num_blocks)
+
+    def _start_ranks(self, model_path: str) -> None:
+        """The job process of a tensor-parallel engine: the ranks (`rank_group.py`) hold the model and run the
+        steps; this process runs the scheduler and turns tokens into completions, as a single-device engine."""
+        from transformers import AutoTokenizer
+
+        from batchjob.engine.native.loader import read_model_spec
+        from batchjob.engine.native.rank_group import RankGroup
+
+        opts = self.options
+        started = time.perf_counter()
+        self.device = torch.device("cpu")  # this process computes nothing; the ranks have the devices
+        self.spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
+        self.max_model_len = self.spec.max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir) if opts.detokenize else None
+        rank_options = {**dataclasses.asdict(opts), "detokenize": False}
+        cuda = _device(opts.device).type == "cuda"
+        self.runner = self.ranks = RankGroup(self.spec.model_dir, rank_options, opts.tensor_parallel, cuda)
+        self._stats = {**self.ranks.startup_stats, "startup_s": time.perf_counter() - started}
+        self._start_loop(self.ranks.num_blocks)
+
+    def _start_loop(self, num_blocks: int) -> None:
+        opts = self.options
+        self.blocks = KVBlockManager(num_blocks, opts.block_size, opts.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=opts.max_num_seqs,
+                max_num_batched_tokens=opts.max_num_batched_tokens,
+                enable_chunked_prefill=opts.enable_chunked_prefill,
+            ),
+            self.blocks,
+        )
         self._next_seq_id = 0
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize)
 
@@ -258,6 +307,8 @@ class NativeEngine:
         )
         if runner.clock is not None and runner.clock.fraction() is not None:
             stats["gpu_busy_fraction"] = runner.clock.fraction()
+        if self.ranks is not None:
+            stats.update(self.ranks.stats())
         return stats
 
     def busy_timeline(self) -> list[tuple[float, float]]:
@@ -265,6 +316,8 @@ class NativeEngine:
         return list(self.runner.clock.timeline) if self.runner.clock is not None else []
 
     def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
         self.kv_caches = []
         self.runner = None
         if self.device.type == "cuda":

@@ -64,7 +64,8 @@ def decide_num_blocks(model, spec, opts: NativeOptions, device: torch.device) ->
     # Memory outside torch's allocator (CUDA context, other processes) counts against the budget too.
     outside = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * opts.gpu_memory_utilization) - peak - outside
-    num_blocks = budget // block_bytes
+    # The ranks of a tensor-parallel engine share one block manager: every rank takes the smallest count.
+    num_blocks = model.tp.min_int(budget // block_bytes, device)
     log.info(
         "KV cache: %d blocks of %d tokens (%.1f GiB); weights+activations peak %.1f GiB of %.1f GiB",
         num_blocks,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from batchjob.engine.native import parallel
 from batchjob.engine.native.attention import PagedAttentionBackend
 from batchjob.engine.native.dummy_weights import fill_dummy_weights
 from batchjob.engine.native.models import CausalLM
@@ -26,6 +27,8 @@ from batchjob.engine.native.models.registry import (
     spec_from_config_files,
 )
 from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
+from batchjob.engine.native.parallel import TensorParallel
+from batchjob.engine.native.sharding import ParamShard, check_tensor_parallel, param_shard, rank_spec
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -131,51 +134,87 @@ def load_model(
     attn: PagedAttentionBackend,
     max_model_len: int | None = None,
     load_format: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> tuple[CausalLM, ModelSpec]:
     """The model in eval mode, without gradients, on `device` in `dtype` (auto | float32 | bfloat16 |
     float16), with its spec. `load_format`: auto (the safetensors weights) or dummy (seeded random weights,
-    no weight file read)."""
+    no weight file read). Under tensor parallelism (`tp`, default: this process's place, `parallel.current()`)
+    the model and the returned spec are this rank's shard, and only its slices are read."""
+    tp = parallel.current() if tp is None else tp
     dummy = load_format == "dummy"
     model_dir = resolve_model_dir(model_path, with_weights=not dummy)
     spec = read_model_spec(model_dir, dtype, max_model_len)
+    check_tensor_parallel(spec, tp.size)
+    local = rank_spec(spec, tp)
     with torch.device("meta"):
-        model = CausalLM(spec, attn).to(spec.dtype)
+        model = CausalLM(local, attn, tp).to(spec.dtype)
     model.to_empty(device=device)
     model.reset_tables()
+    shards = {name: param_shard(name, spec, tp) for name, _ in model.named_parameters()}
     if dummy:
-        fill_dummy_weights(model)
+        fill_dummy_weights(model, shards)
     else:
-        load_checkpoint(model, spec, model_dir)
-    return model.eval().requires_grad_(False), spec
+        load_checkpoint(model, spec, model_dir, shards, tp)
+    return model.eval().requires_grad_(False), local
 
 
-def load_checkpoint(model: CausalLM, spec: ModelSpec, model_dir: Path) -> None:
+def _expected_elements(param: torch.Tensor, shard: ParamShard | None) -> int:
+    if shard is None or shard.first_rank_only:
+        return param.numel()
+    return param.numel() // param.shape[shard.dim] * shard.covered()
+
+
+@torch.no_grad()
+def load_checkpoint(
+    model: CausalLM, spec: ModelSpec, model_dir: Path, shards: dict[str, ParamShard | None], tp: TensorParallel
+) -> None:
+    """Copy the checkpoint into `model` (this rank's shard of the model of `spec`)."""
     files = safetensors_files(model_dir)
     params = dict(model.named_parameters())
+    for name, shard in shards.items():
+        if shard is not None and shard.covered() < params[name].shape[shard.dim]:
+            params[name].zero_()  # vocabulary padding rows; a bias that another rank adds
     loaded = dict.fromkeys(params, 0)
-    with torch.no_grad():
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as shard:
-                for key in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    slot = checkpoint_slot(key, spec)
-                    if slot is None:
-                        continue
-                    name = slot.name
-                    if name not in params:
-                        raise UnsupportedModelError(
-                            f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf"
-                        )
-                    tensor = shard.get_tensor(key)
-                    target = params[name] if slot.expert is None else params[name][slot.expert]
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as checkpoint:
+            for key in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                slot = checkpoint_slot(key, spec)
+                if slot is None:
+                    continue
+                name = slot.name
+                if name not in params:
+                    raise UnsupportedModelError(
+                        f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf"
+                    )
+                target = params[name] if slot.expert is None else params[name][slot.expert]
+                shard = shards[name]
+                if shard is None:
+                    tensor = checkpoint.get_tensor(key)
                     if slot.row is not None:
                         target = target.narrow(0, slot.row, tensor.shape[0])
-                    if target.shape != tensor.shape:
-                        raise UnsupportedModelError(
-                            f"{file}: tensor {key} has shape {tuple(tensor.shape)}, but config.json implies "
-                            f"{tuple(target.shape)}; the config and weights do not match"
-                        )
+                    _check_shape(file, key, tuple(tensor.shape), tuple(target.shape))
                     target.copy_(tensor)
                     loaded[name] += tensor.numel()
-    missing = [name for name, param in params.items() if loaded[name] != param.numel()]
+                elif shard.first_rank_only:
+                    if tp.rank == 0:
+                        target.copy_(checkpoint.get_tensor(key))
+                    loaded[name] += target.numel()
+                else:
+                    shard = shard.entry() if slot.expert is not None else shard
+                    source = checkpoint.get_slice(key)
+                    shape = tuple(source.get_shape())
+                    full = shard.full_shape(tuple(target.shape))
+                    expected = full[: shard.dim] + shape[shard.dim : shard.dim + 1] + full[shard.dim + 1 :]
+                    _check_shape(file, key, shape, expected)
+                    loaded[name] += shard.copy_(target, source, slot.row or 0, shape[shard.dim])
+    missing = [name for name, param in params.items() if loaded[name] != _expected_elements(param, shards[name])]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: weights missing or incomplete for {', '.join(missing)}")
+
+
+def _check_shape(file: Path, key: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise UnsupportedModelError(
+            f"{file}: tensor {key} has shape {shape}, but config.json implies {expected}; the config and "
+            "weights do not match"
+        )

@@ -18,6 +18,7 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ import torch
 from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.sampler import SamplerMode, sample
 from batchjob.engine.native.scheduler import StepPlan
+
+if TYPE_CHECKING:
+    from batchjob.engine.native.packed_step import PackedStep
 
 log = logging.getLogger("batchjob.engine.native")
 
@@ -47,10 +51,48 @@ def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
     return SAMPLING if mode.sampling else GREEDY
 
 
+def sampler_mode(plan: StepPlan) -> SamplerMode:
+    sampled = [s.sampling for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
+    logprobs = [p.logprobs for p in sampled if p.logprobs is not None]
+    return SamplerMode(
+        sampling=any(p.temperature > 0 for p in sampled),
+        filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in sampled),
+        logprobs=max(logprobs) if logprobs else None,
+    )
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How a step runs: its padded shape, the graph bucket that replays it (None: eager), the sampler mode, its
+    sampled rows and tokens, and the host-side bounds of an eager step's attention."""
+
+    shape: StepShape
+    bucket: int | None
+    mode: SamplerMode
+    rows: int
+    tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+
+def layout_step(plan: StepPlan, graph_buckets: list[int], graph_modes: set[SamplerMode]) -> StepLayout:
+    rows = int(plan.samples.sum())
+    mode = sampler_mode(plan)
+    n, t = len(plan.seqs), plan.num_tokens
+    graph_mode = graph_mode_for(mode)
+    bucket = None
+    if plan.is_decode and graph_mode in graph_modes:
+        bucket = next((b for b in graph_buckets if b >= n), None)
+    if bucket:
+        mode = graph_mode
+    shape = StepShape(bucket, bucket, bucket) if bucket else StepShape(t, n, rows)
+    return StepLayout(shape, bucket, mode, rows, t, int(plan.counts.max()), int((plan.starts + plan.counts).max()))
+
+
 @dataclass
 class StepHandle:
-    plan: StepPlan
-    slot: IOSlot
+    plan: StepPlan | None  # None on the ranks of a tensor-parallel engine (the job process has it)
+    slot: IOSlot | None  # None in the job process of a tensor-parallel engine
     shape: StepShape
     rows: int
     mode: SamplerMode
@@ -171,9 +213,6 @@ class ModelRunner:
 
     # ---- CUDA graphs ----
 
-    def bucket_for(self, n: int) -> int | None:
-        return next((b for b in self.graph_buckets if b >= n), None)
-
     def capture_graphs(self, buckets: list[int], modes: tuple[SamplerMode, ...]) -> tuple[float, int]:
         """Capture decode steps for every bucket, sampler mode and slot into one memory pool. Returns the
         seconds and device bytes it took. A mode other than greedy that fails to capture is logged and left
@@ -232,24 +271,33 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> StepHandle:
         began = time.perf_counter()
-        slot = self.slots[self.step_index % 2]
-        prev = self.slots[1 - slot.index]
-        self.step_index += 1
-        rows = int(plan.samples.sum())
-        mode = self._sampler_mode(plan)
-        n, t = len(plan.seqs), plan.num_tokens
-        graph_mode = graph_mode_for(mode)
-        bucket = self.bucket_for(n) if plan.is_decode and graph_mode in self.graph_modes else None
-        if bucket:
-            mode = graph_mode
-        shape = StepShape(bucket, bucket, bucket) if bucket else StepShape(t, n, rows)
+        layout = layout_step(plan, self.graph_buckets, self.graph_modes)
+        slot = self._take_slot()
+        slot.fill(plan, layout.shape, self.block_size)
+        return self._enqueue(slot, layout, plan, began)
 
+    def launch_packed(self, packed: PackedStep) -> StepHandle:
+        """Launch a step that another process laid out and filled (the job process of a tensor-parallel
+        engine, `rank_group.py`); its handle has no plan."""
+        began = time.perf_counter()
+        slot = self._take_slot()
+        packed.unpack_into(slot)
+        return self._enqueue(slot, packed.layout, None, began)
+
+    def _take_slot(self) -> IOSlot:
+        slot = self.slots[self.step_index % 2]
+        self.step_index += 1
         if self.cuda:
             # The host buffers of this slot were last read by the copy two steps ago.
             slot.events.h2d_done.synchronize()
         if self.debug_poison:
             slot.poison_host_inputs()
-        slot.fill(plan, shape, self.block_size)
+        return slot
+
+    def _enqueue(self, slot: IOSlot, layout: StepLayout, plan: StepPlan | None, began: float) -> StepHandle:
+        """H2D copy, forward and sampling, D2H copy of a step whose inputs are in `slot`'s host buffers."""
+        prev = self.slots[1 - slot.index]
+        shape, bucket, mode, rows = layout.shape, layout.bucket, layout.mode, layout.rows
         filled = time.perf_counter()
         self.fill_s += filled - began
 
@@ -272,8 +320,7 @@ class ModelRunner:
             if bucket:
                 self.graphs[(slot.index, bucket, mode)].replay()
             else:
-                max_seq_len = int((plan.starts + plan.counts).max())
-                self._forward(slot, prev, shape, int(plan.counts.max()), max_seq_len, mode)
+                self._forward(slot, prev, shape, layout.max_query_len, layout.max_seq_len, mode)
             if self.cuda:
                 timing[1].record(self.compute)
                 slot.events.compute_done.record(self.compute)
@@ -292,7 +339,7 @@ class ModelRunner:
         self.launch_s[0 if bucket else 1] += done - filled
         self.steps += 1
         self.graph_steps += 1 if bucket else 0
-        self.tokens_fed += t
+        self.tokens_fed += layout.tokens
         return StepHandle(plan=plan, slot=slot, shape=shape, rows=rows, mode=mode, timing=timing)
 
     def collect(self, step: StepHandle) -> StepResult:
@@ -311,16 +358,6 @@ class ModelRunner:
             slot.host_logprobs[:rows].numpy().copy(),
             slot.host_top_ids[:rows, :k].numpy().copy() if k else None,
             slot.host_top_logprobs[:rows, :k].numpy().copy() if k else None,
-        )
-
-    @staticmethod
-    def _sampler_mode(plan: StepPlan) -> SamplerMode:
-        sampled = [s.sampling for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
-        logprobs = [p.logprobs for p in sampled if p.logprobs is not None]
-        return SamplerMode(
-            sampling=any(p.temperature > 0 for p in sampled),
-            filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in sampled),
-            logprobs=max(logprobs) if logprobs else None,
         )
 
     def finish(self) -> None:

@@ -28,6 +28,7 @@ class NativeOptions:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    tensor_parallel: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -70,6 +71,13 @@ class NativeOptions:
             problems.append(
                 f"engine.load_format={self.load_format!r}: choose auto (the safetensors weights) or dummy "
                 "(random weights from config.json alone, for benchmarks)"
+            )
+        if self.tensor_parallel < 1:
+            problems.append(f"engine.tensor_parallel={self.tensor_parallel}: must be >= 1 (GPUs of one engine)")
+        elif self.tensor_parallel > 1 and self.device.startswith("cuda:"):
+            problems.append(
+                f"engine.device={self.device} with engine.tensor_parallel={self.tensor_parallel}: use "
+                "engine.device=cuda or auto (rank r runs on the r-th visible GPU; CUDA_VISIBLE_DEVICES picks them)"
             )
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             problems.append(f"engine.device={self.device!r}: use auto, cpu, cuda or cuda:N")

@@ -5,6 +5,10 @@ partial rotary, attention scale and soft-capping, SwiGLU or GeGLU, dense or mixt
 Inputs are one flat step of T tokens from any mix of sequences (no batch dimension, no padding); attention
 goes through a `PagedAttentionBackend`. q/k/v and gate/up are fused into one projection each (the loader
 copies checkpoint tensors into slices of them), so a layer runs 4 matmuls instead of 7.
+
+Under tensor parallelism (`sharding.py` says what each rank holds) the model is built from the rank's spec and
+adds the collectives: one all-reduce after each attention and each MLP, one for the vocab-parallel embedding,
+a gather of the logits, and, for norms over all heads (OLMo 2's q/k norms), an all-reduce of their statistics.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from batchjob.engine.native.attention import AttentionMetadata, PagedAttentionBa
 from batchjob.engine.native.layers import RMSNorm, act_and_mul
 from batchjob.engine.native.models.moe import SparseMoE
 from batchjob.engine.native.models.spec import ModelSpec
+from batchjob.engine.native.parallel import SINGLE, TensorParallel, vocab_per_rank
 from batchjob.engine.native.rope import RopeStep, RotaryEmbedding
 
 
@@ -24,9 +29,22 @@ def make_norm(spec: ModelSpec, size: int) -> RMSNorm:
     return RMSNorm(size, spec.rms_norm_eps, weight_fp32=spec.norm_weight_fp32, unit_offset=spec.norm_unit_offset)
 
 
+def sharded_rms_norm(norm: RMSNorm, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """`norm` over the last dimension of x as if the ranks' slices were one vector: the sum of squares is
+    all-reduced, and divided by `tp.size` times the local width, which is also right for replicated KV heads
+    (a head held by r ranks is counted r times, and r times as many channels are assumed)."""
+    h = x.float()
+    sum_sq = tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+    h = h * torch.rsqrt(sum_sq / (tp.size * x.shape[-1]) + norm.eps)
+    if norm.weight_fp32:
+        return (h * (norm.offset + norm.weight.float())).to(x.dtype)
+    return norm.weight * h.to(x.dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, attn: PagedAttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, attn: PagedAttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
@@ -50,7 +68,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm == "full":
+        if self.qk_norm == "full" and self.tp.active:
+            q, k = sharded_rms_norm(self.q_norm, q, self.tp), sharded_rms_norm(self.k_norm, k, self.tp)
+        elif self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -81,12 +101,13 @@ class DecoderLayer(nn.Module):
     `post_attention_layernorm` (on its output), `pre_feedforward_layernorm`, `post_feedforward_layernorm`.
     A family has the subset its `norm_placement` says."""
 
-    def __init__(self, spec: ModelSpec, layer: int, attn: PagedAttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, attn: PagedAttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         before = spec.norm_placement in ("pre", "sandwich")
         after = spec.norm_placement in ("post", "sandwich")
         self.input_layernorm = make_norm(spec, spec.hidden_size) if before else None
-        self.self_attn = Attention(spec, layer, attn)
+        self.self_attn = Attention(spec, layer, attn, tp)
         self.post_attention_layernorm = make_norm(spec, spec.hidden_size) if after else None
         self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size) if before else None
         self.mlp = SparseMoE(spec) if spec.layers[layer].sparse else MLP(spec)
@@ -103,11 +124,11 @@ class DecoderLayer(nn.Module):
         """`x + residual` is this layer's input (residual None: x alone); returns the pair for the next layer,
         so each residual add is fused into the norm that follows it where there is one."""
         h, residual = self._add_then_norm(x, residual, self.input_layernorm)
-        h = self.self_attn(h, rope, meta, kv_cache)
+        h = self.tp.all_reduce(self.self_attn(h, rope, meta, kv_cache))
         if self.post_attention_layernorm is not None:
             h = self.post_attention_layernorm(h)
         h, residual = self._add_then_norm(h, residual, self.pre_feedforward_layernorm)
-        h = self.mlp(h)
+        h = self.tp.all_reduce(self.mlp(h))
         if self.post_feedforward_layernorm is not None:
             h = self.post_feedforward_layernorm(h)
         return h, residual
@@ -128,12 +149,15 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names mirror the Hugging Face checkpoint minus its `model.` prefix, except the fused
     `qkv_proj` and `gate_up_proj`, the stacked experts and the Gemma-layout norm names (see `DecoderLayer`);
-    the loader maps checkpoint names onto them."""
+    the loader maps checkpoint names onto them. Under tensor parallelism `spec` is the rank's (`rank_spec`)."""
 
-    def __init__(self, spec: ModelSpec, attn: PagedAttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, attn: PagedAttentionBackend, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.tp = tp
+        # Vocabulary rows this rank holds (all of them without tensor parallelism).
+        self.vocab_rows = vocab_per_rank(spec.vocab_size, tp.size)
+        self.embed_tokens = nn.Embedding(self.vocab_rows, spec.hidden_size)
         # transformers multiplies by the scale rounded to the model dtype.
         self.embed_scale = torch.tensor(spec.embed_scale, dtype=spec.dtype, device="cpu").item()
         # One table per distinct rope (Gemma 3: local and global bases). One position of margin: the overlapped
@@ -142,11 +166,11 @@ class CausalLM(nn.Module):
         ropes = list(dict.fromkeys(layer.rope for layer in spec.layers if layer.rope is not None))
         self.rotaries = nn.ModuleList(RotaryEmbedding(r, spec.rotary_dim, spec.max_model_len + 1) for r in ropes)
         self.rope_index = [None if layer.rope is None else ropes.index(layer.rope) for layer in spec.layers]
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, attn) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, attn, tp) for i in range(spec.num_layers))
         self.norm = make_norm(spec, spec.hidden_size)
         # Tied embeddings read `embed_tokens.weight` directly instead of sharing a Parameter: sharing does not
         # survive materialising a meta-device module (`to_empty` gives each owner its own tensor).
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, self.vocab_rows, bias=False)
 
     def reset_tables(self) -> None:
         """Fill the rope tables, after the module was materialised from the meta device."""
@@ -162,17 +186,30 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for input_ids, positions int64 [T]; stores the step's K/V."""
         ropes = [rotary.prepare(positions) for rotary in self.rotaries]
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self._embed(input_ids), None
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         for layer, index, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
             x, residual = layer(x, residual, None if index is None else ropes[index], meta, kv_cache)
         return self.norm(x, residual)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.active:
+            return self.embed_tokens(input_ids)
+        # Each rank looks up the ids in its rows and contributes zeros for the others.
+        local = input_ids - self.tp.rank * self.vocab_rows
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for hidden states [N, hidden] (usually each sequence's last token)."""
+        """float32 logits [N, vocab] for hidden states [N, hidden] (usually each sequence's last token); every
+        rank gets all of them."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp.active:
+            logits = self.tp.all_gather_last(logits)[:, : self.spec.vocab_size]
+        logits = logits.float()
         if self.spec.final_softcap > 0:
             logits = self.spec.final_softcap * torch.tanh(logits / self.spec.final_softcap)
         return logits

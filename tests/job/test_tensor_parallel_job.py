@@ -1,0 +1,122 @@
+"""A job on a tensor-parallel engine: a rank that dies ends it resumably (finished rows kept), bad splits are
+config errors before anything loads, and data parallelism hands each engine a group of GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jobtools import REPO, cli_env, read_output, write_prompts
+
+from batchjob.errors import ConfigError
+from batchjob.job import EXIT_ENGINE_FAILED, EXIT_USAGE
+from batchjob.launch import plan_children
+
+ROWS = 48
+TP_JOB = (
+    "engine=native",
+    "engine.tensor_parallel=2",
+    "engine.device=cpu",
+    "engine.dtype=float32",
+    "engine.max_model_len=256",
+    "engine.num_kv_blocks=128",
+    "engine.max_num_seqs=4",
+    "sampling.max_new_tokens=8",
+    "output.commit_every_rows=4",
+    "output.commit_every_s=1000",
+)
+
+
+def command(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "batchjob", *TP_JOB, *overrides]
+
+
+def rank_pids(job_pid: int) -> list[int]:
+    """The tensor-parallel rank processes the job started (its children running tp_rank)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if parent == job_pid and b"tp_rank" in cmdline:
+            pids.append(int(proc.name))
+    return sorted(pids)
+
+
+def committed_rows(out: Path) -> int:
+    return len(read_output(out)) if list(out.glob("part-*.parquet")) else 0
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank processes through /proc")
+def test_a_killed_rank_ends_the_job_resumably_and_a_rerun_completes_every_row_once(tmp_path):
+    data = write_prompts(tmp_path / "prompts.parquet", ROWS)
+    out = tmp_path / "out"
+    args = (f"data.path={data}", f"output.dir={out}")
+    job = subprocess.Popen(
+        command(*args), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 240
+    while committed_rows(out) < 4:
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no rows committed in time"
+        time.sleep(0.05)
+    ranks = rank_pids(job.pid)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    _, stderr = job.communicate(timeout=120)
+
+    assert job.returncode == EXIT_ENGINE_FAILED, stderr[-3000:]
+    assert "tensor-parallel rank 1" in stderr and "resumable: rerun the same command" in stderr
+    kept = committed_rows(out)
+    assert 4 <= kept < ROWS and not (out / "_SUCCESS").exists()
+    assert rank_pids(job.pid) == []
+
+    rerun = subprocess.run(command(*args), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming: {kept} rows already committed" in rerun.stderr
+    assert read_output(out).column("row_id").to_pylist() == list(range(ROWS))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("engine=native", "engine.device=cpu", "engine.tensor_parallel=3"),
+            "engine.tensor_parallel=3 does not divide its 4 attention heads",
+        ),
+        (("engine=hf", "engine.tensor_parallel=2"), "the hf engine runs a model on one device"),
+    ],
+)
+def test_a_tensor_parallel_the_engine_cannot_run_is_a_config_error_before_anything_loads(tmp_path, overrides, message):
+    data = write_prompts(tmp_path / "prompts.parquet", 4)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "batchjob", f"data.path={data}", f"output.dir={out}", *overrides],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_USAGE, done.stderr[-3000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not (out / "_job.json").exists()
+
+
+def test_data_parallel_children_each_get_a_group_of_tensor_parallel_gpus():
+    children = plan_children(2, 1, 3, env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, tensor_parallel=2)
+    assert [(c.gpu, c.shard_index, c.shard_count) for c in children] == [("4,5", 2, 6), ("6,7", 3, 6)]
+
+
+def test_data_parallel_times_tensor_parallel_beyond_the_visible_gpus_is_refused():
+    with pytest.raises(ConfigError, match="data_parallel=2 x engine.tensor_parallel=2 needs 4 GPUs but only 3"):
+        plan_children(2, 0, 1, env={"CUDA_VISIBLE_DEVICES": "0,1,2"}, tensor_parallel=2)

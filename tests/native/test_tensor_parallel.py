@@ -1,0 +1,98 @@
+"""engine.tensor_parallel on CPU (two rank processes joined by gloo), in fp32: every family's greedy output is
+the single-device engine's, with the asynchronous and the synchronous loop, through chunked prefill and
+preemption, and with dummy weights."""
+
+from __future__ import annotations
+
+import pytest
+from engine_cases import CASES, mixed_requests, with_stops
+
+from batchjob.engine import Request, SamplingParams, create_engine
+from batchjob.tiny_model import make_tiny_model
+
+BASE = dict(dtype="float32", num_kv_blocks=160, block_size=8, max_model_len=128)
+# Chunked prompts and preemptions: 29 usable blocks of 4 tokens, 24-token steps.
+TIGHT = dict(dtype="float32", num_kv_blocks=30, block_size=4, max_model_len=80, max_num_batched_tokens=24)
+# Every family, plus a Llama with one KV head, which both ranks then hold (replicated).
+TP_CASES = {**CASES, "llama_one_kv_head": ("llama", {"num_key_value_heads": 1})}
+
+
+def tokens(model_dir, requests: list[Request], engine: str = "native", **options) -> dict:
+    eng = create_engine(engine, str(model_dir), {**BASE, **options})
+    try:
+        return {c.id: c.token_ids for c in eng.generate(requests)}
+    finally:
+        eng.close()
+
+
+def single_device_case(model_dir, **options) -> tuple[list[Request], dict]:
+    """Requests (a third of them stopping on a token mid-way) and what the single-device engine makes of them."""
+    base = mixed_requests(16, seed=5, max_prompt=40, max_new=12)
+    return with_stops(base, tokens(model_dir, base, **options))
+
+
+@pytest.fixture(scope="module", params=TP_CASES)
+def tp_case(request, tmp_path_factory):
+    arch, overrides = TP_CASES[request.param]
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("m") / request.param, arch=arch, **overrides)
+    requests, expected = single_device_case(model_dir)
+    return model_dir, requests, expected
+
+
+def test_tensor_parallel_2_greedy_output_equals_one_device(tp_case):
+    model_dir, requests, expected = tp_case
+    assert tokens(model_dir, requests, tensor_parallel=2) == expected
+
+
+@pytest.mark.parametrize("arch", ["llama_one_kv_head", "qwen3_moe", "olmo2"])
+def test_tensor_parallel_2_sync_loop_with_chunked_prefill_and_preemption_equals_one_device(arch, tmp_path):
+    family, overrides = TP_CASES[arch]
+    model_dir = make_tiny_model(tmp_path / arch, arch=family, **overrides)
+    requests, expected = single_device_case(model_dir, **TIGHT)
+    eng = create_engine("native_sync", str(model_dir), {**TIGHT, "tensor_parallel": 2})
+    try:
+        got = {c.id: c.token_ids for c in eng.generate(requests)}
+        stats = eng.stats()
+    finally:
+        eng.close()
+    assert got == expected
+    assert stats["preemptions"] > 0 and stats["tensor_parallel"] == 2
+
+
+def test_dummy_weights_are_the_same_model_whatever_the_tensor_parallel(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "qwen3", arch="qwen3")
+    requests = mixed_requests(6, seed=8, max_new=8)
+    assert tokens(model_dir, requests, load_format="dummy", tensor_parallel=2) == tokens(
+        model_dir, requests, load_format="dummy"
+    )
+
+
+def test_seeded_sampling_draws_the_same_tokens_on_two_ranks_as_on_one_device(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    requests = [
+        Request(i, r.prompt_ids, SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=i))
+        for i, r in enumerate(mixed_requests(8, seed=9))
+    ]
+    assert tokens(model_dir, requests, tensor_parallel=2) == tokens(model_dir, requests)
+
+
+def test_an_engine_serves_a_second_generate_after_the_first_was_abandoned(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    requests = mixed_requests(12, seed=10, max_new=16)
+    expected = tokens(model_dir, requests)
+    eng = create_engine("native", str(model_dir), {**BASE, "tensor_parallel": 2})
+    try:
+        stream = eng.generate(requests)
+        next(stream)
+        stream.close()  # steps in flight are dropped, as when a job is interrupted
+        assert {c.id: c.token_ids for c in eng.generate(requests)} == expected
+    finally:
+        eng.close()
+
+
+def test_a_tensor_parallel_that_does_not_divide_the_heads_is_refused_from_the_config(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")  # 4 heads, 2 KV heads
+    from batchjob.engine.native.engine import NativeEngine
+
+    with pytest.raises(ValueError, match="engine.tensor_parallel=3 does not divide its 4 attention heads"):
+        NativeEngine.check_model(str(model_dir), {"tensor_parallel": 3})
