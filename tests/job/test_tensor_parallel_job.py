@@ -86,6 +86,32 @@ def test_a_killed_rank_ends_the_job_resumably_and_a_rerun_completes_every_row_on
     assert read_output(out).column("row_id").to_pylist() == list(range(ROWS))
 
 
+def test_sigterm_stops_a_tensor_parallel_job_resumably_and_its_ranks_with_it(tmp_path):
+    data = write_prompts(tmp_path / "prompts.parquet", ROWS)
+    out = tmp_path / "out"
+    job = subprocess.Popen(
+        command(f"data.path={data}", f"output.dir={out}"),
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while committed_rows(out) < 4:
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no rows committed in time"
+        time.sleep(0.05)
+    ranks = rank_pids(job.pid)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+
+    assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "resumable: rerun the same command" in stderr and "engine failed" not in stderr
+    assert len(ranks) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+    assert committed_rows(out) >= 4
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

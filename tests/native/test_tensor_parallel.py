@@ -49,7 +49,9 @@ def test_tensor_parallel_2_sync_loop_with_chunked_prefill_and_preemption_equals_
     family, overrides = TP_CASES[arch]
     model_dir = make_tiny_model(tmp_path / arch, arch=family, **overrides)
     requests, expected = single_device_case(model_dir, **TIGHT)
-    eng = create_engine("native_sync", str(model_dir), {**TIGHT, "tensor_parallel": 2})
+    # Poisoned host buffers on the ranks: a field the job process's message leaves out would corrupt a step.
+    options = {**TIGHT, "tensor_parallel": 2, "debug_poison_slots": True}
+    eng = create_engine("native_sync", str(model_dir), options)
     try:
         got = {c.id: c.token_ids for c in eng.generate(requests)}
         stats = eng.stats()

@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, Pipe
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import batchjob
 from batchjob.engine.api import EngineFailure
 from batchjob.engine.native.io_slot import IOSlot
 from batchjob.engine.native.model_runner import StepHandle, StepResult, layout_step
@@ -71,6 +72,10 @@ class RankGroup:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.failed: str | None = None
+        # Results asked of rank 0 and not read yet: an interrupted wait leaves one in the pipe.
+        self._awaiting = 0
+        # A signal raised while a message was half written or half read: the streams can no longer be trusted.
+        self._torn = False
         self._store_dir = tempfile.mkdtemp(prefix="batchjob-tp-")
         # Counters the engine's statistics read, as of a ModelRunner (here: this process's share of a step).
         self.steps = self.graph_steps = self.tokens_fed = 0
@@ -86,11 +91,14 @@ class RankGroup:
             cuda=cuda,
             timeout_s=STEP_TIMEOUT_S,
         )
+        # The ranks import the same batchjob as this process, wherever it comes from (a checkout, an install).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(batchjob.__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         try:
             for rank in range(size):
                 ours, theirs = Pipe(duplex=True)
                 command = [sys.executable, "-m", "batchjob.engine.native.tp_rank", str(theirs.fileno()), str(rank)]
-                self.procs.append(subprocess.Popen(command, pass_fds=(theirs.fileno(),)))
+                self.procs.append(subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=env))
                 theirs.close()  # the rank's end lives in the rank only, so its exit is an end of file here
                 _limit_send_wait(ours, STEP_TIMEOUT_S)
                 self.conns.append(ours)
@@ -128,12 +136,19 @@ class RankGroup:
 
     def collect(self, step: StepHandle) -> StepResult:
         self._send_all(ForkingPickler.dumps(("collect", None)))
+        self._awaiting += 1
         return self._receive(0, "result")
 
     def finish(self) -> None:
         """Wait for every rank's device; steps launched but not collected are dropped."""
         if self.failed is not None:
             return
+        if self._torn:
+            self._kill_all()  # they are no use any more; close() cleans up
+            self.failed = "the job was interrupted while a message to or from a rank was half sent"
+            return
+        while self._awaiting:
+            self._receive(0, "result")
         self._send_all(ForkingPickler.dumps(("finish", None)))
         self.rank_stats = [self._receive(rank, "stats") for rank in range(self.size)]
         first = self.rank_stats[0]
@@ -172,6 +187,9 @@ class RankGroup:
             except OSError:
                 self._check_alive(grace_s=5.0)
                 self._fail(f"tensor-parallel rank {rank} stopped reading its messages")
+            except BaseException:  # a signal (the job stopping) in the middle of a message
+                self._torn = True
+                raise
 
     def _receive(self, rank: int, kind: str, timeout_s: float | None = STEP_TIMEOUT_S) -> Any:
         self._raise_if_failed()
@@ -186,6 +204,11 @@ class RankGroup:
         except (EOFError, OSError):
             self._check_alive(grace_s=5.0)
             self._fail(f"tensor-parallel rank {rank} closed its connection")
+        except BaseException:
+            self._torn = True
+            raise
+        if got == "result":
+            self._awaiting -= 1
         if got == "error":
             # The rank printed its traceback; its last line says what went wrong.
             message = f"tensor-parallel rank {rank} failed: {payload.strip().splitlines()[-1]}"
