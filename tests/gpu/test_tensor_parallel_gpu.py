@@ -1,6 +1,7 @@
 """engine.tensor_parallel=2 on two GPUs (NCCL): greedy fp32 output equals one GPU's with CUDA graphs (the
-collectives captured in them) for every family, async and sync; bf16 log-probabilities agree with one GPU's
-within bf16 tolerance; dummy weights make the same model on one and two GPUs.
+collectives captured in them) for every family, and with the sync loop, preemption and poisoned slots; bf16
+log-probabilities agree with one GPU's within bf16 tolerance; dummy weights make the same model on one and two
+GPUs.
 
 Run on a machine with two GPUs:  python -m pytest tests/gpu/test_tensor_parallel_gpu.py -q
 """
@@ -45,13 +46,25 @@ def case(request, tmp_path_factory):
     return model_dir, requests, expected
 
 
-@pytest.mark.parametrize("engine", ["native", "native_sync"])
-def test_two_gpus_greedy_fp32_equals_one_gpu_with_graphs(case, engine):
+def test_two_gpus_greedy_fp32_equals_one_gpu_with_graphs(case):
     model_dir, requests, expected = case
-    got, stats = run(model_dir, requests, engine, tensor_parallel=2)
+    got, stats = run(model_dir, requests, tensor_parallel=2)
     assert token_ids(got) == expected
     assert stats["graph_steps"] > 0 and stats["tensor_parallel"] == 2
     assert 0 < stats["gpu_busy_fraction_rank1"] <= 1
+
+
+@pytest.mark.parametrize("arch", ["llama_one_kv_head", "qwen3_moe", "olmo2"])
+def test_two_gpus_sync_loop_with_preemption_equals_one_gpu(arch, tmp_path):
+    family, overrides = TP_CASES[arch]
+    model_dir = make_tiny_model(tmp_path / arch, arch=family, **overrides)
+    tight = {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 100, "max_num_batched_tokens": 32}
+    base = mixed_requests(48, seed=7, max_prompt=64, max_new=24)
+    one_gpu, _ = run(model_dir, base, **tight)
+    requests, expected = with_stops(base, token_ids(one_gpu))
+    got, stats = run(model_dir, requests, "native_sync", tensor_parallel=2, debug_poison_slots=True, **tight)
+    assert token_ids(got) == expected
+    assert stats["preemptions"] > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "gemma2", "olmo2"])

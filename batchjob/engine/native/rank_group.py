@@ -33,6 +33,8 @@ from multiprocessing.connection import Connection, Pipe
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import torch
+
 import batchjob
 from batchjob.engine.api import EngineFailure
 from batchjob.engine.native.io_slot import IOSlot
@@ -113,7 +115,7 @@ class RankGroup:
         self.graph_buckets, self.graph_modes = first.graph_buckets, first.graph_modes
         self.startup_stats = first.stats
         self.block_size = int(options.get("block_size", 16))
-        self._slot = IOSlot(0, first.limits, _cpu())
+        self._slot = IOSlot(0, first.limits, torch.device("cpu"))
 
     # ---- the runner interface the engine's loop uses ----
 
@@ -259,9 +261,3 @@ def _limit_send_wait(conn: Connection, seconds: float) -> None:
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), 0))
     sock.close()
-
-
-def _cpu():
-    import torch
-
-    return torch.device("cpu")

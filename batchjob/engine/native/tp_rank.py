@@ -25,7 +25,11 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported lazily at run time: a rank ignores stop signals before it loads torch
+    from batchjob.engine.native.io_slot import SlotLimits
+    from batchjob.engine.native.sampler import SamplerMode
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -44,10 +48,10 @@ class RankSetup:
 
 @dataclass(frozen=True)
 class RankReady:
-    num_blocks: int
-    limits: Any  # the IO slots' SlotLimits, so the job process packs steps into buffers of the same size
+    num_blocks: int  # the smallest any rank can hold, which every rank allocated
+    limits: SlotLimits  # of the IO slots, so the job process packs steps into buffers of the same size
     graph_buckets: list[int]
-    graph_modes: set
+    graph_modes: set[SamplerMode]
     stats: dict[str, float]
 
 
