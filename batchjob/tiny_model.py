@@ -13,8 +13,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from batchjob.caches import cache_root
+
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob"))
+DEFAULT_CACHE = cache_root()
 SAMPLE_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
 
 CHAT_TEMPLATE = (

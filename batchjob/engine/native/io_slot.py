@@ -4,6 +4,9 @@ The asynchronous loop has two slots: the CPU fills one while the GPU computes fr
 packed into a few buffers so a step needs four host-to-device copies. Inside a packed buffer, fields sit at
 offsets that depend only on the step's token and row counts, so a decode step of a given batch-size bucket
 always uses the same device addresses, which is what a CUDA graph of that bucket was captured with.
+`StepShape` is the one place those offsets are computed. Every field starts on a 16-byte boundary: Triton
+compiles a kernel variant per pointer alignment, so an unaligned field (a view at an odd offset in the
+buffer) would make steps of odd and even sizes compile different kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +23,21 @@ from batchjob.engine.native.scheduler import StepPlan
 INT_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "carry_idx", "carry_mask")
 INT_ROW_FIELDS = ("logits_indices", "seeds", "out_positions", "top_k")
 FLOAT_ROW_FIELDS = ("temperature", "top_p", "min_p")
+FIELD_ALIGN_BYTES = 16
+
+
+def _aligned(count: int, itemsize: int) -> int:
+    """`count` elements rounded up to whole FIELD_ALIGN_BYTES."""
+    per = FIELD_ALIGN_BYTES // itemsize
+    return -(-count // per) * per
+
+
+def _packed(fields: list[tuple[str, int]], itemsize: int) -> dict[str, tuple[int, int]]:
+    offsets, at = {}, 0
+    for name, size in fields:
+        offsets[name] = (at, size)
+        at += _aligned(size, itemsize)
+    return offsets
 
 
 @dataclass(frozen=True)
@@ -39,22 +57,36 @@ class StepShape:
     rows: int
 
     def int_fields(self) -> dict[str, tuple[int, int]]:
-        offsets, at = {}, 0
-        for name in INT_TOKEN_FIELDS:
-            offsets[name] = (at, self.tokens)
-            at += self.tokens
-        for name in INT_ROW_FIELDS:
-            offsets[name] = (at, self.rows)
-            at += self.rows
-        return offsets
+        """(offset, length) of each field of the int64 buffer."""
+        sizes = [(name, self.tokens) for name in INT_TOKEN_FIELDS] + [(name, self.rows) for name in INT_ROW_FIELDS]
+        return _packed(sizes, 8)
+
+    def meta_fields(self) -> dict[str, tuple[int, int]]:
+        """(offset, length) of each field of the int32 attention-metadata buffer."""
+        return _packed([("cu_query_lens", self.seqs + 1), ("seq_lens", self.seqs)], 4)
+
+    def float_fields(self) -> dict[str, tuple[int, int]]:
+        """(offset, length) of each field of the float32 sampling-parameter buffer."""
+        return _packed([(name, self.rows) for name in FLOAT_ROW_FIELDS], 4)
 
     @property
     def int_size(self) -> int:
-        return 5 * self.tokens + 4 * self.rows
+        offset, size = list(self.int_fields().values())[-1]
+        return offset + size
 
     @property
     def meta_size(self) -> int:
-        return 2 * self.seqs + 1
+        offset, size = self.meta_fields()["seq_lens"]
+        return offset + size
+
+    @property
+    def float_size(self) -> int:
+        offset, size = self.float_fields()["min_p"]
+        return offset + size
+
+
+def _views(buffer, fields: dict[str, tuple[int, int]]) -> dict:
+    return {name: buffer[offset : offset + size] for name, (offset, size) in fields.items()}
 
 
 def _pinned(shape, dtype, pin: bool) -> torch.Tensor:
@@ -67,15 +99,15 @@ class IOSlot:
         self.limits = limits
         pin = device.type == "cuda"
         t, b = limits.max_tokens, limits.max_rows
-        int_size, meta_size = 5 * t + 4 * b, 2 * b + 1
-        self.host_int = _pinned(int_size, torch.int64, pin)
-        self.host_meta = _pinned(meta_size, torch.int32, pin)
+        largest = StepShape(t, b, b)
+        self.host_int = _pinned(largest.int_size, torch.int64, pin)
+        self.host_meta = _pinned(largest.meta_size, torch.int32, pin)
         self.host_tables = _pinned((b, limits.max_blocks_per_seq), torch.int32, pin)
-        self.host_float = _pinned(3 * b, torch.float32, pin)
-        self.dev_int = torch.zeros(int_size, dtype=torch.int64, device=device)
-        self.dev_meta = torch.zeros(meta_size, dtype=torch.int32, device=device)
+        self.host_float = _pinned(largest.float_size, torch.float32, pin)
+        self.dev_int = torch.zeros(largest.int_size, dtype=torch.int64, device=device)
+        self.dev_meta = torch.zeros(largest.meta_size, dtype=torch.int32, device=device)
         self.dev_tables = torch.zeros((b, limits.max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.dev_float = torch.zeros(3 * b, dtype=torch.float32, device=device)
+        self.dev_float = torch.zeros(largest.float_size, dtype=torch.float32, device=device)
         k = max(limits.max_top_logprobs, 1)
         self.dev_tokens = torch.zeros(b, dtype=torch.int64, device=device)
         self.dev_logprobs = torch.zeros(b, dtype=torch.float32, device=device)
@@ -107,8 +139,7 @@ class IOSlot:
             tables[i, : len(seq.block_table)] = seq.block_table
         tables[n : shape.seqs, :] = 0
 
-        ints = self.host_int.numpy()
-        view = {name: ints[o : o + size] for name, (o, size) in shape.int_fields().items()}
+        view = _views(self.host_int.numpy(), shape.int_fields())
         view["input_ids"][:t] = np.concatenate(
             [s.tokens[a : a + c] for s, a, c in zip(plan.seqs, starts, counts, strict=True)]
         )
@@ -135,15 +166,14 @@ class IOSlot:
         for name in ("seeds", "out_positions", "top_k"):
             view[name][rows:] = 0
 
-        meta = self.host_meta.numpy()
-        meta[: n + 1] = cu
-        meta[n + 1 : shape.seqs + 1] = t + np.arange(1, shape.seqs - n + 1)
-        seq_lens = meta[shape.seqs + 1 : 2 * shape.seqs + 1]
-        seq_lens[:n] = starts + counts
-        seq_lens[n:] = 1
+        meta = _views(self.host_meta.numpy(), shape.meta_fields())
+        meta["cu_query_lens"][: n + 1] = cu
+        meta["cu_query_lens"][n + 1 :] = t + np.arange(1, shape.seqs - n + 1)
+        meta["seq_lens"][:n] = starts + counts
+        meta["seq_lens"][n:] = 1
 
-        floats = self.host_float.numpy()
-        temperature, top_p, min_p = (floats[i * shape.rows : (i + 1) * shape.rows] for i in range(3))
+        floats = _views(self.host_float.numpy(), shape.float_fields())
+        temperature, top_p, min_p = (floats[name] for name in FLOAT_ROW_FIELDS)
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
         temperature[rows:], top_p[rows:], min_p[rows:] = 0.0, 1.0, 0.0
 
@@ -152,25 +182,26 @@ class IOSlot:
         self.dev_int[: shape.int_size].copy_(self.host_int[: shape.int_size], non_blocking=True)
         self.dev_meta[: shape.meta_size].copy_(self.host_meta[: shape.meta_size], non_blocking=True)
         self.dev_tables[: shape.seqs].copy_(self.host_tables[: shape.seqs], non_blocking=True)
-        self.dev_float[: 3 * shape.rows].copy_(self.host_float[: 3 * shape.rows], non_blocking=True)
+        self.dev_float[: shape.float_size].copy_(self.host_float[: shape.float_size], non_blocking=True)
 
     def device_views(self, shape: StepShape, max_query_len: int, max_seq_len: int):
         """The device tensors of a step of `shape`: (ints by name, attention metadata, sampling tensors)."""
-        ints = {name: self.dev_int[o : o + size] for name, (o, size) in shape.int_fields().items()}
+        ints = _views(self.dev_int, shape.int_fields())
+        metas = _views(self.dev_meta, shape.meta_fields())
+        floats = _views(self.dev_float, shape.float_fields())
         meta = AttentionMetadata(
-            cu_query_lens=self.dev_meta[: shape.seqs + 1],
-            seq_lens=self.dev_meta[shape.seqs + 1 : 2 * shape.seqs + 1],
+            cu_query_lens=metas["cu_query_lens"],
+            seq_lens=metas["seq_lens"],
             block_tables=self.dev_tables[: shape.seqs],
             slot_mapping=ints["slot_mapping"],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        r = shape.rows
         params = SamplingTensors(
-            temperature=self.dev_float[:r],
+            temperature=floats["temperature"],
             top_k=ints["top_k"],
-            top_p=self.dev_float[r : 2 * r],
-            min_p=self.dev_float[2 * r : 3 * r],
+            top_p=floats["top_p"],
+            min_p=floats["min_p"],
             seeds=ints["seeds"],
             positions=ints["out_positions"],
         )

@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens admitted from the prefix cache instead of computed
 
     @property
     def has_unfinished(self) -> bool:
@@ -107,6 +108,7 @@ class Scheduler:
                 break
             seq.block_table = self.blocks.allocate(shared, needed)
             seq.num_computed = cached_tokens
+            self.prefix_hit_tokens += cached_tokens
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
