@@ -184,7 +184,8 @@ def test_context_limit_ends_generation_with_length(llama_case):
     assert len(got[0].token_ids) == 6 and got[0].finish_reason == "length"
 
 
-def test_requests_are_pulled_only_as_room_allows(llama_case):
+@pytest.mark.parametrize("window", [0, 16])
+def test_requests_are_pulled_only_as_room_and_the_admission_window_allow(llama_case, window):
     model_dir, _, _ = llama_case
     pulled = []
 
@@ -193,10 +194,11 @@ def test_requests_are_pulled_only_as_room_allows(llama_case):
             pulled.append(i)
             yield Request(i, (5, 6, 7), SamplingParams(max_new_tokens=2))
 
-    eng = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 8})
+    options = {"dtype": "float32", "max_num_seqs": 8, "admission_window": window}
+    eng = create_engine("native", str(model_dir), options)
     stream = eng.generate(source())
     next(stream)
-    assert len(pulled) <= 8 + 1
+    assert len(pulled) <= 8 + window + 1
     assert len(list(stream)) == 199
 
 

@@ -2,7 +2,9 @@
 
 The loop reads like the design: pull requests while there is room -> schedule step N+1 -> launch it -> collect
 step N's tokens (the GPU is already busy with N+1) -> update sequences, emit finished requests. With
-`async_loop=False` each step is collected right after its launch, so the CPU and GPU take turns.
+`async_loop=False` each step is collected right after its launch, so the CPU and GPU take turns. Requests
+are admitted sorted by prompt within a bounded look-ahead window (admission.py), and the engine's start-up
+ends with a warm-up of every kind of step (warmup.py).
 """
 
 from __future__ import annotations
