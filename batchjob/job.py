@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from batchjob.config import JobSettings, load_settings
 from batchjob.engine import create_engine
+from batchjob.engine.tokenizer import load_tokenizer
 from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
@@ -84,8 +85,6 @@ def passthrough_columns(settings: JobSettings, columns: list[str], prompt_column
 
 def prepare(settings: JobSettings) -> PreparedJob:
     """Check the model, the input and the output directory; lock the shard. Loads no model weights."""
-    from transformers import AutoTokenizer
-
     model_path = resolve_model_path(settings.model_path)
     data = settings.data
     source = open_input(
@@ -104,7 +103,7 @@ def prepare(settings: JobSettings) -> PreparedJob:
         )
     )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
     builder = PromptBuilder(settings.prompt, tokenizer)
@@ -141,6 +140,15 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
         job.output.close()
 
 
+# The engine's own start-up phases, when its stats() report them.
+ENGINE_PHASES = {
+    "load_s": "weights and tokenizer",
+    "kv_sizing_s": "KV sizing",
+    "graph_capture_s": "CUDA graphs",
+    "warmup_s": "warm-up",
+}
+
+
 class StartupClock:
     """Seconds from process start to the first generate, by phase; logged once and kept in the report."""
 
@@ -174,13 +182,18 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
     engine = create_engine(settings.engine_name, job.model_path, settings.engine_options)
     startup.lap("engine_s")
     phases = startup.summary()
+    engine_stats = engine.stats()
+    engine_phases = ", ".join(
+        f"{label} {engine_stats[key]:.1f} s" for key, label in ENGINE_PHASES.items() if key in engine_stats
+    )
     log.info(
         "ready to generate %.1f s after start: imports and config %.1f s, input/tokenizer/output checks %.1f s, "
-        "engine %.1f s",
+        "engine %.1f s%s",
         phases["total_s"],
         phases["imports_config_s"],
         phases["checks_s"],
         phases["engine_s"],
+        f" ({engine_phases})" if engine_phases else "",
     )
     try:
         columns = list(dict.fromkeys([*settings.prompt.input_columns, *job.passthrough]))

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from batchjob.engine.native.attention import PagedAttentionBackend
 from batchjob.engine.native.models import CausalLM
@@ -100,6 +103,19 @@ def _param_slot(key: str, spec: ModelSpec) -> tuple[str, int | None] | None:
     return f"{prefix}.mlp.gate_up_proj.{kind}", 0 if gate_up == "gate" else spec.intermediate_size
 
 
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Modules built on the meta device skip `nn.init.normal_` (nn.Embedding's init). It computes nothing there,
+    but on meta tensors it runs torch's Python reference op, whose first call imports torch._dynamo: seconds
+    of start-up for nothing (the loader overwrites every parameter)."""
+    normal = nn.init.normal_
+    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        nn.init.normal_ = normal
+
+
 def load_model(
     model_path: str | Path,
     dtype: str,
@@ -112,7 +128,7 @@ def load_model(
     model_dir = resolve_model_dir(model_path, with_weights=True)
     spec = read_model_spec(model_dir, dtype, max_model_len)
     files = safetensors_files(model_dir)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = CausalLM(spec, attn).to(spec.dtype)
     model.to_empty(device=device)
     model.rotary.reset_table()
