@@ -130,7 +130,9 @@ def load_model(
     files = safetensors_files(model_dir)
     with torch.device("meta"), _no_random_init():
         model = CausalLM(spec, attn).to(spec.dtype)
-    model.to_empty(device=device)
+    # `to_empty` would do this with torch.empty_like, which on meta tensors runs torch's Python reference op,
+    # importing sympy and torch.fx on first use (seconds of start-up); every parameter here is contiguous.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.rotary.reset_table()
     params = dict(model.named_parameters())
     loaded = dict.fromkeys(params, 0)
