@@ -7,7 +7,7 @@ import pytest
 from engine_cases import mixed_requests
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.engine.native.warmup import WarmupLimits, largest_step, size_sweep, warmup_steps
+from batchjob.engine.native.warmup import WarmupLimits, batch_sweep, largest_step, size_sweep, warmup_steps
 from batchjob.tiny_model import make_tiny_model
 
 DEFAULTS = WarmupLimits(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096, max_top_logprobs=20)
@@ -43,6 +43,14 @@ def test_token_counts_double_up_to_the_budget_and_the_largest_step_fills_it():
     assert warmup_steps(DEFAULTS)[-1] == largest
     assert largest.tokens == 8192 and len(largest.counts) == 256
     assert largest.sampling.logprobs == 20 and largest.sampling.top_p < 1
+
+
+def test_mixed_steps_double_their_sequence_count_up_to_the_limit():
+    assert [len(s.counts) for s in batch_sweep(DEFAULTS)] == [2, 4, 8, 16, 32, 64, 128, 256]
+    limits = WarmupLimits(max_num_seqs=48, max_num_batched_tokens=1024, max_model_len=4096, max_top_logprobs=20)
+    steps = batch_sweep(limits)
+    assert [len(s.counts) for s in steps] == [2, 4, 8, 16, 32, 48]
+    assert all(max(s.counts) == 2 for s in steps)  # mixed: one chunk among decodes, the prefill kernel's path
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ allows with the heaviest sampler. Two reasons:
 - Triton compiles a kernel the first time it meets a new variant (dtype, constexprs, and the specialisation
   of integer arguments on 1 and on divisibility by 16). A compile in the middle of the run blocks the CPU
   for a second or more while the GPU drains. Batch sizes 1, 3 and 16 (and the limits) cover the three
-  integer classes of token, sequence and row counts; the doubling sweep of token counts meets every launch
-  configuration chosen by the step's size (the fused MoE kernel's picks by tokens per expert, a range at least
-  4x wide, so a doubling sweep lands in each).
+  integer classes of token, sequence and row counts; the doubling sweeps of token and sequence counts meet
+  every launch configuration chosen by a step's size (the fused MoE kernel's picks by tokens per expert, a
+  range at least 4x wide, so a doubling sweep lands in each; a power of two above the sequence count).
 - CUDA graph capture may leave the allocator without the blocks eager steps need; the largest step, run last,
   leaves them cached (the KV-sizing profile measured that step's peak, so it fits), so steady-state steps
   reuse cached blocks instead of calling cudaMalloc next to a nearly full card, which blocks the CPU until
@@ -86,7 +86,7 @@ def _prefill_counts(tokens: int, limits: WarmupLimits, seqs: int) -> tuple[int, 
 
 def warmup_steps(limits: WarmupLimits) -> list[WarmupStep]:
     """The steps, in launch order; each is launched twice in a row, so both IO slots run it."""
-    return mode_steps(limits) + size_sweep(limits) + [largest_step(limits)]
+    return mode_steps(limits) + size_sweep(limits) + batch_sweep(limits) + [largest_step(limits)]
 
 
 def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
@@ -117,6 +117,18 @@ def size_sweep(limits: WarmupLimits) -> list[WarmupStep]:
         if counts is not None:
             steps.append(WarmupStep(counts, SamplingParams(max_new_tokens=1)))
         tokens *= 2
+    return steps
+
+
+def batch_sweep(limits: WarmupLimits) -> list[WarmupStep]:
+    """Greedy mixed steps of 2, 4, 8, ... sequences up to the limit (decodes and one 2-token chunk): a launch
+    configuration chosen by the sequence count (a power of two above it, say) meets each of its values."""
+    steps, seqs = [], 2
+    while seqs < 2 * limits.max_num_seqs:
+        seqs = min(seqs, limits.max_num_seqs)
+        if seqs + 1 <= limits.max_num_batched_tokens and limits.max_model_len > 2:
+            steps.append(WarmupStep((1,) * (seqs - 1) + (2,), SamplingParams(max_new_tokens=1)))
+        seqs *= 2
     return steps
 
 
