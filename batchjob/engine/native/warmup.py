@@ -32,17 +32,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchjob.engine.api import Request, SamplingParams
-from batchjob.engine.native.model_runner import GRAPH_MODES, ModelRunner
+from batchjob.engine.native.model_runner import ModelRunner
 from batchjob.engine.native.scheduler import StepPlan
 from batchjob.engine.native.sequence import RequestGroup, Sequence
 
 log = logging.getLogger("batchjob.engine.native")
 
-# What each sampler mode's rows ask for; the filtering rows use every filter at once.
+# What the rows of each sampler mode ask for (greedy, temperature only, filtered); the filtered rows use
+# every filter at once.
 _MODE_PARAMS = {
-    GRAPH_MODES[0]: dict(temperature=0.0),
-    GRAPH_MODES[1]: dict(temperature=1.0),
-    GRAPH_MODES[2]: dict(temperature=1.0, top_k=20, top_p=0.9, min_p=0.01),
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=1.0),
+    "filters": dict(temperature=1.0, top_k=20, top_p=0.9, min_p=0.01),
 }
 # One of each integer class Triton specialises on: 1, not a multiple of 16, a multiple of 16.
 _SMALL_BATCHES = (1, 3, 16)
@@ -136,7 +137,7 @@ def largest_step(limits: WarmupLimits) -> WarmupStep:
     """As many tokens and sampled rows as one step can have (the peak the KV sizing measured), with the
     heaviest sampler: every filter and the most log-probabilities."""
     tokens = min(limits.max_num_batched_tokens, limits.max_num_seqs * (limits.max_model_len - 1))
-    heaviest = SamplingParams(max_new_tokens=1, logprobs=limits.max_top_logprobs, **_MODE_PARAMS[GRAPH_MODES[2]])
+    heaviest = SamplingParams(max_new_tokens=1, logprobs=limits.max_top_logprobs, **_MODE_PARAMS["filters"])
     return WarmupStep(_prefill_counts(tokens, limits, limits.max_num_seqs), heaviest)
 
 
