@@ -21,7 +21,12 @@ import random  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from batchjob.engine.native import triton_attention, triton_decode, triton_prefill  # noqa: E402
+from batchjob.engine.native import (  # noqa: E402
+    triton_attention,
+    triton_attention_tile,
+    triton_decode,
+    triton_prefill,
+)
 from batchjob.engine.native.attention import (  # noqa: E402
     AttentionMetadata,
     dense_reference_attention,
@@ -31,7 +36,7 @@ from batchjob.engine.native.attention import (  # noqa: E402
 if not isinstance(triton_decode._decode_split_kernel, InterpretedFunction):
     # Another test module imported the kernels before the interpreter was switched on; on a CPU-only
     # machine compiled kernels cannot run at all, so rebuild them interpreted.
-    for module in (triton_decode, triton_prefill, triton_attention):
+    for module in (triton_attention_tile, triton_decode, triton_prefill, triton_attention):
         importlib.reload(module)
 
 
