@@ -123,7 +123,9 @@ def _prefill_kernel(
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
 
-    # Every real row sees at least its own key; only padding rows can end with l = 0, and they are not stored.
+    if SLIDING:
+        # Every real row sees at least its own key; a padding row past the sequence's end may see none.
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_rows * stride_ot + q_heads * stride_oh)[:, None] + offs_d[None, :],
