@@ -25,9 +25,9 @@ SMALL_TILES = TritonPagedAttention(
     prefill_config=triton_prefill.PrefillConfig(block_m=16, block_n=16),
 )
 # A fresh 5-token prompt, a 7-token chunk continuing 30 cached tokens, decodes inside the batch and a
-# 70-token prompt: with 16-token tiles, windows of 6 and 40 start mid-tile, and prompt tiles lie wholly before
+# 40-token prompt: with 16-token tiles, windows of 6 and 20 start mid-tile, and prompt tiles lie wholly before
 # the window of the prompt's later queries.
-MIXED = ([5, 7, 1, 70, 1], [5, 37, 19, 70, 2])
+MIXED = ([5, 7, 1, 40, 1], [5, 37, 19, 40, 2])
 
 
 def windowed_step(query_lens, seq_lens, window, block_size=4, group=2, **kwargs):
@@ -36,7 +36,7 @@ def windowed_step(query_lens, seq_lens, window, block_size=4, group=2, **kwargs)
     return step
 
 
-@pytest.mark.parametrize("window", [1, 6, 40, 1000])
+@pytest.mark.parametrize("window", [1, 6, 20, 1000])
 def test_prefill_and_mixed_steps_with_a_sliding_window_match_the_reference(window):
     check_against_reference(windowed_step(*MIXED, window), SMALL_TILES, window=window)
 
