@@ -102,10 +102,10 @@ def attend_kv_tile(
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = m_new
-    if SLIDING:
+    if CAUSAL and SLIDING:
         # A row can meet a tile wholly before its window while m is still -inf; measuring from 0 then keeps
         # its p and alpha at 0 rather than NaN (-inf minus -inf). Without a window, key 0 is in every row's
-        # first tile.
+        # first tile; without per-row masks, every tile read has a visible key.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
