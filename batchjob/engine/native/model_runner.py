@@ -219,13 +219,12 @@ class ModelRunner:
         """Valid inputs for a capture: every token a padding token in the scratch block."""
         slot.dev_int.zero_()
         slot.dev_tables.zero_()
-        cu = torch.arange(shape.seqs + 1, dtype=torch.int32, device=self.device)
-        slot.dev_meta[: shape.seqs + 1].copy_(cu)
-        slot.dev_meta[shape.seqs + 1 : 2 * shape.seqs + 1].fill_(1)
-        ints, _, _ = slot.device_views(shape, 1, self.max_model_len)
-        ints["logits_indices"].copy_(torch.arange(shape.rows, device=self.device))
         slot.dev_float.zero_()
-        slot.dev_float[shape.rows : 2 * shape.rows].fill_(1.0)
+        ints, meta, params = slot.device_views(shape, 1, self.max_model_len)
+        meta.cu_query_lens.copy_(torch.arange(shape.seqs + 1, dtype=torch.int32, device=self.device))
+        meta.seq_lens.fill_(1)
+        ints["logits_indices"].copy_(torch.arange(shape.rows, device=self.device))
+        params.top_p.fill_(1.0)
         self.slots[1 - slot.index].dev_tokens.zero_()
 
     # ---- launching and collecting steps ----
