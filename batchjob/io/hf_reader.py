@@ -1,14 +1,17 @@
 """Hugging Face `datasets` input: `save_to_disk` directories and `load_dataset` names.
 
 A map-style `Dataset` is memory-mapped Arrow: a shard slices its contiguous row range in `batch_rows`
-pieces as Arrow tables, never building Python objects per row. A streaming `IterableDataset` has no
-known length, so shard i of k keeps the rows whose index is i modulo k (every shard reads the whole
-stream) and its fingerprint can only name the dataset, not detect changes to its content.
+pieces as Arrow tables, never building Python objects per row.
+
+Streaming (`data.streaming=true`): the dataset's data files are resolved first (on the hub, at one commit,
+whose sha goes into the fingerprint: a resume against another commit is refused). When they are all Parquet
+(what the hub serves for most datasets), they are read as a Parquet input pinned to that commit: each shard
+reads only its own row groups, with the same row numbers as a non-streaming run. Other files go through an
+`IterableDataset`, whose length is unknown, so shard i of k keeps the rows whose index is i modulo k.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +19,11 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
+from batchjob.io.content_digest import relative_names, sampled_sha256
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
+from batchjob.io.parquet_reader import open_parquet_files
 from batchjob.io.sharding import all_skipped, shard_range
+from batchjob.io.storage import Storage
 
 # A batch job's log gets no per-file progress bars or advisory messages from `datasets`.
 datasets.utils.logging.disable_progress_bar()
@@ -27,6 +33,11 @@ datasets.utils.logging.set_verbosity_error()
 def open_hf_dataset(spec: InputSpec, fmt: str) -> InputSource:
     if fmt == "hf_disk":
         return ArrowDatasetSource(spec, _pick_split(_load_from_disk(spec), spec))
+    if spec.streaming:
+        files, revision = _resolve_data_files(spec)
+        if files and all(f.endswith(".parquet") for f in files):
+            return open_parquet_files(spec, files, revision)
+        return StreamingDatasetSource(spec, _load_dataset(spec), files, revision)
     loaded = _load_dataset(spec)
     if isinstance(loaded, datasets.IterableDataset):
         return StreamingDatasetSource(spec, loaded)
@@ -61,6 +72,34 @@ def _load_dataset(spec: InputSpec) -> datasets.Dataset | datasets.IterableDatase
         ) from exc
 
 
+def _resolve_data_files(spec: InputSpec) -> tuple[list[str], str | None]:
+    """The split's data files (local paths or URLs, in the dataset's order) and the hub commit they were
+    resolved at (None off the hub); no files when the dataset is built by code rather than from files."""
+    try:
+        builder = datasets.load_dataset_builder(spec.path, name=spec.name, data_files=spec.data_files)
+    except Exception as exc:  # datasets raises many types here; the user needs one clear message
+        raise InputError(f"datasets.load_dataset_builder({spec.path!r}) failed: {exc}; {PATH_HELP}") from exc
+    data_files = builder.config.data_files
+    if not data_files or spec.split not in data_files:
+        return [], None
+    files = data_files[spec.split]
+    # Hub files carry (repo id, commit sha); local and object-store files an mtime or ETag, not used here.
+    commits = {meta[1] for meta in getattr(files, "origin_metadata", []) if len(meta) == 2}
+    if len(commits) > 1:
+        raise InputError(f"{spec.path} resolved its data files at several commits ({sorted(commits)}); rerun")
+    return list(files), next(iter(commits), None)
+
+
+def _file_identities(uris: list[str]) -> list[dict[str, Any]]:
+    """Names, sizes and sampled content hashes: no mtimes, so a copied input keeps its identity."""
+    identities = []
+    for uri, name in zip(uris, relative_names(uris), strict=True):
+        storage, path = Storage.for_uri(uri)
+        with storage.pyarrow_fs().open_input_file(path) as f:
+            identities.append({"name": name, "size": f.size(), "sampled_sha256": sampled_sha256(f)})
+    return identities
+
+
 def _is_integer(feature: Any) -> bool:
     return isinstance(feature, datasets.Value) and pa.types.is_integer(feature.pa_type)
 
@@ -75,17 +114,9 @@ class ArrowDatasetSource(InputSource):
         self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
     def fingerprint(self) -> dict[str, Any]:
-        files = []
-        for cache in self.dataset.cache_files:
-            stat = os.stat(cache["filename"])
-            files.append({"path": cache["filename"], "size": stat.st_size, "version": str(stat.st_mtime)})
-        # `_fingerprint` is datasets' own content identity (hash of its source and transforms).
-        return {
-            "format": "hf_dataset",
-            "fingerprint": self.dataset._fingerprint,
-            "rows": len(self.dataset),
-            "files": files,
-        }
+        # Not datasets' own `_fingerprint`: for local data files it hashes their mtimes.
+        files = _file_identities([cache["filename"] for cache in self.dataset.cache_files])
+        return {"format": "hf_dataset", "rows": len(self.dataset), "files": files}
 
     def num_rows(self) -> int:
         return self.stop - self.start
@@ -105,25 +136,26 @@ class ArrowDatasetSource(InputSource):
 
 
 class StreamingDatasetSource(InputSource):
-    def __init__(self, spec: InputSpec, dataset: datasets.IterableDataset) -> None:
+    def __init__(
+        self, spec: InputSpec, dataset: datasets.IterableDataset, files: list[str], revision: str | None
+    ) -> None:
         names = dataset.column_names
         if names is None:  # features unknown until the first row is read
             names = list(next(iter(dataset.take(1)), {}).keys())
         super().__init__(spec, list(names))
         self.dataset = dataset
+        self.files = files
+        self.revision = revision
         features = dataset.features or {}
         feature = features.get(spec.id_column) if spec.id_column else None
         self._check_id_column(feature is None or _is_integer(feature), str(feature))
 
     def fingerprint(self) -> dict[str, Any]:
         spec = self.spec
-        return {
-            "format": "hf_streaming",
-            "path": spec.path,
-            "name": spec.name,
-            "data_files": spec.data_files,
-            "split": spec.split,
-        }
+        identity: dict[str, Any] = {"format": "hf_streaming", "path": spec.path, "name": spec.name, "split": spec.split}
+        if self.revision is not None:  # a hub commit is immutable: its files need no reading
+            return {**identity, "revision": self.revision, "files": relative_names(self.files) if self.files else []}
+        return {**identity, "files": _file_identities(self.files) if self.files else []}
 
     def num_rows(self) -> None:
         return None

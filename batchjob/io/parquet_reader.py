@@ -16,14 +16,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchjob.io.content_digest import parquet_footer_sha256, relative_names
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
 # Read column chunks through a buffer instead of whole: bounds memory for inputs with huge row groups.
 _READ_BUFFER_BYTES = 1 << 20
-# File metadata that changes when a file is rewritten, by filesystem: S3, GCS/Azure, local, memory.
-_VERSION_KEYS = ("ETag", "etag", "mtime", "LastModified", "updated", "created")
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,13 @@ def open_parquet(spec: InputSpec) -> ParquetSource:
     storage, path = Storage.for_uri(spec.path)
     files = _list_parquet_files(storage, path, spec.path)
     return ParquetSource(spec, storage, files)
+
+
+def open_parquet_files(spec: InputSpec, uris: list[str], revision: str | None) -> ParquetSource:
+    """Parquet files named one by one, in this order (a dataset's resolved data files); `revision`: the
+    dataset commit they were resolved at, kept in the fingerprint."""
+    storage, _ = Storage.for_uri(uris[0])
+    return ParquetSource(spec, storage, [Storage.for_uri(uri)[1] for uri in uris], revision)
 
 
 def _list_parquet_files(storage: Storage, path: str, shown: str) -> list[str]:
@@ -62,15 +68,24 @@ def _is_hidden(relative: str) -> bool:
 
 
 class ParquetSource(InputSource):
-    def __init__(self, spec: InputSpec, storage: Storage, files: list[str]) -> None:
+    def __init__(self, spec: InputSpec, storage: Storage, files: list[str], revision: str | None = None) -> None:
         self.storage = storage
         self.files = files
+        self.revision = revision
         self._pafs = storage.pyarrow_fs()
         self.row_groups: list[RowGroup] = []
+        self._identities = []
         schemas = []
-        for file in files:
+        for file, name in zip(files, relative_names(files), strict=True):
             with self._pafs.open_input_file(file) as f:
-                metadata = pq.ParquetFile(f).metadata
+                try:
+                    metadata = pq.ParquetFile(f).metadata
+                except pa.ArrowInvalid as err:
+                    raise InputError(
+                        f"{file} is not a readable Parquet file ({err}): fix or remove it, or point data.path "
+                        "at the Parquet files only"
+                    ) from err
+                self._identities.append({"name": name, "size": f.size(), "footer_sha256": parquet_footer_sha256(f)})
             schemas.append(metadata.schema.to_arrow_schema())
             for index in range(metadata.num_row_groups):
                 start = self.row_groups[-1].start + self.row_groups[-1].rows if self.row_groups else 0
@@ -91,12 +106,9 @@ class ParquetSource(InputSource):
         self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
     def fingerprint(self) -> dict[str, Any]:
-        files = []
-        for file in self.files:
-            info = self.storage.fs.info(file)
-            version = next((info[k] for k in _VERSION_KEYS if k in info), None)
-            files.append({"path": file, "size": int(info["size"]), "version": str(version)})
-        return {"format": "parquet", "rows": self.total_rows, "files": files}
+        """Content only (names below the input's root, sizes, footers): a fresh copy of the input resumes."""
+        identity = {"format": "parquet", "rows": self.total_rows, "files": self._identities}
+        return identity if self.revision is None else {**identity, "revision": self.revision}
 
     def num_rows(self) -> int:
         return self.stop - self.start
