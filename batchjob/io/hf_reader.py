@@ -12,6 +12,7 @@ reads only its own row groups, with the same row numbers as a non-streaming run.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.io.content_digest import relative_names, sampled_sha256
-from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
+from batchjob.io.inputs import INPUT_ERROR_COLUMN, PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.parquet_reader import open_parquet_files
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
@@ -28,6 +29,8 @@ from batchjob.io.storage import Storage
 # A batch job's log gets no per-file progress bars or advisory messages from `datasets`.
 datasets.utils.logging.disable_progress_bar()
 datasets.utils.logging.set_verbosity_error()
+_ID_BATCH_ROWS = 1 << 20
+log = logging.getLogger(__name__)
 
 
 def open_hf_dataset(spec: InputSpec, fmt: str) -> InputSource:
@@ -100,8 +103,8 @@ def _file_identities(uris: list[str]) -> list[dict[str, Any]]:
     return identities
 
 
-def _is_integer(feature: Any) -> bool:
-    return isinstance(feature, datasets.Value) and pa.types.is_integer(feature.pa_type)
+def _arrow_type(feature: Any) -> pa.DataType | None:
+    return feature.pa_type if isinstance(feature, datasets.Value) else None
 
 
 class ArrowDatasetSource(InputSource):
@@ -109,7 +112,7 @@ class ArrowDatasetSource(InputSource):
         super().__init__(spec, list(dataset.column_names))
         self.dataset = dataset
         feature = dataset.features.get(spec.id_column) if spec.id_column else None
-        self._check_id_column(_is_integer(feature), str(feature))
+        self._check_id_column(_arrow_type(feature), str(feature))
         self.limited_rows = len(dataset) if spec.limit is None else min(spec.limit, len(dataset))
         self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
@@ -124,11 +127,16 @@ class ArrowDatasetSource(InputSource):
     def job_rows(self) -> int:
         return self.limited_rows
 
+    def id_chunks(self) -> Iterator[pa.Array]:
+        ids = self.dataset.select_columns([self.spec.id_column]).with_format("arrow")
+        for first in range(0, self.limited_rows, _ID_BATCH_ROWS):
+            yield ids[first : min(first + _ID_BATCH_ROWS, self.limited_rows)].column(0)
+
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         arrow = self.dataset.select_columns(self._columns_to_read(columns)).with_format("arrow")
         for first in range(self.start, self.stop, self.spec.batch_rows):
             last = min(first + self.spec.batch_rows, self.stop)
-            if self.spec.id_column is None and all_skipped(skip_row_ids, first, last):
+            if self.ids_are_positions and all_skipped(skip_row_ids, first, last):
                 continue
             made = self._make_batch(arrow[first:last], np.arange(first, last), columns, skip_row_ids)
             if made is not None:
@@ -139,16 +147,17 @@ class StreamingDatasetSource(InputSource):
     def __init__(
         self, spec: InputSpec, dataset: datasets.IterableDataset, files: list[str], revision: str | None
     ) -> None:
-        names = dataset.column_names
-        if names is None:  # features unknown until the first row is read
-            names = list(next(iter(dataset.take(1)), {}).keys())
-        super().__init__(spec, list(names))
+        if dataset.features is not None:
+            schema = dataset.features.arrow_schema
+        else:  # features unknown until the first row is read
+            first = next(iter(dataset.with_format("arrow").iter(batch_size=1)), None)
+            schema = pa.schema([]) if first is None else first.schema
+        super().__init__(spec, list(schema.names))
         self.dataset = dataset
         self.files = files
         self.revision = revision
-        features = dataset.features or {}
-        feature = features.get(spec.id_column) if spec.id_column else None
-        self._check_id_column(feature is None or _is_integer(feature), str(feature))
+        id_type = schema.field(spec.id_column).type if spec.id_column in schema.names else None
+        self._check_id_column(id_type, str(id_type))
 
     def fingerprint(self) -> dict[str, Any]:
         spec = self.spec
@@ -170,11 +179,49 @@ class StreamingDatasetSource(InputSource):
             stream = stream.select_columns(read_columns)
         stream = stream.with_format("arrow")
         position = 0
+        # Every shard reads the whole stream, so each sees every id: the later occurrence of an id is the
+        # duplicate, in every shard and on every rerun alike.
+        seen: set = set()
         for table in stream.iter(batch_size=self.spec.batch_rows):
             positions = np.arange(position, position + table.num_rows)
             position += table.num_rows
             mine = positions % self.spec.shard_count == self.spec.shard_index
+            if self.spec.id_column is not None:
+                table = self._flag_duplicates(table, positions, mine, seen)
             if mine.any():
                 made = self._make_batch(table.filter(pa.array(mine)), positions[mine], columns, skip_row_ids)
                 if made is not None:
                     yield made
+
+    def _flag_duplicates(self, table: pa.Table, positions: np.ndarray, mine: np.ndarray, seen: set) -> pa.Table:
+        """Mark rows whose id appeared earlier in the stream: a string id's row becomes an error row (its id
+        nulled, so the output never holds the id twice); an integer id is the row_id of the earlier row, so
+        the later one is dropped (`mine` cleared) and logged."""
+        id_column = self.spec.id_column
+        ids = table.column(id_column).to_pylist()
+        repeated = []
+        for index, value in enumerate(ids):
+            if value in seen:
+                repeated.append(index)
+            elif value is not None:
+                seen.add(value)
+        if not repeated:
+            return table
+        if not self.string_ids:
+            for index in repeated:
+                if mine[index]:
+                    log.warning(
+                        "input row %d dropped: its data.id_column=%r value %r belongs to an earlier row",
+                        positions[index],
+                        id_column,
+                        ids[index],
+                    )
+            mine[repeated] = False
+            return table
+        errors: list[str | None] = [None] * len(ids)
+        for index in repeated:
+            errors[index] = f"duplicate id: data.id_column={id_column!r} value {ids[index]!r} belongs to an earlier row"
+            ids[index] = None
+        column = table.schema.get_field_index(id_column)
+        table = table.set_column(column, id_column, pa.array(ids, table.schema.field(id_column).type))
+        return table.append_column(INPUT_ERROR_COLUMN, pa.array(errors, pa.string()))

@@ -23,6 +23,7 @@ from batchjob.io.storage import Storage
 
 # Read column chunks through a buffer instead of whole: bounds memory for inputs with huge row groups.
 _READ_BUFFER_BYTES = 1 << 20
+_ID_BATCH_ROWS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class ParquetSource(InputSource):
         self.schema = schema
         self.total_rows = sum(g.rows for g in self.row_groups)
         id_type = schema.field(spec.id_column).type if spec.id_column in schema.names else None
-        self._check_id_column(id_type is not None and pa.types.is_integer(id_type), str(id_type))
+        self._check_id_column(id_type, str(id_type))
         self.limited_rows = self.total_rows if spec.limit is None else min(spec.limit, self.total_rows)
         self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
@@ -112,6 +113,17 @@ class ParquetSource(InputSource):
 
     def num_rows(self) -> int:
         return self.stop - self.start
+
+    def id_chunks(self) -> Iterator[pa.Array]:
+        left = self.limited_rows
+        for file in self.files:
+            with self._pafs.open_input_file(file) as f:
+                reader = pq.ParquetFile(f, buffer_size=_READ_BUFFER_BYTES)
+                for batch in reader.iter_batches(batch_size=_ID_BATCH_ROWS, columns=[self.spec.id_column]):
+                    if left <= 0:
+                        return
+                    yield batch.column(0).slice(0, left)
+                    left -= batch.num_rows
 
     def job_rows(self) -> int:
         return self.limited_rows
@@ -142,8 +154,8 @@ class ParquetSource(InputSource):
         run: list[RowGroup] = []
         for group in self.row_groups:
             first, last = max(group.start, self.start), min(group.start + group.rows, self.stop)
-            # Without an id column, row ids are positions: a finished row group is skipped unread.
-            finished = self.spec.id_column is None and all_skipped(skip_row_ids, first, last)
+            # When row ids are positions, a finished row group is skipped unread.
+            finished = self.ids_are_positions and all_skipped(skip_row_ids, first, last)
             wanted = first < last and not finished
             if run and (not wanted or group.file != run[-1].file or group.index != run[-1].index + 1):
                 yield run[0].file, run
