@@ -127,7 +127,7 @@ class ArrowDatasetSource(InputSource):
     def job_rows(self) -> int:
         return self.limited_rows
 
-    def id_chunks(self) -> Iterator[pa.Array]:
+    def id_chunks(self) -> Iterator[pa.ChunkedArray]:
         ids = self.dataset.select_columns([self.spec.id_column]).with_format("arrow")
         for first in range(0, self.limited_rows, _ID_BATCH_ROWS):
             yield ids[first : min(first + _ID_BATCH_ROWS, self.limited_rows)].column(0)

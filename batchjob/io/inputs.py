@@ -78,7 +78,7 @@ class InputSource(ABC):
         """Whether `row_id` is the row's index in the input (no id column, or a string one)."""
         return self.spec.id_column is None or self.string_ids
 
-    def id_chunks(self) -> Iterator[pa.Array] | None:
+    def id_chunks(self) -> Iterator[pa.Array | pa.ChunkedArray] | None:
         """The id column of every row of the job (all shards, after `limit`) in bounded pieces, for the
         uniqueness check before the run; None when it cannot be read up front (streaming)."""
         return None
