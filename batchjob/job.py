@@ -6,6 +6,7 @@ loaded (`prepare`), so a typo costs seconds, not a model load or a queue wait.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -18,14 +19,15 @@ from typing import Any
 from omegaconf import DictConfig
 
 from batchjob.config import JobSettings, load_settings
-from batchjob.engine import create_engine
-from batchjob.engine.tokenizer import load_tokenizer
+from batchjob.engine import choose_backend, create_engine
 from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.lock import LockError
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import InputError, InputSpec, open_input
+from batchjob.io.record_guard import record_is_stored
+from batchjob.io.unique_ids import check_unique_ids
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.prompts import PromptBuilder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
@@ -61,12 +63,24 @@ class PreparedJob:
     output: OutputDataset
 
 
-def passthrough_columns(settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...]) -> list[str]:
-    """The input columns copied to the output. Default: every column except the prompt source, the id
-    column (it is the row_id) and names the output already uses."""
+def passthrough_columns(
+    settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...], string_ids: bool = False
+) -> list[str]:
+    """The input columns copied to the output. Default: every column except the prompt source, an integer
+    id column (it is the row_id) and names the output already uses. A string id column is always copied,
+    first, under its own name: it is how output rows are matched to input rows."""
+    id_column = settings.data.id_column
+    if string_ids:
+        if id_column in RESERVED_COLUMNS:
+            raise ConfigError(
+                f"data.id_column={id_column!r} is a string column named like one of batchjob's output columns: "
+                "rename it in the input"
+            )
+        wanted = passthrough_columns(settings, columns, prompt_columns)
+        return [id_column, *(c for c in wanted if c != id_column)]
     wanted = settings.data.passthrough_columns
     if wanted is None:
-        skip = set(prompt_columns) | {settings.data.id_column} | RESERVED_COLUMNS
+        skip = set(prompt_columns) | {id_column} | RESERVED_COLUMNS
         return [c for c in columns if c not in skip]
     missing = [c for c in wanted if c not in columns]
     if missing:
@@ -83,9 +97,25 @@ def passthrough_columns(settings: JobSettings, columns: list[str], prompt_column
     return list(wanted)
 
 
+def choose_engine(settings: JobSettings, model_path: str) -> JobSettings:
+    """The settings with `engine=auto` resolved to the backend that runs this model (logged, with why); an
+    explicitly chosen backend that cannot run the model is a `ConfigError`. Reads config files only."""
+    try:
+        choice = choose_backend(settings.engine_name, model_path, settings.engine_options)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"engine={settings.engine_name}: {err}") from err
+    if choice.name != settings.engine_name:
+        log.info("engine=%s: running %s, since %s", settings.engine_name, choice.name, choice.reason)
+    return dataclasses.replace(settings, engine_name=choice.name, engine_options=choice.options)
+
+
 def prepare(settings: JobSettings) -> PreparedJob:
-    """Check the model, the input and the output directory; lock the shard. Loads no model weights."""
+    """Check the model, the engine for it, the input and the output directory; lock the shard. Loads no
+    model weights."""
+    from transformers import AutoTokenizer
+
     model_path = resolve_model_path(settings.model_path)
+    settings = choose_engine(settings, model_path)
     data = settings.data
     source = open_input(
         InputSpec(
@@ -103,15 +133,21 @@ def prepare(settings: JobSettings) -> PreparedJob:
         )
     )
     try:
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
     builder = PromptBuilder(settings.prompt, tokenizer)
     builder.check(list(source.columns))
-    passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
-    record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
+    passthrough = passthrough_columns(
+        settings, list(source.columns), settings.prompt.input_columns, string_ids=source.string_ids
+    )
+    record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)
+    # The record is written only once every check has passed, so a stored, identical record means the
+    # ids were found unique already (by this shard earlier, or another): a restart skips the full read.
+    if not record_is_stored(settings.output.dir, {"shard_count": settings.shard_count, **record}):
+        check_unique_ids(source)
     output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
-    output.open(record, resume=settings.resume)
+    output.open(record, resume=settings.resume, overwrite=settings.output.overwrite)
     return PreparedJob(settings, model_path, source, builder, passthrough, output)
 
 

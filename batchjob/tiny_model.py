@@ -15,7 +15,6 @@ from pathlib import Path
 
 from batchjob.caches import cache_root
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_CACHE = cache_root()
 SAMPLE_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
 
@@ -60,9 +59,89 @@ def train_tokenizer(vocab_size: int = 512):
     return tokenizer
 
 
-def _config(arch: str, vocab_size: int, tokenizer, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+# Each tiny architecture: its transformers config class and what differs from the common tiny shape. Windows
+# and rope switch-over points are small, so short test prompts already cross them.
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+            },
+        ),
+    ),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2)),
+    "olmo2": ("Olmo2Config", dict()),
+}
+ARCHITECTURES = tuple(TINY_CONFIGS)
 
+
+def _config(arch: str, vocab_size: int, tokenizer, **overrides):
+    import transformers
+
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    config_name, family = TINY_CONFIGS[arch]
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -77,32 +156,7 @@ def _config(arch: str, vocab_size: int, tokenizer, **overrides):
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    if arch == "llama":
-        common.update(
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 256,
-            },
-            tie_word_embeddings=True,
-        )
-        config_cls = LlamaConfig
-    elif arch == "mistral":
-        config_cls = MistralConfig
-        common.update(sliding_window=None)
-    elif arch == "qwen2":
-        config_cls = Qwen2Config
-        common.update(tie_word_embeddings=True)
-    elif arch == "qwen3":
-        config_cls = Qwen3Config
-        common.update(head_dim=32)
-    else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
-    common.update(overrides)
-    return config_cls(**common)
+    return getattr(transformers, config_name)(**{**common, **family, **overrides})
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **config_overrides) -> Path:

@@ -1,6 +1,6 @@
 """Create a tiny random-weight model as a real Hugging Face directory (no network).
 
-python scripts/make_tiny_model.py OUT_DIR [--arch llama|mistral|qwen2|qwen3] [--seed 0]
+python scripts/make_tiny_model.py OUT_DIR [--arch ARCH] [--seed 0]    # ARCH: see --help (llama, qwen3_moe, gemma3, ...)
 """
 
 import argparse

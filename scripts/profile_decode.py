@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,7 +40,7 @@ def main() -> None:
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(args.arch)
-        config.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[config.model_type]]
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
         config.save_pretrained(tmp)
         spec = read_model_spec(tmp, "bfloat16", max_model_len=args.context + 64)
     attn = TritonPagedAttention()
@@ -50,7 +51,7 @@ def main() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02, generator=gen)
-    model.rotary.reset_table()
+    model.reset_tables()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     b, ctx, bs = args.batch, args.context, 16

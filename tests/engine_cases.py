@@ -7,8 +7,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchjob.engine import Request, SamplingParams
+from batchjob.tiny_model import ARCHITECTURES
 
 EOS = 2  # the tiny models' <|end|>
+
+# Tiny model cases of the engine suites: every tiny architecture (those with sliding windows use windows of 8
+# tokens), plus Mistral and Qwen2 with windows far shorter than the prompts.
+CASES: dict[str, tuple[str, dict]] = {arch: (arch, {}) for arch in ARCHITECTURES} | {
+    "mistral_window": ("mistral", {"sliding_window": 8}),
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+}
 
 
 def mixed_requests(n: int, seed: int, max_prompt: int = 48, max_new: int = 24) -> list[Request]:

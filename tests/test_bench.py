@@ -128,3 +128,54 @@ def test_w5_samples_and_its_floor_runs_in_waves_when_the_cache_cannot_hold_every
     assert floor.peak_concurrency < 1024  # ~1,700 tokens of 128 KiB each per request: not all fit at once
     assert floor.decode_steps > requests.output_lengths.max()
     assert floor.prefill_s < floor.decode_s
+
+
+def test_w6_shape_counts_the_qwen3_moe_parameters_transformers_builds(bench_lib):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(bench_lib.workloads.ARCHITECTURES["qwen3-30b-a3b"])
+    shape = bench_lib.roofline.model_shape(fields)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+
+    assert shape.parameters == sum(p.numel() for p in hf.parameters())
+    assert (shape.moe_layers, shape.experts, shape.experts_per_token) == (48, 128, 8)
+    assert shape.expert_parameters == 3 * 2048 * 768
+    # About 3.3B of the 30.5B parameters take part in one token's forward pass (the "A3B").
+    assert 3.0e9 < shape.matmul_parameters_per_token < 3.5e9
+
+
+def test_a_decode_step_reads_only_the_experts_its_tokens_hit(bench_lib):
+    roofline = bench_lib.roofline
+    common = dict(layers=2, attention_heads=2, kv_heads=1, head_dim=4, hidden=8, vocab=100, embedding_parameters=800)
+    shape = roofline.ModelShape(
+        parameters=10_000 + 2 * 16 * 100,
+        tied_embeddings=True,
+        moe_layers=2,
+        experts=16,
+        experts_per_token=2,
+        expert_parameters=100,
+        **common,
+    )
+    dense_bytes = 10_000 * 2
+
+    assert roofline.expected_experts_hit(1, 16, 2) == pytest.approx(2.0)
+    assert roofline.expected_experts_hit(10_000, 16, 2) == pytest.approx(16.0)
+    assert shape.step_weight_bytes(1) == pytest.approx(dense_bytes + 2 * 2 * 100 * 2)
+    assert shape.step_weight_bytes(10_000) == pytest.approx(shape.weight_bytes)
+    # Two tokens hit 16 * (1 - (14/16)^2) = 3.75 distinct experts on average, not 4.
+    assert shape.step_weight_bytes(2) == pytest.approx(dense_bytes + 2 * 3.75 * 100 * 2)
+
+
+def test_w6_floor_is_between_the_active_and_the_total_weights_per_step(bench_lib):
+    workloads, roofline = bench_lib.workloads, bench_lib.roofline
+    shape = roofline.model_shape(workloads.ARCHITECTURES["qwen3-30b-a3b"])
+    requests = workloads.draw_requests(workloads.WORKLOADS["W6"], shape.vocab)
+
+    floor = roofline.roofline(shape, requests, 4.27e12, 800e12, kv_budget_bytes=60 * 2**30)
+
+    assert len(requests.prompts) == 512
+    assert requests.prompt_lengths.min() >= 100 and requests.output_lengths.max() <= 1024
+    assert floor.decode_steps * shape.step_weight_bytes(1) / 4.27e12 < floor.decode_s
+    assert floor.decode_s < floor.decode_steps * (shape.weight_bytes + 60 * 2**30) / 4.27e12

@@ -1,26 +1,35 @@
-"""Backends behind one config key: `engine=native | native_sync | hf`.
+"""Backends behind one config key: `engine=auto | native | native_sync | hf`.
 
 Each backend is a class taking `(model_path, **options)` with a `check_options(options)` classmethod that
 raises `ValueError` naming the bad option and the fix; `check_engine_options` runs it before any model
-is loaded, so a bad config fails before any GPU work.
+is loaded, so a bad config fails before any GPU work. A backend that cannot run every model also has a
+`check_model(model_path, options)` classmethod, which reads the model's config files only and returns what
+it will run (the architecture).
+
+`auto` is no backend of its own: `choose_backend` resolves it per model to `native` where the native engine
+supports the architecture, else `hf`. Its options are the native engine's plus an `hf` mapping for the
+fallback, which also receives the keys both backends share (`dtype`, `device`, `max_model_len`).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from batchjob.engine.api import Completion, Engine, Request, Sample, SamplingParams
 
 __all__ = [
     "BACKENDS",
+    "BackendChoice",
     "Completion",
     "Engine",
     "Request",
     "Sample",
     "SamplingParams",
     "check_engine_options",
+    "choose_backend",
     "create_engine",
 ]
 
@@ -29,22 +38,71 @@ BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
     "native_sync": ("batchjob.engine.native.engine:NativeEngine", {"async_loop": False}),
     "hf": ("batchjob.engine.hf:HFEngine", {}),
 }
+AUTO = "auto"
+SHARED_OPTIONS = ("dtype", "device", "max_model_len")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str  # a key of BACKENDS
+    options: dict[str, Any]
+    reason: str
 
 
 def _backend(name: str) -> tuple[type, dict[str, Any]]:
     if name not in BACKENDS:
-        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(sorted(BACKENDS))} (engine=NAME)")
+        choices = ", ".join(sorted([AUTO, *BACKENDS]))
+        raise ValueError(f"unknown engine {name!r}: choose one of {choices} (engine=NAME)")
     target, fixed = BACKENDS[name]
     module_name, cls_name = target.split(":")
     return getattr(importlib.import_module(module_name), cls_name), fixed
 
 
+def _split_auto(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """engine=auto's options -> (the native engine's, the hf fallback's)."""
+    native = dict(options)
+    fallback = dict(native.pop("hf", None) or {})
+    shared = {key: native[key] for key in SHARED_OPTIONS if key in native}
+    return native, {**shared, **fallback}
+
+
 def check_engine_options(name: str, options: Mapping[str, Any]) -> None:
+    if name == AUTO:
+        native, fallback = _split_auto(options)
+        check_engine_options("native", native)
+        check_engine_options("hf", fallback)
+        return
     cls, fixed = _backend(name)
     cls.check_options({**options, **fixed})
 
 
+def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> BackendChoice:
+    """The backend that will run `model_path` for `engine=name`, decided from the model's config files alone.
+    Raises `ValueError` (the message says why and what to use instead) when an explicitly chosen backend
+    cannot run the model; `auto` never refuses a model for its architecture."""
+    if name == AUTO:
+        from batchjob.engine.native.models.spec import UnsupportedModelError
+
+        native, fallback = _split_auto(options)
+        try:
+            architecture = _check_model("native", model_path, native)
+        except UnsupportedModelError as err:
+            return BackendChoice("hf", fallback, f"the native engine cannot run it: {err}")
+        return BackendChoice("native", native, f"the native engine supports {architecture}")
+    _check_model(name, model_path, options)
+    return BackendChoice(name, dict(options), f"engine={name} was asked for")
+
+
+def _check_model(name: str, model_path: str, options: Mapping[str, Any]) -> str | None:
+    cls, fixed = _backend(name)
+    check_model = getattr(cls, "check_model", None)
+    return None if check_model is None else check_model(model_path, {**options, **fixed})
+
+
 def create_engine(name: str, model_path: str, options: Mapping[str, Any]) -> Engine:
+    if name == AUTO:
+        choice = choose_backend(name, model_path, options)
+        name, options = choice.name, choice.options
     cls, fixed = _backend(name)
     merged = {**options, **fixed}
     cls.check_options(merged)

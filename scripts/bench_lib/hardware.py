@@ -19,6 +19,8 @@ def graph_ms(fn, reps: int = 20) -> float:
     import torch
 
     stream = torch.cuda.Stream()
+    # The inputs were made on the caller's stream: the side stream must not read them before they exist.
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     stream.synchronize()

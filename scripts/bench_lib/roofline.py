@@ -1,10 +1,16 @@
 """The physical floor of a workload's time on the measured hardware.
 
-Decode: every step reads every weight once plus the live KV cache of every running sequence, so a step lasts at
-least `(weight bytes + KV bytes) / copy bandwidth` (and at least its FLOPs / matmul rate, which only matters for
-very large batches). Steps are simulated from the request lengths assuming every request runs concurrently
-as long as the KV cache holds it (first come, first served). Prefill: at least its FLOPs / matmul rate, with a
-shared prefix counted once (the best any prefix cache can do). `fraction_of_roofline = floor / measured`.
+Decode: every step reads every weight it uses once plus the live KV cache of every running sequence, so a step
+lasts at least `(weight bytes + KV bytes) / copy bandwidth` (and at least its FLOPs / matmul rate, which only
+matters for very large batches). A mixture-of-experts layer's step reads only the experts its tokens were
+routed to: for a router that spreads tokens uniformly (random weights), the expected number of distinct experts
+hit by T tokens choosing K of E each is E * (1 - (1 - K/E)^T). Steps are simulated from the request lengths
+assuming every request runs concurrently as long as the KV cache holds it (first come, first served). Prefill:
+at least its FLOPs / matmul rate, with a shared prefix counted once (the best any prefix cache can do).
+`fraction_of_roofline = floor / measured`.
+
+The model's shape comes from the native engine's own description of the architecture (its `ModelSpec`, and
+its parameters counted on the meta device), so the floor counts exactly the weights the engine holds.
 """
 
 from __future__ import annotations
@@ -17,6 +23,14 @@ import numpy as np
 from bench_lib.workloads import BenchRequests
 
 BF16_BYTES = 2
+
+
+def expected_experts_hit(tokens: int, experts: int, experts_per_token: int) -> float:
+    """Expected distinct experts among `experts` that `tokens` tokens hit when each picks `experts_per_token`
+    distinct ones uniformly at random."""
+    if experts == 0 or tokens == 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - experts_per_token / experts) ** tokens)
 
 
 @dataclass(frozen=True)
@@ -32,10 +46,24 @@ class ModelShape:
     vocab: int
     embedding_parameters: int  # the input embedding table (looked up, not multiplied)
     tied_embeddings: bool  # the lm_head is the embedding table
+    moe_layers: int = 0  # layers whose MLP is a mixture of experts
+    experts: int = 0  # per MoE layer
+    experts_per_token: int = 0
+    expert_parameters: int = 0  # of one expert in one layer
 
     @property
     def weight_bytes(self) -> int:
+        """Every weight, as the GPU holds them."""
         return self.parameters * BF16_BYTES
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.moe_layers * self.experts * self.expert_parameters * BF16_BYTES
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` tokens reads: all but the experts, and the experts it hits."""
+        hit = expected_experts_hit(tokens, self.experts, self.experts_per_token)
+        return self.weight_bytes - self.expert_bytes + self.moe_layers * hit * self.expert_parameters * BF16_BYTES
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -43,8 +71,10 @@ class ModelShape:
 
     @property
     def matmul_parameters_per_token(self) -> int:
-        """Parameters a token is multiplied with (every layer and the lm_head), for FLOP counts."""
-        return self.parameters - (0 if self.tied_embeddings else self.embedding_parameters)
+        """Parameters a token is multiplied with (every layer, its experts only, and the lm_head), for FLOP
+        counts."""
+        unused_experts = self.moe_layers * (self.experts - self.experts_per_token) * self.expert_parameters
+        return self.parameters - (0 if self.tied_embeddings else self.embedding_parameters) - unused_experts
 
     def attention_flops(self, query_context_pairs: float) -> float:
         """FLOPs of QK^T and PV (2 each per multiply-add) for that many (query, key) pairs in every layer."""
@@ -52,25 +82,38 @@ class ModelShape:
 
 
 def model_shape(architecture: dict[str, Any]) -> ModelShape:
-    """The shape of an architecture from `bench_lib.workloads.ARCHITECTURES`, counting parameters exactly by
-    building the model on the meta device (no memory, no weights)."""
+    """The shape of an architecture from `bench_lib.workloads.ARCHITECTURES`, through the native engine's
+    description of it, counting parameters exactly by building its model on the meta device (no memory)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from batchjob.engine.native.attention import TorchPagedAttention
+    from batchjob.engine.native.models import CausalLM
+    from batchjob.engine.native.models.registry import ARCHITECTURES, spec_from_config
 
     fields = dict(architecture)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(model_type, **fields)
+    described = ARCHITECTURES[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    spec = spec_from_config(config, described, f"<{model_type}>", {}, "bfloat16", None)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = CausalLM(spec, TorchPagedAttention())
+    moe = spec.moe
     return ModelShape(
         parameters=sum(p.numel() for p in model.parameters()),
-        layers=config.num_hidden_layers,
-        attention_heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        hidden=config.hidden_size,
-        vocab=config.vocab_size,
-        embedding_parameters=model.get_input_embeddings().weight.numel(),
-        tied_embeddings=bool(config.tie_word_embeddings),
+        layers=spec.num_layers,
+        attention_heads=spec.num_heads,
+        kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        hidden=spec.hidden_size,
+        vocab=spec.vocab_size,
+        embedding_parameters=model.embed_tokens.weight.numel(),
+        tied_embeddings=spec.tie_word_embeddings,
+        moe_layers=sum(layer.sparse for layer in spec.layers),
+        experts=moe.num_experts if moe else 0,
+        experts_per_token=moe.top_k if moe else 0,
+        expert_parameters=3 * spec.hidden_size * moe.intermediate_size if moe else 0,
     )
 
 
@@ -125,7 +168,7 @@ def decode_floor(
         context[running] += 1
         batch = int(running.sum())
         kv_tokens = int(context[running].sum())
-        read_s = (shape.weight_bytes + kv_tokens * shape.kv_bytes_per_token) / copy_bytes_per_s
+        read_s = (shape.step_weight_bytes(batch) + kv_tokens * shape.kv_bytes_per_token) / copy_bytes_per_s
         flops = 2.0 * shape.matmul_parameters_per_token * batch + shape.attention_flops(kv_tokens)
         seconds += max(read_s, flops / matmul_flops_per_s)
         steps += 1

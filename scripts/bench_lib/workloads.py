@@ -71,6 +71,26 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        num_hidden_layers=48,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
 }
 
 
@@ -102,6 +122,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "W5": WorkloadSpec(
         "W5", "synthetic data", "llama-3.1-8b", 1024, (128, 2048), (128, 1024), temperature=0.8, top_p=0.95
     ),
+    "W6": WorkloadSpec("W6", "MoE", "qwen3-30b-a3b", 512, (100, 1024), (100, 1024)),
 }
 
 # `--tiny`: the CPU smoke run, on the tiny llama of `batchjob.tiny_model`.

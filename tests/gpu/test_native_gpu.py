@@ -1,6 +1,7 @@
-"""The native engine on a GPU: greedy output equals transformers' in fp32 with CUDA graphs and the async loop on,
-async equals sync, graph replay equals eager for every captured bucket, poisoned slots change nothing (the
-slot-race test), and bf16 logits agree with transformers' within bf16 tolerance.
+"""The native engine on a GPU: greedy output equals transformers' in fp32 with CUDA graphs and the async loop on
+for every supported family (sliding windows, soft-capping, MoE routing through the fused kernel), async equals
+sync, graph replay equals eager for every captured bucket, poisoned slots change nothing (the slot-race test),
+and bf16 logits of every family agree with transformers' within bf16 tolerance.
 
 Run on the GPU machine:  python -m pytest tests/gpu -q
 """
@@ -13,12 +14,12 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from engine_cases import hf_greedy, mixed_requests, with_stops  # noqa: E402
+from engine_cases import CASES, hf_greedy, mixed_requests, with_stops  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
 from batchjob.engine.native.engine import graph_buckets  # noqa: E402
-from batchjob.tiny_model import ARCHITECTURES, make_tiny_model  # noqa: E402
+from batchjob.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,9 +33,10 @@ def _run(model_dir, requests, engine="native", **options) -> dict:
         eng.close()
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("m") / request.param, arch=request.param)
+    arch, overrides = CASES[request.param]
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("m") / request.param, arch=arch, **overrides)
     base = mixed_requests(80, seed=3, max_prompt=64, max_new=32)
     reqs, expected = with_stops(base, hf_greedy(model_dir, base, device="cuda"))
     return model_dir, reqs, expected
@@ -92,28 +94,36 @@ def test_sampled_output_is_the_same_async_and_sync(tmp_path):
     assert _run(model_dir, reqs, "native") == _run(model_dir, reqs, "native_sync")
 
 
-def test_bf16_logits_match_transformers_within_bf16_tolerance(tmp_path):
+# Mid-sized variants for the bf16 test: rounding differences grow with width. Phi-3's LongRoPE factors must
+# cover its rotary dimension (half of 64).
+MID = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
+MID_OVERRIDES = {
+    "phi3": dict(
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(16)], "long_factor": [2.0] * 16}
+    )
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "olmo2"])
+def test_bf16_logits_match_transformers_within_bf16_tolerance(tmp_path, arch):
     from batchjob.engine.native.attention import make_metadata
     from batchjob.engine.native.kv_cache import allocate_kv_cache
     from batchjob.engine.native.loader import load_model
     from batchjob.engine.native.triton_attention import TritonPagedAttention
 
-    model_dir = make_tiny_model(
-        tmp_path / "mid",
-        arch="llama",
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    )
+    model_dir = make_tiny_model(tmp_path / "mid", arch=arch, **MID, **MID_OVERRIDES.get(arch, {}))
     ours, spec = load_model(model_dir, "bfloat16", "cuda", TritonPagedAttention())
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ref64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).cuda().eval()
-    prompt = torch.randint(6, 500, (100,), generator=torch.Generator().manual_seed(0))
+    # transformers' grouped-GEMM experts take no float64; its plain per-expert loop does.
+    plain_experts = {"experts_implementation": "eager"} if arch in ("qwen3_moe", "mixtral") else {}
+    ref64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **plain_experts).cuda().eval()
+    # 60 tokens: past the 8-token windows, short of Phi-3's LongRoPE switch at 64.
+    n = 60
+    prompt = torch.randint(6, 500, (n,), generator=torch.Generator().manual_seed(0))
     caches = allocate_kv_cache(spec, 16, 16, torch.device("cuda"))
-    meta = make_metadata([100], [100], [list(range(1, 8))], 16, device="cuda")
+    meta = make_metadata([n], [n], [list(range(1, 5))], 16, device="cuda")
     with torch.no_grad():
-        ours_logits = ours.compute_logits(ours(prompt.cuda(), torch.arange(100, device="cuda"), meta, caches)).double()
+        ours_logits = ours.compute_logits(ours(prompt.cuda(), torch.arange(n, device="cuda"), meta, caches)).double()
         hf_logits = hf(prompt[None].cuda()).logits[0].double()
         exact = ref64(prompt[None].cuda()).logits[0]
 
@@ -127,7 +137,8 @@ def test_bf16_logits_match_transformers_within_bf16_tolerance(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     from batchjob.engine.native import triton_ops
-    from batchjob.engine.native.layers import RMSNorm, RopeSpec, RotaryEmbedding, apply_rotary
+    from batchjob.engine.native.layers import RMSNorm
+    from batchjob.engine.native.rope import RopeSpec, RotaryEmbedding, apply_rotary
 
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     x = torch.randn(37, 4096, device="cuda", dtype=dtype)
@@ -140,6 +151,12 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     got_h, got_r = norm(x, residual.clone())
     torch.testing.assert_close(got_r.cpu(), want_r, **tol)
     torch.testing.assert_close(got_h.cpu(), want_h, **tol)
+    for style in (dict(weight_fp32=True), dict(unit_offset=True)):  # OLMo 2's and Gemma's norms
+        styled = RMSNorm(4096, 1e-5, **style).to("cuda", dtype)
+        styled.weight.data.copy_(norm.weight.data)
+        cpu_styled = RMSNorm(4096, 1e-5, **style).to(dtype)
+        cpu_styled.weight.data.copy_(norm.weight.data.cpu())
+        torch.testing.assert_close(styled(x).cpu(), cpu_styled(x.cpu()), **tol)
 
     gate_up = torch.randn(37, 2 * 1000, device="cuda", dtype=dtype)
     gate, up = gate_up.cpu().chunk(2, dim=-1)
@@ -153,6 +170,13 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     want = apply_rotary(q.clone().float(), cos.float(), sin.float())
     triton_ops.rotary_(q, positions, rope.cos_sin)
     torch.testing.assert_close(q.float(), want, **tol)
+
+    partial = RotaryEmbedding(RopeSpec(rope_type="default", theta=10000.0), 96, 512).to("cuda", dtype)
+    k = qkv[:, 8 * 128 : 10 * 128].view(37, 2, 128)
+    cos, sin = partial(positions)
+    want = torch.cat((apply_rotary(k[..., :96].float(), cos.float(), sin.float()), k[..., 96:].float()), dim=-1)
+    partial.prepare(positions).apply(q, k)  # rotates the first 96 channels of each head (Phi-4-mini), in place
+    torch.testing.assert_close(k.float(), want, **tol)
 
 
 def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):

@@ -87,3 +87,16 @@ def test_make_metadata_maps_new_tokens_to_their_block_slots():
     assert meta.slot_mapping.tolist() == [7 * 4 + 3, 3 * 4 + 0, 2 * 4 + 2]
     assert meta.block_tables.tolist() == [[7, 3], [2, 0]]
     assert (meta.max_query_len, meta.max_seq_len) == (2, 5)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (1, 0.0), (0, 2.0), (6, 1.5)])
+def test_sliding_window_and_softcap_match_the_dense_reference(window, softcap):
+    # Prefills, chunked continuations and decodes, with contexts longer than the window.
+    q, k, v, k_cache, v_cache, meta = random_step(4, [7, 1, 12, 3], [7, 30, 20, 40])
+    expected = dense_reference_attention(q, k, v, k_cache, v_cache, meta, 0.3, window=window, softcap=softcap)
+
+    out = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.3, window=window, softcap=softcap)
+
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    plain = dense_reference_attention(q, k, v, k_cache, v_cache, meta, 0.3)
+    assert not torch.allclose(out.double(), plain, atol=1e-3)  # the case really windows or caps something

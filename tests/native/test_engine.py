@@ -1,17 +1,19 @@
 """The native engine, end to end on CPU in fp32: its greedy output equals transformers' for every supported
-architecture, whatever the scheduling (preemption, chunked prefill, batch width, async or sync loop)."""
+family (prompts longer than the sliding windows included), whatever the scheduling (preemption, chunked
+prefill, batch width, async or sync loop)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import CASES
 from engine_cases import hf_greedy as _hf_greedy
 from engine_cases import mixed_requests as _requests
 from engine_cases import with_stops as _with_stops
 from transformers import AutoModelForCausalLM
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
+from batchjob.tiny_model import make_tiny_model
 
 
 def _run(model_dir, requests, engine: str = "native", **options) -> dict:
@@ -21,9 +23,14 @@ def _run(model_dir, requests, engine: str = "native", **options) -> dict:
     return got, eng
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+# A KV cache of 29 usable blocks of 4 tokens and 24-token steps: prompts are chunked and sequences preempted.
+TIGHT = dict(num_kv_blocks=30, block_size=4, max_model_len=80, max_num_batched_tokens=24)
+
+
+@pytest.fixture(scope="module", params=CASES)
 def arch_case(request, tmp_path_factory):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("m") / request.param, arch=request.param)
+    arch, overrides = CASES[request.param]
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("m") / request.param, arch=arch, **overrides)
     base = _requests(64, seed=1)
     reqs, expected = _with_stops(base, _hf_greedy(model_dir, base))
     return model_dir, reqs, expected
@@ -38,6 +45,13 @@ def test_greedy_equals_transformers_for_64_mixed_requests(arch_case, engine):
     assert {i: c.finish_reason for i, c in got.items()} == reasons
 
 
+def test_chunked_prefill_and_preemption_keep_greedy_output(arch_case):
+    model_dir, reqs, expected = arch_case
+    got, eng = _run(model_dir, reqs, **TIGHT)
+    assert {i: c.token_ids for i, c in got.items()} == expected
+    assert eng.stats_seen["preemptions"] > 0
+
+
 @pytest.fixture(scope="module")
 def llama_case(tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama")
@@ -47,7 +61,7 @@ def llama_case(tmp_path_factory):
 
 
 SCHEDULES = {
-    "tiny cache: preemption": dict(num_kv_blocks=30, block_size=4, max_model_len=80, max_num_batched_tokens=24),
+    "tiny cache: preemption": TIGHT,
     "no chunked prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=1024),
     "chunked prefill, 7-token budget": dict(max_num_batched_tokens=7),
     "one sequence at a time": dict(max_num_seqs=1),
@@ -77,6 +91,15 @@ def test_shared_prompt_prefix_is_computed_once_and_output_unchanged(llama_case):
     # 64 shared tokens are 4 full blocks of 16: the 5 later requests feed none of them.
     unshared = sum(len(r.prompt_ids) + r.sampling.max_new_tokens - 1 for r in reqs)
     assert eng.stats_seen["tokens_fed"] == unshared - 5 * 64
+
+
+def test_prefix_hash_collisions_never_change_output(llama_case, monkeypatch):
+    model_dir, _, _ = llama_case
+    # Every prompt block hashes alike: only the kept token ids can tell the cached blocks apart.
+    monkeypatch.setattr("batchjob.engine.native.sequence.block_hash", lambda previous, tokens: 0)
+    reqs = [Request(i, tuple(range(10 + 40 * i, 50 + 40 * i)), SamplingParams(max_new_tokens=4)) for i in range(3)]
+    got, _ = _run(model_dir, reqs, max_num_seqs=1)
+    assert {i: c.token_ids for i, c in got.items()} == _hf_greedy(model_dir, reqs)
 
 
 def _sampled(model_dir, reqs, **options):

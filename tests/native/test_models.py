@@ -1,5 +1,6 @@
-"""The native Llama-family models, loaded by our loader and run through the CPU paged-attention path, give
-the same logits and greedy generations as transformers on real (tiny, random) model directories."""
+"""The native models of every supported family, loaded by our loader and run through the CPU paged-attention
+path, give the same logits and greedy generations as transformers on real (tiny, random) model directories:
+prompts longer than the sliding windows, MoE routing, soft-capping and partial rotary included."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchjob.engine.native.attention import TorchPagedAttention, make_metadata
-from batchjob.engine.native.layers import rope_inv_freq
 from batchjob.engine.native.loader import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
     load_model,
     read_model_spec,
 )
+from batchjob.engine.native.rope import rope_inv_freq
 from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
 
 ATOL = 1e-4
@@ -217,12 +218,6 @@ def test_bfloat16_load_materialises_every_parameter_in_bfloat16(tiny_llama_dir):
     assert spec.dtype == torch.bfloat16
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert not any(p.requires_grad for p in model.parameters())
-
-
-def test_mistral_sliding_window_caps_max_model_len(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "mistral", arch="mistral", sliding_window=64)
-
-    assert read_model_spec(model_dir).max_model_len == 64
 
 
 def test_unsupported_architecture_is_refused_naming_the_supported_ones_and_engine_hf(tiny_llama_dir, tmp_path):

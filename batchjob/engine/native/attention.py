@@ -94,7 +94,8 @@ class TorchPagedAttention:
     """Plain-torch paged attention, for CPU runs and as a portable fallback.
 
     All sequences of a step go through one SDPA call: queries are padded to [B, max_query_len] and each
-    sequence's blocks gathered to [B, max_seq_len], with a mask that is causal with the per-sequence offset.
+    sequence's blocks gathered to [B, max_seq_len], with a mask that is causal with the per-sequence offset
+    (and the sliding window, if any). Soft-capped scores are computed without SDPA, which cannot cap them.
     The host bounds in the metadata size the padding, so this path is not for CUDA-graph capture.
     """
 
@@ -107,6 +108,8 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
@@ -136,15 +139,35 @@ class TorchPagedAttention:
         query_offsets = torch.arange(meta.max_query_len, device=device)
         query_pos = (seq_lens - query_lens)[:, None] + query_offsets[None, :]
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]; padded queries see >= position 0
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None],
-            scale=scale,
-            enable_gqa=num_heads != keys.shape[2],
-        )
+        if window > 0:
+            mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
+        if softcap > 0:
+            out = _softcapped_attention(q_pad.transpose(1, 2), keys, values, mask, scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q_pad.transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask[:, None],
+                scale=scale,
+                enable_gqa=num_heads != keys.shape[2],
+            )
         return out.transpose(1, 2)[token_seq, token_idx]
+
+
+def _softcapped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """q [B, Hq, Q, D], keys/values [B, S, Hkv, D], mask [B, Q, S] -> [B, Hq, Q, D], rounded as transformers'
+    eager attention is (softmax in float32, probabilities in the model dtype)."""
+    group = q.shape[1] // keys.shape[2]
+    keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)
+    values = values.transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
 
 
 def dense_reference_attention(

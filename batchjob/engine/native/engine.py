@@ -28,7 +28,6 @@ from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.sequence import RequestGroup, Sequence
 from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
-from batchjob.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("batchjob.engine.native")
 
@@ -51,7 +50,19 @@ class NativeEngine:
     def check_options(cls, options: Mapping[str, Any]) -> None:
         NativeOptions.from_mapping(options)
 
+    @classmethod
+    def check_model(cls, model_path: str, options: Mapping[str, Any]) -> str:
+        """The architecture the engine will run, from the model's config files alone. Raises
+        `UnsupportedModelError` when the native engine cannot run the model, or `ValueError` when the options
+        do not fit it (max_model_len beyond the model's)."""
+        from batchjob.engine.native.loader import read_model_spec
+
+        opts = NativeOptions.from_mapping(options)
+        return read_model_spec(model_path, opts.dtype, opts.max_model_len).architecture
+
     def __init__(self, model_path: str, **options: Any) -> None:
+        from transformers import AutoTokenizer
+
         from batchjob.engine.native.attention import TorchPagedAttention
         from batchjob.engine.native.loader import load_model
 
@@ -66,7 +77,7 @@ class NativeEngine:
             attn = TorchPagedAttention()
         self.model, self.spec = load_model(model_path, opts.dtype, self.device, attn, opts.max_model_len)
         self.max_model_len = self.spec.max_model_len
-        self.tokenizer = load_tokenizer(self.spec.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
         loaded = time.perf_counter()
         num_blocks = decide_num_blocks(self.model, self.spec, opts, self.device)
         self.kv_caches = allocate_kv_cache(self.spec, num_blocks, opts.block_size, self.device)

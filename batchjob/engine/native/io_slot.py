@@ -2,11 +2,9 @@
 
 The asynchronous loop has two slots: the CPU fills one while the GPU computes from the other. Inputs are
 packed into a few buffers so a step needs four host-to-device copies. Inside a packed buffer, fields sit at
-offsets that depend only on the step's token and row counts, so a decode step of a given batch-size bucket
-always uses the same device addresses, which is what a CUDA graph of that bucket was captured with.
-`StepShape` is the one place those offsets are computed. Every field starts on a 16-byte boundary: Triton
-compiles a kernel variant per pointer alignment, so an unaligned field (a view at an odd offset in the
-buffer) would make steps of odd and even sizes compile different kernels.
+offsets that depend only on the step's token and row counts (`StepShape` lays them out), so a decode step of
+a given batch-size bucket always uses the same device addresses, which is what a CUDA graph of that bucket
+was captured with.
 """
 
 from __future__ import annotations
@@ -23,21 +21,6 @@ from batchjob.engine.native.scheduler import StepPlan
 INT_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "carry_idx", "carry_mask")
 INT_ROW_FIELDS = ("logits_indices", "seeds", "out_positions", "top_k")
 FLOAT_ROW_FIELDS = ("temperature", "top_p", "min_p")
-FIELD_ALIGN_BYTES = 16
-
-
-def _aligned(count: int, itemsize: int) -> int:
-    """`count` elements rounded up to whole FIELD_ALIGN_BYTES."""
-    per = FIELD_ALIGN_BYTES // itemsize
-    return -(-count // per) * per
-
-
-def _packed(fields: list[tuple[str, int]], itemsize: int) -> dict[str, tuple[int, int]]:
-    offsets, at = {}, 0
-    for name, size in fields:
-        offsets[name] = (at, size)
-        at += _aligned(size, itemsize)
-    return offsets
 
 
 @dataclass(frozen=True)
@@ -48,41 +31,68 @@ class SlotLimits:
     max_top_logprobs: int
 
 
+# Every field starts on a 16-byte boundary: Triton specialises a kernel on whether each pointer argument is
+# 16-byte aligned, so fields at offsets that move with the step's sizes would compile extra variants mid-run.
+FIELD_ALIGN_BYTES = 16
+
+
+def _aligned(count: int, element_size: int) -> int:
+    per_line = FIELD_ALIGN_BYTES // element_size
+    return -(-count // per_line) * per_line
+
+
+def _layout(fields: list[tuple[str, int]], element_size: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """(offset, length) of each field packed in order, each from a 16-byte boundary, and the total length."""
+    offsets, at = {}, 0
+    for name, size in fields:
+        offsets[name] = (at, size)
+        at += _aligned(size, element_size)
+    return offsets, at
+
+
 @dataclass(frozen=True)
 class StepShape:
-    """Token count T, sequence count B and sampled-row count S of a step (padded sizes for a graph)."""
+    """Token count T, sequence count B and sampled-row count S of a step (padded sizes for a graph), and the
+    layout of the packed buffers for it: (offset, length) of each field, in elements. Every reader and writer
+    of the packed buffers asks here."""
 
     tokens: int
     seqs: int
     rows: int
 
     def int_fields(self) -> dict[str, tuple[int, int]]:
-        """(offset, length) of each field of the int64 buffer."""
-        sizes = [(name, self.tokens) for name in INT_TOKEN_FIELDS] + [(name, self.rows) for name in INT_ROW_FIELDS]
-        return _packed(sizes, 8)
+        """The int64 buffer: per-token fields, then per-row fields."""
+        return self._int_layout()[0]
 
     def meta_fields(self) -> dict[str, tuple[int, int]]:
-        """(offset, length) of each field of the int32 attention-metadata buffer."""
-        return _packed([("cu_query_lens", self.seqs + 1), ("seq_lens", self.seqs)], 4)
+        """The int32 buffer the attention kernels read: cu_query_lens [B + 1], seq_lens [B]."""
+        return self._meta_layout()[0]
 
     def float_fields(self) -> dict[str, tuple[int, int]]:
-        """(offset, length) of each field of the float32 sampling-parameter buffer."""
-        return _packed([(name, self.rows) for name in FLOAT_ROW_FIELDS], 4)
+        """The float32 buffer: per-row sampling parameters."""
+        return self._float_layout()[0]
 
     @property
     def int_size(self) -> int:
-        offset, size = list(self.int_fields().values())[-1]
-        return offset + size
+        return self._int_layout()[1]
 
     @property
     def meta_size(self) -> int:
-        offset, size = self.meta_fields()["seq_lens"]
-        return offset + size
+        return self._meta_layout()[1]
 
     @property
     def float_size(self) -> int:
-        offset, size = self.float_fields()["min_p"]
-        return offset + size
+        return self._float_layout()[1]
+
+    def _int_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
+        fields = [(name, self.tokens) for name in INT_TOKEN_FIELDS] + [(name, self.rows) for name in INT_ROW_FIELDS]
+        return _layout(fields, 8)
+
+    def _meta_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
+        return _layout([("cu_query_lens", self.seqs + 1), ("seq_lens", self.seqs)], 4)
+
+    def _float_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
+        return _layout([(name, self.rows) for name in FLOAT_ROW_FIELDS], 4)
 
 
 def _views(buffer, fields: dict[str, tuple[int, int]]) -> dict:
@@ -98,8 +108,9 @@ class IOSlot:
         self.index = index
         self.limits = limits
         pin = device.type == "cuda"
-        t, b = limits.max_tokens, limits.max_rows
-        largest = StepShape(t, b, b)
+        b = limits.max_rows
+        # Field offsets grow with the shape, so the largest step's layout holds every smaller one.
+        largest = StepShape(tokens=limits.max_tokens, seqs=b, rows=b)
         self.host_int = _pinned(largest.int_size, torch.int64, pin)
         self.host_meta = _pinned(largest.meta_size, torch.int32, pin)
         self.host_tables = _pinned((b, limits.max_blocks_per_seq), torch.int32, pin)
@@ -172,8 +183,7 @@ class IOSlot:
         meta["seq_lens"][:n] = starts + counts
         meta["seq_lens"][n:] = 1
 
-        floats = _views(self.host_float.numpy(), shape.float_fields())
-        temperature, top_p, min_p = (floats[name] for name in FLOAT_ROW_FIELDS)
+        temperature, top_p, min_p = _views(self.host_float.numpy(), shape.float_fields()).values()
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
         temperature[rows:], top_p[rows:], min_p[rows:] = 0.0, 1.0, 0.0
 
@@ -187,16 +197,16 @@ class IOSlot:
     def device_views(self, shape: StepShape, max_query_len: int, max_seq_len: int):
         """The device tensors of a step of `shape`: (ints by name, attention metadata, sampling tensors)."""
         ints = _views(self.dev_int, shape.int_fields())
-        metas = _views(self.dev_meta, shape.meta_fields())
-        floats = _views(self.dev_float, shape.float_fields())
+        meta_views = _views(self.dev_meta, shape.meta_fields())
         meta = AttentionMetadata(
-            cu_query_lens=metas["cu_query_lens"],
-            seq_lens=metas["seq_lens"],
+            cu_query_lens=meta_views["cu_query_lens"],
+            seq_lens=meta_views["seq_lens"],
             block_tables=self.dev_tables[: shape.seqs],
             slot_mapping=ints["slot_mapping"],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
+        floats = _views(self.dev_float, shape.float_fields())
         params = SamplingTensors(
             temperature=floats["temperature"],
             top_k=ints["top_k"],

@@ -2,7 +2,8 @@
 
 The module is built on the `meta` device and materialised directly on the target device in the target dtype,
 then each checkpoint tensor is streamed from `safe_open` into its parameter (or its slice of a fused q/k/v or
-gate/up parameter): an 8B model never exists as a full float32 copy on the host.
+gate/up parameter, or its expert's entry of the stacked expert weights): an 8B model never exists as a full
+float32 copy on the host.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,12 +21,12 @@ from torch import nn
 
 from batchjob.engine.native.attention import PagedAttentionBackend
 from batchjob.engine.native.models import CausalLM
-from batchjob.engine.native.models.spec import (
+from batchjob.engine.native.models.registry import (
+    ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
-    ModelSpec,
-    UnsupportedModelError,
     spec_from_config_files,
 )
+from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -36,7 +38,19 @@ __all__ = [
 ]
 
 CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer*"]
-_FUSED = re.compile(r"(.*)\.(?:self_attn\.([qkv])_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+_QKV = re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)")
+_GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.(weight|bias)")
+_EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor goes: parameter `name`, its `expert`-th entry (stacked experts), rows from
+    `row` on (fused q/k/v or gate/up)."""
+
+    name: str
+    expert: int | None = None
+    row: int | None = None
 
 
 def resolve_model_dir(model_path: str | Path, with_weights: bool = True) -> Path:
@@ -86,21 +100,29 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def _param_slot(key: str, spec: ModelSpec) -> tuple[str, int | None] | None:
-    """Checkpoint tensor name -> (our parameter name, row offset into the fused parameter or None), or None
-    for tensors we do not need."""
+def checkpoint_slot(key: str, spec: ModelSpec) -> Slot | None:
+    """Checkpoint tensor name -> its `Slot` in our model, or None for tensors we do not need. The family's
+    renames come first (`Architecture.checkpoint_renames`), then the fused and stacked slots every family
+    shares."""
     name = key.removeprefix("model.")
     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and spec.tie_word_embeddings):
         return None
-    match = _FUSED.fullmatch(name)
-    if match is None:
-        return name, None
-    prefix, qkv, gate_up, kind = match.groups()
-    if qkv is not None:
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        offset = {"q": 0, "k": q_size, "v": q_size + kv_size}[qkv]
-        return f"{prefix}.self_attn.qkv_proj.{kind}", offset
-    return f"{prefix}.mlp.gate_up_proj.{kind}", 0 if gate_up == "gate" else spec.intermediate_size
+    for pattern, replacement in ARCHITECTURES[spec.architecture].checkpoint_renames:
+        name = re.sub(pattern, replacement, name)
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    if match := _QKV.fullmatch(name):
+        prefix, which, kind = match.groups()
+        return Slot(f"{prefix}.self_attn.qkv_proj.{kind}", row={"q": 0, "k": q_size, "v": q_size + kv_size}[which])
+    if match := _EXPERT.fullmatch(name):
+        prefix, expert, which = match.groups()
+        if which == "down":
+            return Slot(f"{prefix}.mlp.experts.down_proj", expert=int(expert))
+        row = 0 if which == "gate" else spec.moe.intermediate_size
+        return Slot(f"{prefix}.mlp.experts.gate_up_proj", expert=int(expert), row=row)
+    if match := _GATE_UP.fullmatch(name):
+        prefix, which, kind = match.groups()
+        return Slot(f"{prefix}.mlp.gate_up_proj.{kind}", row=0 if which == "gate" else spec.intermediate_size)
+    return Slot(name)
 
 
 @contextmanager
@@ -130,26 +152,26 @@ def load_model(
     files = safetensors_files(model_dir)
     with torch.device("meta"), _no_random_init():
         model = CausalLM(spec, attn).to(spec.dtype)
-    # `to_empty` would do this with torch.empty_like, which on meta tensors runs torch's Python reference op,
-    # importing sympy and torch.fx on first use (seconds of start-up); every parameter here is contiguous.
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    model.rotary.reset_table()
+    model.to_empty(device=device)
+    model.reset_tables()
     params = dict(model.named_parameters())
     loaded = dict.fromkeys(params, 0)
     with torch.no_grad():
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as shard:
                 for key in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    slot = _param_slot(key, spec)
+                    slot = checkpoint_slot(key, spec)
                     if slot is None:
                         continue
-                    name, offset = slot
+                    name = slot.name
                     if name not in params:
                         raise UnsupportedModelError(
                             f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf"
                         )
                     tensor = shard.get_tensor(key)
-                    target = params[name] if offset is None else params[name].narrow(0, offset, tensor.shape[0])
+                    target = params[name] if slot.expert is None else params[name][slot.expert]
+                    if slot.row is not None:
+                        target = target.narrow(0, slot.row, tensor.shape[0])
                     if target.shape != tensor.shape:
                         raise UnsupportedModelError(
                             f"{file}: tensor {key} has shape {tuple(tensor.shape)}, but config.json implies "

@@ -25,7 +25,9 @@ def _rms_norm_kernel(
     out_stride,
     n_cols,
     eps,
+    offset,
     HAS_RESIDUAL: tl.constexpr,
+    WEIGHT_FP32: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -40,51 +42,65 @@ def _rms_norm_kernel(
         x = (x + r).to(dtype).to(tl.float32)
         tl.store(res_ptr + row * res_stride + cols, x.to(dtype), mask=mask)
     variance = tl.sum(x * x, axis=0) / n_cols
-    h = (x * tl.rsqrt(variance + eps)).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = x * tl.rsqrt(variance + eps)
+    if not WEIGHT_FP32:
+        h = h.to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
     tl.store(out_ptr + row * out_stride + cols, (h * w).to(dtype), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    weight_fp32: bool = False,
+    offset: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim of 2-D `x`. With `residual`: `residual += x` (in place), then the norm of it;
-    returns (normed, residual)."""
+    """RMSNorm over the last dim of 2-D `x`, scaled by `offset + weight` (rounded to the dtype before the
+    multiply unless `weight_fp32`: see `layers.RMSNorm`). With `residual`: `residual += x` (in place), then
+    the norm of it; returns (normed, residual)."""
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else x
     _rms_norm_kernel[(rows,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=4 if cols <= 4096 else 8,
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), cols, eps, offset,
+        HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_fp32, BLOCK=triton.next_power_of_2(cols),
+        num_warps=4 if cols <= 4096 else 8,
     )  # fmt: skip
     return out if residual is None else (out, residual)
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, table_ptr, stride_t, stride_h, HALF: tl.constexpr):
+def _rope_kernel(x_ptr, pos_ptr, table_ptr, stride_t, stride_h, HALF: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + token)
-    offs = tl.arange(0, HALF)
-    # The table row is [cos | sin], each of head_dim with its two halves equal (transformers' layout).
-    cos = tl.load(table_ptr + pos * 4 * HALF + offs).to(tl.float32)
-    sin = tl.load(table_ptr + pos * 4 * HALF + 2 * HALF + offs).to(tl.float32)
+    offs = tl.arange(0, BLOCK)
+    # A partial rotary dim (Phi-4-mini: 96 of 128) makes HALF no power of two.
+    mask = offs < HALF
+    # The table row is [cos | sin], each of the rotated dim with its two halves equal (transformers' layout).
+    cos = tl.load(table_ptr + pos * 4 * HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(table_ptr + pos * 4 * HALF + 2 * HALF + offs, mask=mask, other=0.0).to(tl.float32)
     base = x_ptr + token * stride_t + head * stride_h
-    x1 = tl.load(base + offs)
+    x1 = tl.load(base + offs, mask=mask, other=0.0)
     dtype = x1.dtype
     x1 = x1.to(tl.float32)
-    x2 = tl.load(base + HALF + offs).to(tl.float32)
-    tl.store(base + offs, (x1 * cos - x2 * sin).to(dtype))
-    tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(dtype))
+    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base + offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
     """Rotate `x` [T, H, D] in place (any strides with a contiguous last dim), by the cos/sin `table` rows
-    of `positions`."""
-    tokens, heads, head_dim = x.shape
+    of `positions` (each 2 * D wide)."""
+    tokens, heads, dim = x.shape
     if tokens == 0:
         return
-    _rope_kernel[(tokens, heads)](x, positions, table, x.stride(0), x.stride(1), HALF=head_dim // 2, num_warps=1)
+    half = dim // 2
+    _rope_kernel[(tokens, heads)](
+        x, positions, table, x.stride(0), x.stride(1), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1
+    )
 
 
 @triton.jit

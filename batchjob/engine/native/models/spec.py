@@ -1,26 +1,48 @@
-"""`ModelSpec`: what the engine needs to know about a model, read from its config files alone (no weights),
-so the cache can be sized and a bad model refused before any GPU work."""
+"""What the engine needs to know about a model (`ModelSpec`), and how one Hugging Face architecture is
+described (`Architecture`).
+
+A spec is read from the config files alone (no weights), so the cache can be sized, a bad model refused and
+`engine=auto` decided before any GPU work. transformers' own config class reads config.json, so defaults
+and the renamings of older configs (`rope_scaling`, `sliding_window_pattern`, ...) are exactly theirs.
+
+`common_spec` reads what every decoder shares in the Llama layout; an `Architecture` then adjusts it for its
+family (`adapt`) and names the checkpoint tensors that differ from ours (`checkpoint_renames`). The same spec
+drives the loader, the forward pass (`models/decoder.py`) and the benchmark's roofline.
+"""
 
 from __future__ import annotations
 
-import json
-import logging
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from batchjob.engine.native.layers import ROPE_TYPES, RopeSpec
+from batchjob.engine.native.rope import ROPE_TYPES, RopeSpec
 
-logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
 class UnsupportedModelError(ValueError):
     """The native engine cannot run this model; the message says why and what to use instead."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What may differ between the layers of one model."""
+
+    rope: RopeSpec | None  # None: this layer has no rotary embedding (SmolLM3's NoPE layers)
+    window: int = 0  # > 0: sliding-window attention over that many positions (0: full attention)
+    sparse: bool = False  # the MLP is a mixture of experts
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool  # the top-k routing weights are rescaled to sum to one
 
 
 @dataclass(frozen=True)
@@ -29,29 +51,64 @@ class ModelSpec:
     model_dir: str
     num_layers: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # of the dense MLP
     num_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
     max_model_len: int  # longest sequence (prompt + generation) the engine may build
     rms_norm_eps: float
-    rope: RopeSpec
+    rope: RopeSpec  # of the global (full-attention) layers
+    layers: tuple[LayerSpec, ...]
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rope
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]  # generation_config.json's, else config.json's
     bos_token_id: int | None
     pad_token_id: int | None
+    rotary_dim: int  # leading channels of each head that rope rotates (head_dim unless partial)
+    attn_scale: float  # multiplies q.k (head_dim ** -0.5 unless the family says otherwise)
+    qk_norm: str = "none"  # "head": RMSNorm of q and k per head (Qwen3, Gemma 3); "full": over all heads (OLMo 2)
+    norm_placement: str = "pre"  # "pre": before each sublayer; "post": after (OLMo 2); "sandwich": both (Gemma)
+    norm_weight_fp32: bool = False  # norms multiply their weight in float32 (see layers.RMSNorm)
+    norm_unit_offset: bool = False  # norms scale by 1 + weight (Gemma)
+    activation: str = "silu"  # of the gated MLP: silu | gelu_tanh
+    embed_scale: float = 1.0  # input embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    attn_softcap: float = 0.0  # > 0: attention scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    final_softcap: float = 0.0  # the same on the output logits (Gemma 2)
+    moe: MoESpec | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one token takes over all layers (K and V) in `dtype`."""
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def _no_change(config: Any, spec: ModelSpec) -> ModelSpec:
+    return spec
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One Hugging Face architecture (config.json's `architectures[0]`) on the native decoder.
+
+    `adapt(config, spec)` turns the common Llama-layout spec into this family's (raising
+    `UnsupportedModelError` for variants it cannot run); `checkpoint_renames` are (regex, replacement) pairs
+    applied in order to checkpoint tensor names (without the leading `model.`) before the loader's own fused
+    q/k/v, gate/up and expert slots (see `loader.py`). Our module names follow the Gemma layout: the norm
+    before the MLP is `pre_feedforward_layernorm`, which Llama-layout checkpoints call `post_attention_layernorm`.
+    """
+
+    name: str
+    adapt: Callable[[Any, ModelSpec], ModelSpec] = _no_change
+    checkpoint_renames: tuple[tuple[str, str], ...] = field(default=())
+
+
+# Llama-layout checkpoints name the pre-MLP norm after the attention it follows.
+PRE_NORM_RENAMES = ((r"\.post_attention_layernorm\.", ".pre_feedforward_layernorm."),)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -61,25 +118,23 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _rope_spec(config: dict[str, Any], model_dir: str) -> RopeSpec:
-    # transformers >= 5 writes `rope_parameters` (theta inside); older configs have `rope_theta` and an
-    # optional `rope_scaling` whose type key was once called `type`.
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+def rope_spec(params: dict[str, Any], config: Any, model_dir: str) -> RopeSpec:
+    """A `RopeSpec` from one standardised `rope_parameters` dict of transformers' config."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(
             f"{model_dir}: rope type {rope_type!r} is not supported by the native engine "
             f"(supported: {', '.join(ROPE_TYPES)}); run it with engine=hf"
         )
-    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError(f"{model_dir}: partial rotary embeddings are not supported; use engine=hf")
-    max_positions = config["max_position_embeddings"]
-    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
-    if rope_type in ("llama3", "yarn"):
+    max_positions = config.max_position_embeddings
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if rope_type in ("llama3", "yarn", "longrope"):
         original = original or max_positions
     factor = params.get("factor")
     if factor is None:
-        factor = max_positions / original if rope_type == "yarn" else 1.0
+        factor = max_positions / original if rope_type in ("yarn", "longrope") else 1.0
     optional = {
         key: params[key]
         for key in ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim")
@@ -87,29 +142,42 @@ def _rope_spec(config: dict[str, Any], model_dir: str) -> RopeSpec:
     }
     return RopeSpec(
         rope_type=rope_type,
-        theta=float(params.get("rope_theta", config.get("rope_theta", 10000.0))),
+        theta=float(params.get("rope_theta", 10000.0)),
         factor=float(factor),
         original_max_position_embeddings=original,
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
         **optional,
     )
 
 
-def _max_model_len(config: dict[str, Any], model_dir: str, requested: int | None) -> int:
-    limit = config["max_position_embeddings"]
-    window = config.get("sliding_window")
-    windowed = config.get("use_sliding_window", True) if config.get("model_type") in ("qwen2", "qwen3") else True
-    # Attention past a sliding window is not implemented; below the window it equals full attention.
-    if windowed and window is not None and window < limit:
-        logger.warning(
-            "%s: sliding window %d < max_position_embeddings %d; capping max_model_len at the window",
-            model_dir,
-            window,
-            limit,
-        )
-        limit = window
+def global_rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope parameters of the full-attention layers: configs with a rope per layer type (Gemma 3) key them
+    by type."""
+    params = config.rope_parameters or {}
+    return params.get("full_attention", params)
+
+
+def partial_rotary_factor(config: Any) -> float:
+    params = global_rope_parameters(config)
+    return float(params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def layer_windows(config: Any) -> list[int]:
+    """Each layer's sliding window as transformers applies it: `layer_types` where the config has them (the
+    "sliding_attention" layers), else `sliding_window` on every layer."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+
+
+def max_model_len(config: Any, requested: int | None, model_dir: str) -> int:
+    limit = config.max_position_embeddings
     if requested is None:
         return limit
     if requested > limit:
@@ -117,52 +185,65 @@ def _max_model_len(config: dict[str, Any], model_dir: str, requested: int | None
     return requested
 
 
-def resolve_dtype(dtype: str, config: dict[str, Any]) -> torch.dtype:
-    name = (config.get("dtype") or config.get("torch_dtype") or "float32") if dtype == "auto" else dtype
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}: choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+def resolve_dtype(dtype: str, config: Any) -> torch.dtype:
+    if dtype == "auto":
+        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+        dtype = str(declared).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
-def spec_from_config_files(model_dir: Path, dtype: str = "auto", max_model_len: int | None = None) -> ModelSpec:
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
-    config = json.loads(config_path.read_text())
-    architecture = (config.get("architectures") or ["<none>"])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{model_dir}: architecture {architecture} is not supported by the native engine "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); run it with engine=hf"
-        )
-    if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{model_dir}: hidden_act {config['hidden_act']!r} is not silu; use engine=hf")
-    generation_path = model_dir / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+def common_spec(
+    config: Any,
+    architecture: str,
+    model_dir: str,
+    generation: dict[str, Any],
+    dtype: str = "auto",
+    requested_len: int | None = None,
+) -> ModelSpec:
+    """The spec of a Llama-layout decoder from transformers' `config`: what every family shares."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r} is not silu; use engine=hf")
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    rope = rope_spec(global_rope_parameters(config), config, model_dir)
+    rotary_dim = int(head_dim * partial_rotary_factor(config))
+    if rotary_dim % 2 or rotary_dim <= 0:
+        raise UnsupportedModelError(f"{model_dir}: rotary dimension {rotary_dim} is not even; use engine=hf")
     eos = generation.get("eos_token_id")
-    num_heads = config["num_attention_heads"]
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
-    attention_bias = bool(config.get("attention_bias", False))
+    attention_bias = bool(getattr(config, "attention_bias", False))
     return ModelSpec(
         architecture=architecture,
-        model_dir=str(model_dir),
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
+        model_dir=model_dir,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
         num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-        vocab_size=config["vocab_size"],
-        max_model_len=_max_model_len(config, str(model_dir), max_model_len),
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope=_rope_spec(config, str(model_dir)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=is_qwen2 or attention_bias,
-        o_bias=not is_qwen2 and attention_bias,
-        mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        max_model_len=max_model_len(config, requested_len, model_dir),
+        rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+        rope=rope,
+        layers=tuple(LayerSpec(rope=rope, window=window) for window in layer_windows(config)),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
         dtype=resolve_dtype(dtype, config),
-        eos_token_ids=_token_ids(eos if eos is not None else config.get("eos_token_id")),
-        bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
-        pad_token_id=generation.get("pad_token_id", config.get("pad_token_id")),
+        eos_token_ids=_token_ids(eos if eos is not None else config.eos_token_id),
+        bos_token_id=generation.get("bos_token_id", config.bos_token_id),
+        pad_token_id=generation.get("pad_token_id", config.pad_token_id),
+        rotary_dim=rotary_dim,
+        attn_scale=head_dim**-0.5,
     )
+
+
+def check_spec(spec: ModelSpec) -> ModelSpec:
+    """Internal consistency of what an `adapt` produced (a family bug, not a user error)."""
+    if len(spec.layers) != spec.num_layers or spec.norm_placement not in NORM_PLACEMENTS:
+        raise ValueError(f"{spec.architecture}: inconsistent spec ({len(spec.layers)} layer specs, {spec})")
+    if any(layer.sparse for layer in spec.layers) and spec.moe is None:
+        raise ValueError(f"{spec.architecture}: sparse layers without a MoESpec")
+    return spec

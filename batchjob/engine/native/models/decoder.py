@@ -1,0 +1,178 @@
+"""The decoder every supported family runs, parameterised by its `ModelSpec`: norm placement (before, after or
+around each sublayer), q/k norms (per head or over all heads), per-layer rope (or none) and sliding window,
+partial rotary, attention scale and soft-capping, SwiGLU or GeGLU, dense or mixture-of-experts MLP.
+
+Inputs are one flat step of T tokens from any mix of sequences (no batch dimension, no padding); attention
+goes through a `PagedAttentionBackend`. q/k/v and gate/up are fused into one projection each (the loader
+copies checkpoint tensors into slices of them), so a layer runs 4 matmuls instead of 7.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchjob.engine.native.attention import AttentionMetadata, PagedAttentionBackend
+from batchjob.engine.native.layers import RMSNorm, act_and_mul
+from batchjob.engine.native.models.moe import SparseMoE
+from batchjob.engine.native.models.spec import ModelSpec
+from batchjob.engine.native.rope import RopeStep, RotaryEmbedding
+
+
+def make_norm(spec: ModelSpec, size: int) -> RMSNorm:
+    return RMSNorm(size, spec.rms_norm_eps, weight_fp32=spec.norm_weight_fp32, unit_offset=spec.norm_unit_offset)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int, attn: PagedAttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm != "none":
+            per_head = spec.qk_norm == "head"
+            self.q_norm = make_norm(spec, spec.head_dim if per_head else self.q_size)
+            self.k_norm = make_norm(spec, spec.head_dim if per_head else self.kv_size)
+        self.scale = spec.attn_scale
+        self.window = spec.layers[layer].window
+        self.softcap = spec.attn_softcap
+        self.attn = attn
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RopeStep | None,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rope.apply(q, k)
+        out = self.attn.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window, softcap=self.softcap
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.activation = spec.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.activation))
+
+
+class DecoderLayer(nn.Module):
+    """Norm names follow the Gemma layout, which has all four: `input_layernorm` (before attention),
+    `post_attention_layernorm` (on its output), `pre_feedforward_layernorm`, `post_feedforward_layernorm`.
+    A family has the subset its `norm_placement` says."""
+
+    def __init__(self, spec: ModelSpec, layer: int, attn: PagedAttentionBackend) -> None:
+        super().__init__()
+        before = spec.norm_placement in ("pre", "sandwich")
+        after = spec.norm_placement in ("post", "sandwich")
+        self.input_layernorm = make_norm(spec, spec.hidden_size) if before else None
+        self.self_attn = Attention(spec, layer, attn)
+        self.post_attention_layernorm = make_norm(spec, spec.hidden_size) if after else None
+        self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size) if before else None
+        self.mlp = SparseMoE(spec) if spec.layers[layer].sparse else MLP(spec)
+        self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size) if after else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeStep | None,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x + residual` is this layer's input (residual None: x alone); returns the pair for the next layer,
+        so each residual add is fused into the norm that follows it where there is one."""
+        h, residual = self._add_then_norm(x, residual, self.input_layernorm)
+        h = self.self_attn(h, rope, meta, kv_cache)
+        if self.post_attention_layernorm is not None:
+            h = self.post_attention_layernorm(h)
+        h, residual = self._add_then_norm(h, residual, self.pre_feedforward_layernorm)
+        h = self.mlp(h)
+        if self.post_feedforward_layernorm is not None:
+            h = self.post_feedforward_layernorm(h)
+        return h, residual
+
+    @staticmethod
+    def _add_then_norm(
+        x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a norm, the sum twice."""
+        if residual is None:
+            return (x if norm is None else norm(x)), x
+        if norm is None:
+            total = x + residual
+            return total, total
+        return norm(x, residual)
+
+
+class CausalLM(nn.Module):
+    """Parameter names mirror the Hugging Face checkpoint minus its `model.` prefix, except the fused
+    `qkv_proj` and `gate_up_proj`, the stacked experts and the Gemma-layout norm names (see `DecoderLayer`);
+    the loader maps checkpoint names onto them."""
+
+    def __init__(self, spec: ModelSpec, attn: PagedAttentionBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # transformers multiplies by the scale rounded to the model dtype.
+        self.embed_scale = torch.tensor(spec.embed_scale, dtype=spec.dtype, device="cpu").item()
+        # One table per distinct rope (Gemma 3: local and global bases). One position of margin: the overlapped
+        # engine loop may run one step past a sequence's last allowed token (the result is discarded), and an
+        # out-of-range position would be a device-side assert on CUDA.
+        ropes = list(dict.fromkeys(layer.rope for layer in spec.layers if layer.rope is not None))
+        self.rotaries = nn.ModuleList(RotaryEmbedding(r, spec.rotary_dim, spec.max_model_len + 1) for r in ropes)
+        self.rope_index = [None if layer.rope is None else ropes.index(layer.rope) for layer in spec.layers]
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, attn) for i in range(spec.num_layers))
+        self.norm = make_norm(spec, spec.hidden_size)
+        # Tied embeddings read `embed_tokens.weight` directly instead of sharing a Parameter: sharing does not
+        # survive materialising a meta-device module (`to_empty` gives each owner its own tensor).
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def reset_tables(self) -> None:
+        """Fill the rope tables, after the module was materialised from the meta device."""
+        for rotary in self.rotaries:
+            rotary.reset_table()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for input_ids, positions int64 [T]; stores the step's K/V."""
+        ropes = [rotary.prepare(positions) for rotary in self.rotaries]
+        x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        for layer, index, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
+            x, residual = layer(x, residual, None if index is None else ropes[index], meta, kv_cache)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for hidden states [N, hidden] (usually each sequence's last token)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        if self.spec.final_softcap > 0:
+            logits = self.spec.final_softcap * torch.tanh(logits / self.spec.final_softcap)
+        return logits

@@ -1,0 +1,77 @@
+"""A mixture-of-experts MLP: a linear router picks each token's top-k experts from a softmax, and the token's
+output is the routing-weighted sum of those experts' SwiGLU MLPs.
+
+Expert weights are stacked the way the fused kernel (`triton_moe.fused_moe`) reads them: `gate_up_proj`
+[E, 2 * I, H] (each expert's gate rows, then its up rows) and `down_proj` [E, H, I]; the loader fills them
+from per-expert checkpoint tensors. On CUDA the fused Triton kernel runs (inside CUDA graphs too); the plain
+torch path below loops over the experts the step hit, which asks the host which ones they are: it is the CPU
+path, and on CUDA only a fallback for eager steps when the kernel module is absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchjob.engine.native.models.spec import ModelSpec
+
+FUSED_MOE_MODULE = "batchjob.engine.native.triton_moe"
+
+
+@functools.cache
+def fused_moe_kernel() -> Callable | None:
+    """`triton_moe.fused_moe`, or None where that module is not part of this installation. An error inside
+    the module is not hidden: only its absence selects the torch path."""
+    try:
+        return importlib.import_module(FUSED_MOE_MODULE).fused_moe
+    except ModuleNotFoundError as err:
+        if err.name != FUSED_MOE_MODULE:
+            raise
+        return None
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], weights float32 [T, K], ids int64 [T, K]."""
+        if x.is_cuda:
+            kernel = fused_moe_kernel()
+            if kernel is not None:
+                return kernel(x, self.gate_up_proj, self.down_proj, weights, expert_ids)
+        return self._torch_forward(x, weights, expert_ids)
+
+    def _torch_forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        # Experts in ascending order, each adding its tokens' weighted outputs: transformers' order of additions.
+        for expert in expert_ids.unique().tolist():
+            tokens, slot = torch.where(expert_ids == expert)
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            hidden = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, tokens, (hidden * weights[tokens, slot, None]).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        moe = spec.moe
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, weights, expert_ids)

@@ -1,0 +1,66 @@
+"""Every architecture the native engine runs, by its Hugging Face name, and the spec of a model directory.
+
+Adding a family: describe it in one small module (an `Architecture`: how its config adjusts the common spec,
+how its checkpoint names differ) and list it here; docs/engine.md walks through it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from batchjob.engine.native.models.gemma import GEMMA2, GEMMA3
+from batchjob.engine.native.models.llama import LLAMA_FAMILY
+from batchjob.engine.native.models.mixtral import MIXTRAL
+from batchjob.engine.native.models.olmo2 import OLMO2
+from batchjob.engine.native.models.phi3 import PHI3
+from batchjob.engine.native.models.qwen3_moe import QWEN3_MOE
+from batchjob.engine.native.models.smollm3 import SMOLLM3
+from batchjob.engine.native.models.spec import Architecture, ModelSpec, UnsupportedModelError, check_spec, common_spec
+
+ARCHITECTURES: dict[str, Architecture] = {
+    arch.name: arch for arch in (*LLAMA_FAMILY, QWEN3_MOE, MIXTRAL, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2)
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+
+def architecture_of(model_dir: Path) -> Architecture:
+    """The description of the model's architecture, from config.json alone; `UnsupportedModelError` (naming
+    the supported ones and engine=hf) when the native engine has none."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
+    name = (json.loads(config_path.read_text()).get("architectures") or ["<none>"])[0]
+    if name not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{model_dir}: architecture {name} is not supported by the native engine "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); run it with engine=hf"
+        )
+    return ARCHITECTURES[name]
+
+
+def spec_from_config(
+    config: Any,
+    architecture: Architecture,
+    model_dir: str,
+    generation: dict[str, Any],
+    dtype: str,
+    max_model_len: int | None,
+) -> ModelSpec:
+    """The spec of a model from transformers' config object (the benchmark's roofline builds one in memory)."""
+    spec = common_spec(config, architecture.name, model_dir, generation, dtype, max_model_len)
+    return check_spec(architecture.adapt(config, spec))
+
+
+def spec_from_config_files(model_dir: Path, dtype: str = "auto", max_model_len: int | None = None) -> ModelSpec:
+    from transformers import AutoConfig
+
+    architecture = architecture_of(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, TypeError) as err:
+        raise UnsupportedModelError(f"{model_dir}: transformers cannot read its config.json ({err})") from err
+    generation_path = model_dir / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    return spec_from_config(config, architecture, str(model_dir), generation, dtype, max_model_len)

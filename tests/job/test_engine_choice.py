@@ -1,0 +1,113 @@
+"""`engine=auto` (the default) runs the native engine where it supports the model's architecture and hf
+otherwise, saying which and why; an explicit `engine=native` on an architecture it cannot run is a config error
+(exit 2, no traceback) found before the output is locked."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from jobtools import CONF_DIR, REPO, cli_env, read_output, read_report, write_prompts
+
+from batchjob.job import run_job
+from batchjob.slurm import register_resolvers
+from batchjob.tiny_model import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> Path:
+    """A tiny GPT-2: an architecture only the hf engine runs."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    tokenizer = train_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("gpt2")
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def run(*overrides: str) -> int:
+    """The job in this process with the packaged defaults (engine=auto) and 4 new tokens per row."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=["sampling.max_new_tokens=4", *overrides])
+    return run_job(cfg)
+
+
+def test_auto_runs_the_native_engine_on_a_supported_architecture_and_says_why(
+    tmp_path: Path, model_dir: str, caplog
+) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 3)
+    with caplog.at_level(logging.INFO, logger="batchjob"):
+        code = run(f"model.path={model_dir}", f"data.path={data}", f"output.dir={tmp_path / 'o'}")
+
+    assert code == 0
+    assert "engine=auto: running native, since the native engine supports LlamaForCausalLM" in caplog.text
+    assert read_report(tmp_path / "o")["engine"]["name"] == "native"
+    assert read_output(tmp_path / "o").num_rows == 3
+
+
+def test_auto_falls_back_to_hf_on_an_unsupported_architecture_and_says_why(
+    tmp_path: Path, gpt2_dir: Path, caplog
+) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 3)
+    with caplog.at_level(logging.INFO, logger="batchjob"):
+        code = run(f"model.path={gpt2_dir}", f"data.path={data}", f"output.dir={tmp_path / 'o'}")
+
+    assert code == 0
+    assert "engine=auto: running hf, since the native engine cannot run it" in caplog.text
+    assert "architecture GPT2LMHeadModel is not supported" in caplog.text
+    assert read_report(tmp_path / "o")["engine"]["name"] == "hf"
+    assert read_output(tmp_path / "o").num_rows == 3
+
+
+def test_the_hf_fallback_takes_its_options_from_engine_hf(tmp_path: Path, gpt2_dir: Path, capsys) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 3)
+
+    code = run(f"model.path={gpt2_dir}", f"data.path={data}", f"output.dir={tmp_path / 'o'}", "engine.hf.lookahead=0")
+
+    assert code == 2
+    assert "engine.lookahead must be a positive integer" in capsys.readouterr().err
+
+
+def test_explicit_native_engine_on_an_unsupported_architecture_exits_2_before_locking_the_output(
+    tmp_path: Path, gpt2_dir: Path
+) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 3)
+    out = tmp_path / "o"
+    command = [sys.executable, "-m", "batchjob", "engine=native", f"model.path={gpt2_dir}", f"data.path={data}"]
+    done = subprocess.run(
+        [*command, f"output.dir={out}"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+
+    assert done.returncode == 2
+    assert "architecture GPT2LMHeadModel is not supported by the native engine" in done.stderr
+    assert "run it with engine=hf" in done.stderr
+    assert "Traceback" not in done.stderr
+    # Hydra's log folder (output.dir/_hydra) exists; nothing of the output dataset does, not even its lock.
+    assert [p.name for p in out.iterdir()] == ["_hydra"]
+
+
+def test_a_job_auto_ran_natively_resumes_under_an_explicit_engine_native(tmp_path: Path, model_dir: str) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 3)
+    args = (f"model.path={model_dir}", f"data.path={data}", f"output.dir={tmp_path / 'o'}")
+    assert run(*args) == 0
+
+    assert run(*args, "engine=native") == 0
+    assert read_output(tmp_path / "o").num_rows == 3
