@@ -26,6 +26,8 @@ from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.lock import LockError
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import InputError, InputSpec, open_input
+from batchjob.io.record_guard import record_is_stored
+from batchjob.io.unique_ids import check_unique_ids
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.prompts import PromptBuilder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
@@ -63,12 +65,24 @@ class PreparedJob:
     output: OutputDataset
 
 
-def passthrough_columns(settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...]) -> list[str]:
-    """The input columns copied to the output. Default: every column except the prompt source, the id
-    column (it is the row_id) and names the output already uses."""
+def passthrough_columns(
+    settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...], string_ids: bool = False
+) -> list[str]:
+    """The input columns copied to the output. Default: every column except the prompt source, an integer
+    id column (it is the row_id) and names the output already uses. A string id column is always copied,
+    first, under its own name: it is how output rows are matched to input rows."""
+    id_column = settings.data.id_column
+    if string_ids:
+        if id_column in RESERVED_COLUMNS:
+            raise ConfigError(
+                f"data.id_column={id_column!r} is a string column named like one of batchjob's output columns: "
+                "rename it in the input"
+            )
+        wanted = passthrough_columns(settings, columns, prompt_columns)
+        return [id_column, *(c for c in wanted if c != id_column)]
     wanted = settings.data.passthrough_columns
     if wanted is None:
-        skip = set(prompt_columns) | {settings.data.id_column} | RESERVED_COLUMNS
+        skip = set(prompt_columns) | {id_column} | RESERVED_COLUMNS
         return [c for c in columns if c not in skip]
     missing = [c for c in wanted if c not in columns]
     if missing:
@@ -126,10 +140,16 @@ def prepare(settings: JobSettings) -> PreparedJob:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
     builder = PromptBuilder(settings.prompt, tokenizer)
     builder.check(list(source.columns))
-    passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
-    record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
+    passthrough = passthrough_columns(
+        settings, list(source.columns), settings.prompt.input_columns, string_ids=source.string_ids
+    )
+    record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)
+    # The record is written only once every check has passed, so a stored, identical record means the
+    # ids were found unique already (by this shard earlier, or another): a restart skips the full read.
+    if not record_is_stored(settings.output.dir, {"shard_count": settings.shard_count, **record}):
+        check_unique_ids(source)
     output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
-    output.open(record, resume=settings.resume)
+    output.open(record, resume=settings.resume, overwrite=settings.output.overwrite)
     return PreparedJob(settings, model_path, source, builder, passthrough, output)
 
 
@@ -166,6 +186,15 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
         job.output.close()
 
 
+# The engine's own start-up phases, when its stats() report them.
+ENGINE_PHASES = {
+    "load_s": "weights and tokenizer",
+    "kv_sizing_s": "KV sizing",
+    "graph_capture_s": "CUDA graphs",
+    "warmup_s": "warm-up",
+}
+
+
 class StartupClock:
     """Seconds from process start to the first generate, by phase; logged once and kept in the report."""
 
@@ -199,13 +228,18 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
     engine = create_engine(settings.engine_name, job.model_path, settings.engine_options)
     startup.lap("engine_s")
     phases = startup.summary()
+    engine_stats = engine.stats()
+    engine_phases = ", ".join(
+        f"{label} {engine_stats[key]:.1f} s" for key, label in ENGINE_PHASES.items() if key in engine_stats
+    )
     log.info(
         "ready to generate %.1f s after start: imports and config %.1f s, input/tokenizer/output checks %.1f s, "
-        "engine %.1f s",
+        "engine %.1f s%s",
         phases["total_s"],
         phases["imports_config_s"],
         phases["checks_s"],
         phases["engine_s"],
+        f" ({engine_phases})" if engine_phases else "",
     )
     try:
         columns = list(dict.fromkeys([*settings.prompt.input_columns, *job.passthrough]))

@@ -13,7 +13,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob"))
+from batchjob.caches import cache_root
+
+DEFAULT_CACHE = cache_root()
 SAMPLE_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
 
 CHAT_TEMPLATE = (

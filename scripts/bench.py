@@ -1,12 +1,15 @@
-"""Benchmark batchjob's engine against transformers and against the hardware's roofline, in one process.
+"""Benchmark batchjob's engine against transformers and against the hardware's roofline, each system in its own
+fresh process, cold and warm.
 
     python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (DESIGN.md "Benchmarks")
     python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model
 
 For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random
-bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system one
-after another on identical requests (EOS ignored). Writes OUT/bench.json and OUT/bench.png and prints a table.
-Exits 1 if any system raised (after writing everything else).
+bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system on
+identical requests (EOS ignored), each run a fresh Python process: "cold" with empty compile caches (a
+user's first job, a fresh node), then "warm" with the caches the cold run filled (a second job). The parent
+process never touches the GPU. Writes OUT/bench.json and OUT/bench.png and prints a table. Exits 1 if any
+run failed (after writing everything else).
 """
 
 from __future__ import annotations
@@ -18,27 +21,26 @@ import importlib
 import os
 import platform
 import sys
+import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from bench_lib.hardware import HardwareRates, measure_hardware
-from bench_lib.models import (
-    BENCH_SPECIAL_IDS,
-    TINY_SPECIAL_IDS,
-    config_model_dir,
-    random_model_dir,
-    tiny_model_dir,
-)
-from bench_lib.report import WorkloadReport, plot, table, write_json
+from bench_lib.hardware import HardwareRates
+from bench_lib.isolation import ChildFailed, kernel_cache_env, run_child
+from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, tiny_model_dir
+from bench_lib.report import WorkloadReport, plot, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
-from bench_lib.systems import NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult, run_system
+from bench_lib.systems import NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult
 from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
 TINY_SYSTEMS = ("hf_generate", "hf_batch_sync", "native", "native_sync")
+RUNS = ("cold", "warm")
+# A run's own time limit covers its generation; this much more is allowed for its start-up (an 8B model's
+# load and a cold compile) before the process is stopped.
+CHILD_STARTUP_S = 900.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.9,
         help="share of GPU memory (less the weights) the roofline lets the KV cache use",
+    )
+    parser.add_argument(
+        "--runs",
+        default="cold,warm",
+        help="cold (empty compile caches), warm (the caches the cold run filled; without a cold run in this "
+        "command, the usual ones), or both",
     )
     parser.add_argument(
         "--load-format",
@@ -104,10 +112,8 @@ def unavailable_reason(system: str) -> str | None:
 
 
 def run_workload(
-    spec: WorkloadSpec, systems: list[str], settings: RunSettings, args: argparse.Namespace, hardware
+    spec: WorkloadSpec, systems: list[str], runs: list[str], settings: RunSettings, args: argparse.Namespace, hardware
 ) -> WorkloadReport:
-    import torch
-
     dummy = (args.load_format or spec.load_format) == "dummy"
     options = dict(settings.engine_options)
     if spec.tensor_parallel != 1:
@@ -118,24 +124,26 @@ def run_workload(
     gpus = int(options.get("tensor_parallel", 1))
     if args.tiny:
         model_dir = tiny_model_dir(args.model_cache)  # with dummy weights its weight file is simply not read
-        vocab = int(_read_json(model_dir / "config.json")["vocab_size"])
-        requests = draw_requests(spec, vocab, TINY_SPECIAL_IDS)
+        vocab, special_ids = int(_read_json(model_dir / "config.json")["vocab_size"]), TINY_SPECIAL_IDS
+        requests = draw_requests(spec, vocab, special_ids)
         floor = None
     else:
         if dummy:
             model_dir = config_model_dir(spec.architecture, args.model_cache)
         else:
-            model_dir = random_model_dir(spec.architecture, args.model_cache)
+            task = {"kind": "model", "architecture": spec.architecture, "cache": str(args.model_cache)}
+            model_dir = Path(run_child(task)["model_dir"])
         shape = model_shape(ARCHITECTURES[spec.architecture])
-        requests = draw_requests(spec, shape.vocab, BENCH_SPECIAL_IDS)
+        vocab, special_ids = shape.vocab, BENCH_SPECIAL_IDS
+        requests = draw_requests(spec, vocab, special_ids)
         # A tensor-parallel engine reads its weights and cache with every GPU's bandwidth and keeps its cache in
         # every GPU's memory: the floor is that of one GPU `gpus` times as large (GPUs of one kind assumed).
-        kv_budget = int(args.kv_budget_fraction * torch.cuda.get_device_properties(0).total_memory) * gpus
+        kv_budget = int(args.kv_budget_fraction * hardware["total_memory"]) * gpus
         floor = roofline(
             shape,
             requests,
-            hardware.copy_bytes_per_s * gpus,
-            hardware.matmul_flops_per_s * gpus,
+            hardware["copy_bytes_per_s"] * gpus,
+            hardware["matmul_flops_per_s"] * gpus,
             kv_budget - shape.weight_bytes,
         )
         print(
@@ -153,18 +161,33 @@ def run_workload(
             skipped[system] = reason
             print(f"{spec.name} {system}: skipped, {reason}", flush=True)
             continue
-        try:
-            result = run_system(system, model_dir, requests, settings)
-        except Exception as error:  # one broken system must not lose the others' measurements
-            traceback.print_exc()
-            errors[system] = f"{type(error).__name__}: {error}"
-            continue
-        results.append(result)
-        print(
-            f"{spec.name} {system}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
-            f"{result.tok_per_s:,.0f} tok/s, start-up {result.startup_s:.1f} s" + (" (cut)" if result.cut else ""),
-            flush=True,
-        )
+        # One cache directory per system: its cold run starts it empty, its warm run finds it filled.
+        with tempfile.TemporaryDirectory(prefix=f"bench-caches-{spec.name}-{system}-") as caches:
+            for run in runs:
+                task = {
+                    "kind": "system",
+                    "system": system,
+                    "workload": spec.name,
+                    "model_dir": str(model_dir),
+                    "vocab": vocab,
+                    "special_ids": special_ids,
+                    "settings": dataclasses.asdict(settings),
+                    "run": run,
+                }
+                env = kernel_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
+                try:
+                    result = result_from_json(run_child(task, env, timeout_s=args.time_limit_s + CHILD_STARTUP_S))
+                except ChildFailed as error:  # one broken run must not lose the others' measurements
+                    errors[f"{system} {run}"] = str(error)
+                    print(f"{spec.name} {system} {run}: failed, {error}", flush=True)
+                    continue
+                results.append(result)
+                print(
+                    f"{spec.name} {system} {run}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
+                    f"{result.tok_per_s:,.0f} tok/s, start-up {result.startup_s:.1f} s"
+                    + (" (cut)" if result.cut else ""),
+                    flush=True,
+                )
     return WorkloadReport(
         requests=requests, model=str(model_dir), floor=floor, results=tuple(results), skipped=skipped, errors=errors
     )
@@ -194,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     from batchjob.engine import check_engine_options
 
     systems = _select(args.systems or ",".join(TINY_SYSTEMS if args.tiny else SYSTEMS), SYSTEMS, "--systems")
+    runs = [run for run in RUNS if run in _select(args.runs, RUNS, "--runs")]  # cold first: it fills the caches
     options = engine_options(args.engine_option)
     if args.tiny:
         specs = [TINY_WORKLOAD]
         settings = RunSettings("cpu", "float32", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens)
-        hardware: HardwareRates | None = None
+        hardware = None
     else:
         if not torch.cuda.is_available():
             raise SystemExit("the benchmark needs a CUDA GPU; use --tiny for the CPU smoke run")
@@ -206,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = RunSettings(
             "cuda", "bfloat16", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens, args.hf_attn_implementation
         )
-        hardware = measure_hardware()
+        hardware = run_child({"kind": "hardware"})
         print(
-            f"{hardware.device}: copy {hardware.copy_bytes_per_s / 1e12:.2f} TB/s, "
-            f"bf16 matmul {hardware.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+            f"{hardware['device']}: copy {hardware['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"bf16 matmul {hardware['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s",
             flush=True,
         )
     settings = dataclasses.replace(settings, engine_options=options)
@@ -221,22 +245,28 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as error:
                 raise SystemExit(f"--engine-option: {error}") from None
     args.out.mkdir(parents=True, exist_ok=True)
-    reports = [run_workload(spec, systems, settings, args, hardware) for spec in specs]
+    reports = [run_workload(spec, systems, runs, settings, args, hardware) for spec in specs]
+    rates = (
+        None
+        if hardware is None
+        else HardwareRates(**{f: hardware[f] for f in ("copy_bytes_per_s", "matmul_flops_per_s", "device")})
+    )
     run = {
         "argv": sys.argv[1:] if argv is None else argv,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "device": hardware.device if hardware else "cpu",
+        "device": rates.device if rates else "cpu",
         "time_limit_s": args.time_limit_s,
+        "runs": runs,
         "engine_options": options,
         "load_format": args.load_format,
         "hf_batch": args.hf_batch,
     }
-    write_json(args.out / "bench.json", reports, hardware, run)
+    write_json(args.out / "bench.json", reports, rates, run)
     plot(args.out / "bench.png", reports)
-    print(table(reports, hardware))
+    print(table(reports, rates))
     return 1 if any(report.errors for report in reports) else 0
 
 

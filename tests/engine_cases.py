@@ -12,8 +12,11 @@ from batchjob.tiny_model import ARCHITECTURES
 EOS = 2  # the tiny models' <|end|>
 
 # Tiny model cases of the engine suites: every tiny architecture (those with sliding windows use windows of 8
-# tokens), plus Mistral and Qwen2 with windows far shorter than the prompts.
+# tokens), plus Mistral and Qwen2 with windows far shorter than the prompts. Phi-3's LongRoPE switches to its long
+# factors past the original length: transformers switches per forward call (every position, while the cached keys
+# keep the short ones), the engine per position, so the two agree only while prompt + generation stay within it.
 CASES: dict[str, tuple[str, dict]] = {arch: (arch, {}) for arch in ARCHITECTURES} | {
+    "phi3": ("phi3", {"original_max_position_embeddings": 128}),
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
 }
@@ -33,7 +36,10 @@ def mixed_requests(n: int, seed: int, max_prompt: int = 48, max_new: int = 24) -
 def hf_greedy(model_dir, requests: list[Request], device: str = "cpu") -> dict:
     """transformers' greedy tokens, generated past EOS (what `ignore_eos` means: EOS may be sampled, but
     does not end the request)."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    # Eager attention: the plainest reference, and the only one of every transformers version that soft-caps
+    # Gemma 2's attention scores.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    hf = hf.to(device).eval()
     hf.generation_config.eos_token_id = None
     ref = {}
     for r in requests:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchjob.io.inputs import INPUT_ERROR_COLUMN
 from batchjob.pipelines.prompts import PromptBuilder
 
 _END = object()
@@ -107,6 +108,10 @@ class PromptFeeder:
     def _prepare(self, batch: pa.RecordBatch) -> PreparedBatch:
         t0 = time.perf_counter()
         ids, errors = self._builder.encode(batch)
+        if INPUT_ERROR_COLUMN in batch.schema.names:  # the reader already knows these rows cannot run
+            for i, problem in enumerate(batch.column(INPUT_ERROR_COLUMN).to_pylist()):
+                if problem is not None:
+                    ids[i], errors[i] = None, problem
         passthrough = batch.select(self._passthrough).to_pylist() if self._passthrough else [{}] * batch.num_rows
         prepared = PreparedBatch(
             row_ids=batch.column("row_id").to_pylist(), prompt_ids=ids, errors=errors, passthrough=passthrough

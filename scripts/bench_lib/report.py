@@ -34,6 +34,12 @@ class WorkloadReport:
         return result.tok_per_s / self.floor.tok_per_s
 
 
+def result_from_json(fields: dict[str, Any]) -> SystemResult:
+    """A SystemResult back from the JSON a measuring process wrote (`dataclasses.asdict`)."""
+    timeline = fields.get("busy_timeline")
+    return SystemResult(**{**fields, "busy_timeline": tuple(map(tuple, timeline)) if timeline else None})
+
+
 def _result_json(report: WorkloadReport, result: SystemResult) -> dict[str, Any]:
     fields = asdict(result)
     fields.pop("busy_timeline")
@@ -54,8 +60,12 @@ def _workload_json(report: WorkloadReport) -> dict[str, Any]:
         "roofline": None
         if floor is None
         else {**asdict(floor), "total_s": floor.total_s, "tok_per_s": floor.tok_per_s},
-        "systems": {r.system: _result_json(report, r) for r in report.results},
-        "busy_timelines": {r.system: r.busy_timeline for r in report.results if r.busy_timeline},
+        # system -> run ("cold", "warm") -> result
+        "systems": {
+            system: {r.run: _result_json(report, r) for r in report.results if r.system == system}
+            for system in dict.fromkeys(r.system for r in report.results)
+        },
+        "busy_timelines": {f"{r.system} {r.run}": r.busy_timeline for r in report.results if r.busy_timeline},
         "skipped": report.skipped,
         "errors": report.errors,
     }
@@ -87,7 +97,7 @@ def _percent(fraction: float | None) -> str:
 def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
     """The summary a reader looks at first: one row per system per workload."""
     header = (
-        f"{'workload':<9}{'system':<16}{'seconds':>9}{'tokens':>10}{'tok/s':>10}{'roofline':>10}"
+        f"{'workload':<9}{'system':<22}{'seconds':>9}{'tokens':>10}{'tok/s':>10}{'roofline':>10}"
         f"{'GPU-busy':>10}{'prep ms':>9}{'start-up':>10}  note"
     )
     lines = []
@@ -102,18 +112,18 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
         if report.floor is not None:
             floor = report.floor
             lines.append(
-                f"{name:<9}{'roofline':<16}{floor.total_s:>9.2f}{floor.output_tokens:>10}{floor.tok_per_s:>10.0f}"
+                f"{name:<9}{'roofline':<22}{floor.total_s:>9.2f}{floor.output_tokens:>10}{floor.tok_per_s:>10.0f}"
                 f"{'100%':>10}  decode {floor.decode_s:.2f} s + prefill {floor.prefill_s:.2f} s"
             )
         for r in report.results:
             status = f"cut at {r.requests_done}/{r.requests_total} requests" if r.cut else ""
             lines.append(
-                f"{name:<9}{r.system:<16}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
+                f"{name:<9}{r.system + ' ' + r.run:<22}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
                 f"{_percent(report.fraction_of_roofline(r)):>10}{_percent(r.gpu_busy_fraction):>10}"
                 f"{_fmt(r.prep_ms_per_step, '.2f'):>9}{r.startup_s:>10.1f}  {status}"
             )
         for system, reason in {**report.skipped, **report.errors}.items():
-            lines.append(f"{name:<9}{system:<16}{'':>9}{'':>10}{'':>10}{'':>10}{'':>10}{'':>9}{'':>10}  {reason}")
+            lines.append(f"{name:<9}{system:<22}{'':>9}{'':>10}{'':>10}{'':>10}{'':>10}{'':>9}{'':>10}  {reason}")
     return "\n".join(lines)
 
 
@@ -135,16 +145,16 @@ def plot(path: Path, reports: list[WorkloadReport]) -> None:
 
 
 def _throughput_panel(ax, reports: list[WorkloadReport]) -> None:
-    systems = list(dict.fromkeys(r.system for report in reports for r in report.results))
+    systems = list(dict.fromkeys((r.system, r.run) for report in reports for r in report.results))
     width = 0.8 / max(len(systems), 1)
-    for i, system in enumerate(systems):
+    for i, (system, run) in enumerate(systems):
         xs, ys = [], []
         for w, report in enumerate(reports):
             for r in report.results:
-                if r.system == system:
+                if (r.system, r.run) == (system, run):
                     xs.append(w - 0.4 + (i + 0.5) * width)
                     ys.append(r.tok_per_s)
-        bars = ax.bar(xs, ys, width=width, label=system)
+        bars = ax.bar(xs, ys, width=width, label=f"{system} ({run})")
         ax.bar_label(bars, labels=[f"{y:,.0f}" for y in ys], fontsize=7)
     for w, report in enumerate(reports):
         if report.floor is not None:
@@ -162,9 +172,10 @@ def _throughput_panel(ax, reports: list[WorkloadReport]) -> None:
 
 
 def _timeline_pair(reports: list[WorkloadReport]) -> tuple[str, SystemResult, SystemResult] | None:
-    """The first workload where both native and native_sync reported a busy timeline."""
+    """The first workload where both native and native_sync reported a busy timeline (warm runs preferred)."""
     for report in reports:
-        by_name = {r.system: r for r in report.results if r.busy_timeline}
+        ordered = sorted(report.results, key=lambda r: r.run == "warm")  # warm last: it wins below
+        by_name = {r.system: r for r in ordered if r.busy_timeline}
         if "native" in by_name and "native_sync" in by_name:
             return report.requests.spec.name, by_name["native"], by_name["native_sync"]
     return None

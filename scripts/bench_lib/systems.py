@@ -42,6 +42,8 @@ class SystemResult:
     busy_timeline: tuple[tuple[float, float], ...] | None = field(default=None, repr=False)
     engine_stats: dict[str, float] = field(default_factory=dict)  # whatever else the engine's stats() said
     note: str = ""
+    run: str = "warm"  # "cold": a fresh process with empty kernel caches; "warm": a fresh process, caches filled
+    kernel_cache: str | None = None  # the Triton cache directory the run used
 
     @property
     def tok_per_s(self) -> float:
@@ -79,8 +81,15 @@ def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
     started = time.perf_counter()
     engine = create_engine(name, str(model_dir), options)
     startup_s = time.perf_counter() - started
+    spec = requests.spec
     feed = (
-        Request(id=i, prompt_ids=list(prompt), sampling=SamplingParams(max_new_tokens=n, ignore_eos=True))
+        Request(
+            id=i,
+            prompt_ids=list(prompt),
+            sampling=SamplingParams(
+                max_new_tokens=n, ignore_eos=True, temperature=spec.temperature, top_p=spec.top_p, seed=i
+            ),
+        )
         for i, (prompt, n) in enumerate(zip(requests.prompts, requests.new_tokens, strict=True))
     )
     tokens = done = 0
@@ -169,8 +178,8 @@ def run_hf_generate(model_dir: Path, requests: BenchRequests, settings: RunSetti
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=max(wanted),
-            do_sample=False,
             pad_token_id=pad,
+            **_hf_sampling(requests),
             stopping_criteria=StoppingCriteriaList([Deadline(deadline)]),
         )
         generated = out.shape[1] - width
@@ -195,6 +204,15 @@ def run_hf_generate(model_dir: Path, requests: BenchRequests, settings: RunSetti
             else f"static batches of {settings.hf_batch}"
         ),
     )
+
+
+def _hf_sampling(requests: BenchRequests) -> dict[str, Any]:
+    """transformers' generation settings for the workload: greedy, or sampling with its temperature and top-p
+    (transformers draws from one global generator, not per-request seeds: the work is the same)."""
+    spec = requests.spec
+    if spec.greedy:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": 0}
 
 
 def _synchronize(device: str) -> None:
@@ -234,7 +252,7 @@ def run_hf_continuous(model_dir: Path, requests: BenchRequests, settings: RunSet
         num_requests=len(requests.prompts),
     )
     generation_config = GenerationConfig(
-        do_sample=False, max_new_tokens=int(requests.output_lengths.max()), eos_token_id=-1, pad_token_id=pad
+        max_new_tokens=int(requests.output_lengths.max()), eos_token_id=-1, pad_token_id=pad, **_hf_sampling(requests)
     )
     manager = model.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints

@@ -127,8 +127,14 @@ class WorkloadSpec:
     prompt: tuple[int, int]
     new_tokens: tuple[int, int]
     shared_prefix: int = 0
+    temperature: float = 0.0  # 0: greedy; else every request samples with its own seed (its index)
+    top_p: float = 1.0
     tensor_parallel: int = 1  # GPUs of one engine
     load_format: str = "auto"  # dummy: no weight files, the engine makes random weights (models too big to write)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
@@ -136,6 +142,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "W2": WorkloadSpec("W2", "mixed", "llama-3.2-1b", 512, (64, 1024), (64, 512)),
     "W3": WorkloadSpec("W3", "shared prefix", "llama-3.2-1b", 1024, (64, 64), (128, 128), shared_prefix=1024),
     "W4": WorkloadSpec("W4", "nano-vllm bench", "qwen3-0.6b", 256, (100, 1024), (100, 1024)),
+    "W5": WorkloadSpec(
+        "W5", "synthetic data", "llama-3.1-8b", 1024, (128, 2048), (128, 1024), temperature=0.8, top_p=0.95
+    ),
     "W6": WorkloadSpec("W6", "MoE", "qwen3-30b-a3b", 512, (100, 1024), (100, 1024)),
     "W7": WorkloadSpec(
         "W7", "beyond one GPU", "llama-3.1-70b", 256, (128, 1024), (128, 512), tensor_parallel=2, load_format="dummy"

@@ -113,10 +113,18 @@ def test_bf16_logits_match_transformers_within_bf16_tolerance(tmp_path, arch):
 
     model_dir = make_tiny_model(tmp_path / "mid", arch=arch, **MID, **MID_OVERRIDES.get(arch, {}))
     ours, spec = load_model(model_dir, "bfloat16", "cuda", TritonPagedAttention())
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+    )
     # transformers' grouped-GEMM experts take no float64; its plain per-expert loop does.
     plain_experts = {"experts_implementation": "eager"} if arch in ("qwen3_moe", "mixtral") else {}
-    ref64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **plain_experts).cuda().eval()
+    ref64 = (
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float64, attn_implementation="eager", **plain_experts
+        )
+        .cuda()
+        .eval()
+    )
     # 60 tokens: past the 8-token windows, short of Phi-3's LongRoPE switch at 64.
     n = 60
     prompt = torch.randint(6, 500, (n,), generator=torch.Generator().manual_seed(0))

@@ -10,58 +10,17 @@ if not torch.cuda.is_available():
     # Importing the kernels here, uninterpreted, would leave them unusable for the CPU interpreter tests.
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from batchjob.engine.native.attention import AttentionMetadata, make_metadata  # noqa: E402
+import functools  # noqa: E402
+
+from attention_cases import random_paged_step  # noqa: E402
+from attention_cases import reference_attention as reference  # noqa: E402
+
+from batchjob.engine.native.attention import AttentionMetadata  # noqa: E402
 from batchjob.engine.native.triton_attention import TritonPagedAttention, store_kv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
-
-
-def random_step(query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
-    """Random cached context in shuffled blocks (block 0 reserved, NaN in unused slots) plus new q/k/v."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_needed) + 8
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, start = [], 0
-    for n in blocks_needed:
-        tables.append(order[start : start + n])
-        start += n
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    for table, seq_len, q_len in zip(tables, seq_lens, query_lens, strict=True):
-        cached = torch.arange(seq_len - q_len)
-        blocks, offsets = torch.tensor(table)[cached // block_size], cached % block_size
-        k_cache[blocks, offsets] = torch.randn(len(cached), num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-        v_cache[blocks, offsets] = torch.randn(len(cached), num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    return q, k, v, k_cache, v_cache, make_metadata(query_lens, seq_lens, tables, block_size, device=DEVICE)
-
-
-def reference(q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
-    """float64 causal attention per sequence on the GPU, K/V gathered through the block table of a cache
-    copy holding the step's K/V (the dense_reference_attention semantics, vectorised per sequence)."""
-    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
-    k_all = k_cache.double().flatten(0, 1).clone()
-    v_all = v_cache.double().flatten(0, 1).clone()
-    k_all[meta.slot_mapping] = k.double()
-    v_all[meta.slot_mapping] = v.double()
-    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    cu = meta.cu_query_lens.tolist()
-    for b, seq_len in enumerate(meta.seq_lens.tolist()):
-        positions = torch.arange(seq_len, device=q.device)
-        slots = meta.block_tables[b].long()[positions // block_size] * block_size + positions % block_size
-        keys = k_all[slots].repeat_interleave(group, dim=1)  # [S, Hq, D]
-        values = v_all[slots].repeat_interleave(group, dim=1)
-        query = q[cu[b] : cu[b + 1]].double()  # [Q, Hq, D]
-        query_pos = seq_len - query.shape[0] + torch.arange(query.shape[0], device=q.device)
-        scores = torch.einsum("qhd,shd->hqs", query, keys) * scale
-        scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
-        out[cu[b] : cu[b + 1]] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), values)
-    return out
+random_step = functools.partial(random_paged_step, device=DEVICE)
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:

@@ -93,6 +93,15 @@ def test_shared_prompt_prefix_is_computed_once_and_output_unchanged(llama_case):
     assert eng.stats_seen["tokens_fed"] == unshared - 5 * 64
 
 
+def test_prefix_hash_collisions_never_change_output(llama_case, monkeypatch):
+    model_dir, _, _ = llama_case
+    # Every prompt block hashes alike: only the kept token ids can tell the cached blocks apart.
+    monkeypatch.setattr("batchjob.engine.native.sequence.block_hash", lambda previous, tokens: 0)
+    reqs = [Request(i, tuple(range(10 + 40 * i, 50 + 40 * i)), SamplingParams(max_new_tokens=4)) for i in range(3)]
+    got, _ = _run(model_dir, reqs, max_num_seqs=1)
+    assert {i: c.token_ids for i, c in got.items()} == _hf_greedy(model_dir, reqs)
+
+
 def _sampled(model_dir, reqs, **options):
     got, _ = _run(model_dir, reqs, **options)
     return {i: c.token_ids for i, c in got.items()}
@@ -198,7 +207,8 @@ def test_context_limit_ends_generation_with_length(llama_case):
     assert len(got[0].token_ids) == 6 and got[0].finish_reason == "length"
 
 
-def test_requests_are_pulled_only_as_room_allows(llama_case):
+@pytest.mark.parametrize("window", [0, 16])
+def test_requests_are_pulled_only_as_room_and_the_admission_window_allow(llama_case, window):
     model_dir, _, _ = llama_case
     pulled = []
 
@@ -207,10 +217,11 @@ def test_requests_are_pulled_only_as_room_allows(llama_case):
             pulled.append(i)
             yield Request(i, (5, 6, 7), SamplingParams(max_new_tokens=2))
 
-    eng = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 8})
+    options = {"dtype": "float32", "max_num_seqs": 8, "admission_window": window}
+    eng = create_engine("native", str(model_dir), options)
     stream = eng.generate(source())
     next(stream)
-    assert len(pulled) <= 8 + 1
+    assert len(pulled) <= 8 + window + 1
     assert len(list(stream)) == 199
 
 

@@ -4,94 +4,22 @@ prefill over the paged cache, for GQA ratios 1/2/4, block sizes 1 and 16 and odd
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 if torch.cuda.is_available():
     pytest.skip("on a GPU, tests/gpu/test_triton_attention_gpu.py runs these checks compiled", allow_module_level=True)
 
-# Kernels are built as interpreted or compiled when their module is imported, so this must come first.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import random  # noqa: E402
-
-from triton.runtime import interpreter  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from batchjob.engine.native import triton_attention, triton_decode, triton_prefill  # noqa: E402
-from batchjob.engine.native.attention import (  # noqa: E402
-    AttentionMetadata,
-    dense_reference_attention,
-    make_metadata,
+from interpreted_attention import (  # noqa: E402
+    TritonPagedAttention,
+    check_against_reference,
+    random_step,
+    triton_attention,
+    triton_decode,
+    triton_prefill,
 )
 
-if not isinstance(triton_decode._decode_split_kernel, InterpretedFunction):
-    # Another test module imported the kernels before the interpreter was switched on; on a CPU-only
-    # machine compiled kernels cannot run at all, so rebuild them interpreted.
-    for module in (triton_decode, triton_prefill, triton_attention):
-        importlib.reload(module)
-
-
-def _patch_lang_tensor_for_numpy_2_4(tensor, scope) -> None:
-    """triton 3.6's interpreter turns a scalar (a 1-element array) into a loop bound with `int(array)`,
-    which numpy >= 2.4 refuses; `.item()` works on any numpy (upstream triton-lang/triton#9171)."""
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-
-_patch_lang_tensor = interpreter._patch_lang_tensor
-interpreter._patch_lang_tensor = _patch_lang_tensor_for_numpy_2_4
-
-TritonPagedAttention = triton_attention.TritonPagedAttention
-NUM_KV_HEADS = 2
-
-
-def random_step(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_size: int,
-    group: int,
-    head_dim: int = 32,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-):
-    """Random context already in the cache (shuffled blocks, NaN in every unused slot, block 0 reserved)
-    plus the step's new q/k/v."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = 2 * sum(blocks_needed) + 3
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
-    k_cache = torch.full((num_blocks, block_size, NUM_KV_HEADS, head_dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    meta = make_metadata(query_lens, seq_lens, tables, block_size)
-    for table, seq_len, q_len in zip(tables, seq_lens, query_lens, strict=True):
-        cached = torch.arange(seq_len - q_len)
-        blocks, offsets = torch.tensor(table)[cached // block_size], cached % block_size
-        k_cache[blocks, offsets] = torch.randn(len(cached), NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-        v_cache[blocks, offsets] = torch.randn(len(cached), NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-    num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-    return q, k, v, k_cache, v_cache, meta
-
-
-def check_against_reference(step, backend: TritonPagedAttention, atol: float = 1e-4) -> torch.Tensor:
-    q, k, v, k_cache, v_cache, meta = step
-    scale = q.shape[-1] ** -0.5
-    expected = dense_reference_attention(q, k, v, k_cache, v_cache, meta, scale)
-
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
-
-    assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
-    return out
+from batchjob.engine.native.attention import AttentionMetadata  # noqa: E402
 
 
 @pytest.mark.parametrize("block_size", [16, 1])

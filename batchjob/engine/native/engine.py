@@ -2,7 +2,9 @@
 
 The loop reads like the design: pull requests while there is room -> schedule step N+1 -> launch it -> collect
 step N's tokens (the GPU is already busy with N+1) -> update sequences, emit finished requests. With
-`async_loop=False` each step is collected right after its launch, so the CPU and GPU take turns.
+`async_loop=False` each step is collected right after its launch, so the CPU and GPU take turns. Requests
+are admitted sorted by prompt within a bounded look-ahead window (admission.py), and the engine's start-up
+ends with a warm-up of every kind of step (warmup.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from batchjob.engine.api import Completion, Request
 from batchjob.engine.native import parallel
+from batchjob.engine.native.admission import AdmissionQueue
 from batchjob.engine.native.block_manager import KVBlockManager
 from batchjob.engine.native.io_slot import SlotLimits
 from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
@@ -27,6 +30,7 @@ from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
 
 if TYPE_CHECKING:
     from batchjob.engine.native.rank_group import RankGroup
@@ -164,6 +168,14 @@ class NativeEngine:
                 kv_cache_bytes=kv_bytes,
                 graph_modes=len(self.runner.graph_modes),
             )
+        # On a CPU nothing compiles and there is no caching allocator to prime: the warm-up would be pure cost.
+        if opts.warmup if opts.warmup is not None else self.device.type == "cuda":
+            steps = warmup_steps(
+                WarmupLimits(
+                    opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len, limits.max_top_logprobs
+                )
+            )
+            self._stats["warmup_s"] = warm_up(self.runner, steps, opts.block_size)
         self._stats["startup_s"] = time.perf_counter() - started
         self._start_loop(num_blocks)
 
@@ -204,7 +216,7 @@ class NativeEngine:
     # ---- the loop ----
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
-        source = iter(requests)
+        queue = AdmissionQueue(requests, self.options.admission_window)
         exhausted = False
         inflight: deque[StepHandle] = deque()
         depth = 1 if self.options.async_loop else 0
@@ -213,7 +225,7 @@ class NativeEngine:
         try:
             while True:
                 while not exhausted and self.scheduler.free_seq_slots > 0:
-                    request = next(source, None)
+                    request = queue.pop()
                     if request is None:
                         exhausted = True
                         break
@@ -304,6 +316,7 @@ class NativeEngine:
             output_tokens=self.outputs.tokens_out,
             wasted_tokens=self.outputs.wasted,
             preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
         )
         if runner.clock is not None and runner.clock.fraction() is not None:
             stats["gpu_busy_fraction"] = runner.clock.fraction()

@@ -2,8 +2,9 @@
 
 The asynchronous loop has two slots: the CPU fills one while the GPU computes from the other. Inputs are
 packed into a few buffers so a step needs four host-to-device copies. Inside a packed buffer, fields sit at
-offsets that depend only on the step's token and row counts, so a decode step of a given batch-size bucket
-always uses the same device addresses, which is what a CUDA graph of that bucket was captured with.
+offsets that depend only on the step's token and row counts (`StepShape` lays them out), so a decode step of
+a given batch-size bucket always uses the same device addresses, which is what a CUDA graph of that bucket
+was captured with.
 """
 
 from __future__ import annotations
@@ -30,31 +31,72 @@ class SlotLimits:
     max_top_logprobs: int
 
 
+# Every field starts on a 16-byte boundary: Triton specialises a kernel on whether each pointer argument is
+# 16-byte aligned, so fields at offsets that move with the step's sizes would compile extra variants mid-run.
+FIELD_ALIGN_BYTES = 16
+
+
+def _aligned(count: int, element_size: int) -> int:
+    per_line = FIELD_ALIGN_BYTES // element_size
+    return -(-count // per_line) * per_line
+
+
+def _layout(fields: list[tuple[str, int]], element_size: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """(offset, length) of each field packed in order, each from a 16-byte boundary, and the total length."""
+    offsets, at = {}, 0
+    for name, size in fields:
+        offsets[name] = (at, size)
+        at += _aligned(size, element_size)
+    return offsets, at
+
+
 @dataclass(frozen=True)
 class StepShape:
-    """Token count T, sequence count B and sampled-row count S of a step (padded sizes for a graph)."""
+    """Token count T, sequence count B and sampled-row count S of a step (padded sizes for a graph), and the
+    layout of the packed buffers for it: (offset, length) of each field, in elements. Every reader and writer
+    of the packed buffers asks here."""
 
     tokens: int
     seqs: int
     rows: int
 
     def int_fields(self) -> dict[str, tuple[int, int]]:
-        offsets, at = {}, 0
-        for name in INT_TOKEN_FIELDS:
-            offsets[name] = (at, self.tokens)
-            at += self.tokens
-        for name in INT_ROW_FIELDS:
-            offsets[name] = (at, self.rows)
-            at += self.rows
-        return offsets
+        """The int64 buffer: per-token fields, then per-row fields."""
+        return self._int_layout()[0]
+
+    def meta_fields(self) -> dict[str, tuple[int, int]]:
+        """The int32 buffer the attention kernels read: cu_query_lens [B + 1], seq_lens [B]."""
+        return self._meta_layout()[0]
+
+    def float_fields(self) -> dict[str, tuple[int, int]]:
+        """The float32 buffer: per-row sampling parameters."""
+        return self._float_layout()[0]
 
     @property
     def int_size(self) -> int:
-        return 5 * self.tokens + 4 * self.rows
+        return self._int_layout()[1]
 
     @property
     def meta_size(self) -> int:
-        return 2 * self.seqs + 1
+        return self._meta_layout()[1]
+
+    @property
+    def float_size(self) -> int:
+        return self._float_layout()[1]
+
+    def _int_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
+        fields = [(name, self.tokens) for name in INT_TOKEN_FIELDS] + [(name, self.rows) for name in INT_ROW_FIELDS]
+        return _layout(fields, 8)
+
+    def _meta_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
+        return _layout([("cu_query_lens", self.seqs + 1), ("seq_lens", self.seqs)], 4)
+
+    def _float_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
+        return _layout([(name, self.rows) for name in FLOAT_ROW_FIELDS], 4)
+
+
+def _views(buffer, fields: dict[str, tuple[int, int]]) -> dict:
+    return {name: buffer[offset : offset + size] for name, (offset, size) in fields.items()}
 
 
 def _pinned(shape, dtype, pin: bool) -> torch.Tensor:
@@ -66,16 +108,17 @@ class IOSlot:
         self.index = index
         self.limits = limits
         pin = device.type == "cuda"
-        t, b = limits.max_tokens, limits.max_rows
-        int_size, meta_size = 5 * t + 4 * b, 2 * b + 1
-        self.host_int = _pinned(int_size, torch.int64, pin)
-        self.host_meta = _pinned(meta_size, torch.int32, pin)
+        b = limits.max_rows
+        # Field offsets grow with the shape, so the largest step's layout holds every smaller one.
+        largest = StepShape(tokens=limits.max_tokens, seqs=b, rows=b)
+        self.host_int = _pinned(largest.int_size, torch.int64, pin)
+        self.host_meta = _pinned(largest.meta_size, torch.int32, pin)
         self.host_tables = _pinned((b, limits.max_blocks_per_seq), torch.int32, pin)
-        self.host_float = _pinned(3 * b, torch.float32, pin)
-        self.dev_int = torch.zeros(int_size, dtype=torch.int64, device=device)
-        self.dev_meta = torch.zeros(meta_size, dtype=torch.int32, device=device)
+        self.host_float = _pinned(largest.float_size, torch.float32, pin)
+        self.dev_int = torch.zeros(largest.int_size, dtype=torch.int64, device=device)
+        self.dev_meta = torch.zeros(largest.meta_size, dtype=torch.int32, device=device)
         self.dev_tables = torch.zeros((b, limits.max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.dev_float = torch.zeros(3 * b, dtype=torch.float32, device=device)
+        self.dev_float = torch.zeros(largest.float_size, dtype=torch.float32, device=device)
         k = max(limits.max_top_logprobs, 1)
         self.dev_tokens = torch.zeros(b, dtype=torch.int64, device=device)
         self.dev_logprobs = torch.zeros(b, dtype=torch.float32, device=device)
@@ -107,8 +150,7 @@ class IOSlot:
             tables[i, : len(seq.block_table)] = seq.block_table
         tables[n : shape.seqs, :] = 0
 
-        ints = self.host_int.numpy()
-        view = {name: ints[o : o + size] for name, (o, size) in shape.int_fields().items()}
+        view = _views(self.host_int.numpy(), shape.int_fields())
         view["input_ids"][:t] = np.concatenate(
             [s.tokens[a : a + c] for s, a, c in zip(plan.seqs, starts, counts, strict=True)]
         )
@@ -135,15 +177,13 @@ class IOSlot:
         for name in ("seeds", "out_positions", "top_k"):
             view[name][rows:] = 0
 
-        meta = self.host_meta.numpy()
-        meta[: n + 1] = cu
-        meta[n + 1 : shape.seqs + 1] = t + np.arange(1, shape.seqs - n + 1)
-        seq_lens = meta[shape.seqs + 1 : 2 * shape.seqs + 1]
-        seq_lens[:n] = starts + counts
-        seq_lens[n:] = 1
+        meta = _views(self.host_meta.numpy(), shape.meta_fields())
+        meta["cu_query_lens"][: n + 1] = cu
+        meta["cu_query_lens"][n + 1 :] = t + np.arange(1, shape.seqs - n + 1)
+        meta["seq_lens"][:n] = starts + counts
+        meta["seq_lens"][n:] = 1
 
-        floats = self.host_float.numpy()
-        temperature, top_p, min_p = (floats[i * shape.rows : (i + 1) * shape.rows] for i in range(3))
+        temperature, top_p, min_p = _views(self.host_float.numpy(), shape.float_fields()).values()
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
         temperature[rows:], top_p[rows:], min_p[rows:] = 0.0, 1.0, 0.0
 
@@ -152,25 +192,26 @@ class IOSlot:
         self.dev_int[: shape.int_size].copy_(self.host_int[: shape.int_size], non_blocking=True)
         self.dev_meta[: shape.meta_size].copy_(self.host_meta[: shape.meta_size], non_blocking=True)
         self.dev_tables[: shape.seqs].copy_(self.host_tables[: shape.seqs], non_blocking=True)
-        self.dev_float[: 3 * shape.rows].copy_(self.host_float[: 3 * shape.rows], non_blocking=True)
+        self.dev_float[: shape.float_size].copy_(self.host_float[: shape.float_size], non_blocking=True)
 
     def device_views(self, shape: StepShape, max_query_len: int, max_seq_len: int):
         """The device tensors of a step of `shape`: (ints by name, attention metadata, sampling tensors)."""
-        ints = {name: self.dev_int[o : o + size] for name, (o, size) in shape.int_fields().items()}
+        ints = _views(self.dev_int, shape.int_fields())
+        meta_views = _views(self.dev_meta, shape.meta_fields())
         meta = AttentionMetadata(
-            cu_query_lens=self.dev_meta[: shape.seqs + 1],
-            seq_lens=self.dev_meta[shape.seqs + 1 : 2 * shape.seqs + 1],
+            cu_query_lens=meta_views["cu_query_lens"],
+            seq_lens=meta_views["seq_lens"],
             block_tables=self.dev_tables[: shape.seqs],
             slot_mapping=ints["slot_mapping"],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        r = shape.rows
+        floats = _views(self.dev_float, shape.float_fields())
         params = SamplingTensors(
-            temperature=self.dev_float[:r],
+            temperature=floats["temperature"],
             top_k=ints["top_k"],
-            top_p=self.dev_float[r : 2 * r],
-            min_p=self.dev_float[2 * r : 3 * r],
+            top_p=floats["top_p"],
+            min_p=floats["min_p"],
             seeds=ints["seeds"],
             positions=ints["out_positions"],
         )

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from batchjob.engine.native import parallel
 from batchjob.engine.native.attention import PagedAttentionBackend
@@ -127,6 +130,19 @@ def checkpoint_slot(key: str, spec: ModelSpec) -> Slot | None:
     return Slot(name)
 
 
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Modules built on the meta device skip `nn.init.normal_` (nn.Embedding's init). It computes nothing there,
+    but on meta tensors it runs torch's Python reference op, whose first call imports torch._dynamo: seconds
+    of start-up for nothing (the loader overwrites every parameter)."""
+    normal = nn.init.normal_
+    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        nn.init.normal_ = normal
+
+
 def load_model(
     model_path: str | Path,
     dtype: str,
@@ -146,7 +162,7 @@ def load_model(
     spec = read_model_spec(model_dir, dtype, max_model_len)
     check_tensor_parallel(spec, tp.size)
     local = rank_spec(spec, tp)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = CausalLM(local, attn, tp).to(spec.dtype)
     model.to_empty(device=device)
     model.reset_tables()

@@ -38,9 +38,11 @@ class NativeOptions:
     kv_cache_gb: float | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    admission_window: int = 1024
     cuda_graphs: bool = True
     graph_sampling: bool = True
     graph_max_batch: int | None = None
+    warmup: bool | None = None
     detokenize: bool = True
     seed: int = 0
     debug_poison_slots: bool = False
@@ -90,6 +92,10 @@ class NativeOptions:
             problems.append(f"engine.max_model_len={self.max_model_len}: must be >= 2 (or null for the model's)")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"engine.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.admission_window < 0:
+            problems.append(
+                f"engine.admission_window={self.admission_window}: must be >= 0 (0 admits requests in input order)"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append(f"engine.num_kv_blocks={self.num_kv_blocks}: must be >= 2 (or null to size it)")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

@@ -37,7 +37,7 @@ class PackedStep:
             ints=slot.host_int[: shape.int_size].numpy().copy(),
             meta=slot.host_meta[: shape.meta_size].numpy().copy(),
             tables=slot.host_tables[: shape.seqs, :table_width].numpy().copy(),
-            floats=slot.host_float[: 3 * shape.rows].numpy().copy(),
+            floats=slot.host_float[: shape.float_size].numpy().copy(),
         )
 
     def unpack_into(self, slot: IOSlot) -> None:
@@ -45,4 +45,4 @@ class PackedStep:
         slot.host_int[: shape.int_size].numpy()[:] = self.ints
         slot.host_meta[: shape.meta_size].numpy()[:] = self.meta
         slot.host_tables[: shape.seqs, : self.tables.shape[1]].numpy()[:] = self.tables
-        slot.host_float[: 3 * shape.rows].numpy()[:] = self.floats
+        slot.host_float[: shape.float_size].numpy()[:] = self.floats

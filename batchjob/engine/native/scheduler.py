@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens admitted from the prefix cache instead of computed
 
     @property
     def has_unfinished(self) -> bool:
@@ -94,7 +95,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.ready_for_prefill:
                 break
-            shared = self.blocks.match_prefix(seq.prompt_hashes)
+            shared = self.blocks.match_prefix(seq.prompt_hashes, seq.prompt_blocks)
             # Keep at least one token to compute: its logits give the next token.
             shared = shared[: (seq.num_tokens - 1) // self.blocks.block_size]
             cached_tokens = len(shared) * self.blocks.block_size
@@ -107,6 +108,7 @@ class Scheduler:
                 break
             seq.block_table = self.blocks.allocate(shared, needed)
             seq.num_computed = cached_tokens
+            self.prefix_hit_tokens += cached_tokens
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -172,7 +174,8 @@ class Scheduler:
     def _register_full_prompt_blocks(self, seq: Sequence) -> None:
         full = min(seq.num_computed, seq.prompt_len) // self.blocks.block_size
         for index in range(seq.num_registered, full):
-            self.blocks.register(seq.block_table[index], seq.prompt_hashes[index])
+            parent = seq.block_table[index - 1] if index else None
+            self.blocks.register(seq.block_table[index], seq.prompt_hashes[index], seq.prompt_blocks[index], parent)
         seq.num_registered = max(seq.num_registered, full)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -3,6 +3,10 @@
 `TritonPagedAttention.forward` stores this step's K/V at `slot_mapping`, then runs either the split-K
 decode kernels (every sequence has one new token: `meta.max_query_len == 1`, the shape captured in
 CUDA graphs) or the varlen prefill kernel (prefill chunks, possibly mixed with decodes, run eagerly).
+
+A layer's sliding window and soft-cap are runtime arguments: each kernel compiles once per dtype, head
+layout and (window on, soft-cap on) combination, never per value, batch size, length or buffer offset, so
+a warm-up that runs each layer kind once leaves nothing to compile during the run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import triton.language as tl
 
 from batchjob.engine.native.triton_decode import (
     DEFAULT_DECODE_CONFIG,
+    MAX_SPLITS,
     DecodeConfig,
     default_num_splits,
     paged_decode_attention,
@@ -26,7 +31,9 @@ if TYPE_CHECKING:
     from batchjob.engine.native.attention import AttentionMetadata
 
 
-@triton.jit
+# Each step's slot mapping is a view at a step-dependent offset in a packed buffer: not specialising on its
+# alignment keeps one compiled variant.
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -135,8 +142,8 @@ class TritonPagedAttention:
         decode_config: DecodeConfig = DEFAULT_DECODE_CONFIG,
         prefill_config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
     ) -> None:
-        if num_decode_splits is not None and num_decode_splits < 1:
-            raise ValueError(f"num_decode_splits must be >= 1, got {num_decode_splits}")
+        if num_decode_splits is not None and not 1 <= num_decode_splits <= MAX_SPLITS:
+            raise ValueError(f"num_decode_splits must be in [1, {MAX_SPLITS}], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
         self.decode_config = decode_config
         self.prefill_config = prefill_config
@@ -155,8 +162,12 @@ class TritonPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         check_attention_shapes(q, k, k_cache)
+        if window < 0 or softcap < 0:
+            raise ValueError(f"window ({window}) and softcap ({softcap}) must be >= 0 (0 turns each off)")
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.max_query_len == 1:
@@ -172,6 +183,8 @@ class TritonPagedAttention:
                 num_splits,
                 out,
                 self.decode_config,
+                window=window,
+                softcap=softcap,
             )
         return paged_prefill_attention(
             q,
@@ -183,4 +196,6 @@ class TritonPagedAttention:
             scale,
             out,
             self.prefill_config,
+            window=window,
+            softcap=softcap,
         )

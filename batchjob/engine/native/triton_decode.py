@@ -7,7 +7,12 @@ Stage 2 combines the partials of each (sequence, query head).
 
 The launch (grid, split count, workspace shapes) depends only on the batch size, never on the context
 lengths: a captured graph replays with other `seq_lens`, and splits that fall past a sequence's end
-exit at once.
+exit at once. With a sliding window only the in-window tiles are dealt out to the splits, so a sliding
+layer reads at most `window` keys (plus one partial tile) per sequence, whatever its length.
+
+Nothing that changes between steps is a compile-time specialisation: the split count, the window and the
+block-table stride are plain runtime integers, and the metadata pointers (views into a packed buffer at
+step-dependent offsets) are not specialised on alignment. One compiled variant serves a whole run.
 """
 
 from __future__ import annotations
@@ -18,8 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from batchjob.engine.native.triton_attention_tile import (
+    attend_kv_tile,
+    check_tile,
+    dot_precision,
+    kv_tile,
+    score_scales,
+)
+
 MAX_SPLITS = 64
+# Splits the reduce combines per iteration: a fixed width, so the split count never picks a variant.
+SPLIT_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -39,16 +53,26 @@ class DecodeConfig:
         check_tile("block_n", self.block_n)
 
 
-def check_tile(name: str, size: int) -> None:
-    """tl.dot needs every tile side to be a power of two of at least 16."""
-    if size < 16 or size & (size - 1):
-        raise ValueError(f"{name} must be a power of two >= 16, got {size}")
-
-
 DEFAULT_DECODE_CONFIG = DecodeConfig()
 
 
 @triton.jit
+def _split_plan(seq_len, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """The keys a decode query sees, [kv_start, seq_len), as whole tiles from `first_tile` dealt out to the
+    splits `tiles_per_split` at a time. Stage 1 and the reduce both derive which splits ran from this."""
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(seq_len - window, 0)
+    first_tile = kv_start // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    return kv_start, first_tile, num_tiles, tiles_per_split
+
+
+@triton.jit(
+    do_not_specialize=["window", "stride_bt", "num_splits"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr"],
+)
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -58,7 +82,9 @@ def _decode_split_kernel(
     cu_query_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
-    scale_log2,
+    score_scale,
+    softcap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -74,6 +100,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -81,10 +109,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_start = split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    kv_start, first_tile, num_tiles, tiles_per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    tile_start = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
     if tile_start >= tile_end:
         return
 
@@ -103,29 +130,27 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_start, tile_end):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < seq_len
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr + (block * stride_kb + in_block * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :],
-            mask=mask_n[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + (block * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :],
-            mask=mask_n[:, None],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # One query at the last position: every key below seq_len is causally visible and the window starts
+    # exactly at kv_start, so no per-row mask is needed. Only the first in-window tile can start before
+    # kv_start: it runs apart with the window mask, which keeps the mask out of the pipelined loop (122
+    # registers instead of 148 for bf16, head_dim 128, compiled for sm_90: one more program per SM).
+    loop_start = tile_start
+    if SLIDING:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if tile_start == first_tile:
+            m_i, l_i, acc = attend_kv_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                tile_start * BLOCK_N, kv_start, seq_len, 0, 0, score_scale, softcap_log2,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, True, SOFTCAP, DOT_PRECISION,
+            )  # fmt: skip
+            loop_start += 1
+    for tile in range(loop_start, tile_end):
+        m_i, l_i, acc = attend_kv_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            tile * BLOCK_N, 0, seq_len, 0, 0, score_scale, softcap_log2,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
 
     # Partials are laid out [seq, q_head, split, (dim)], so the reduce reads each head's splits contiguously.
     part_row = (seq * GROUP * tl.num_programs(1) + q_heads).to(tl.int64) * num_splits + split
@@ -133,40 +158,53 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + part_row, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["window", "num_splits"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "cu_query_lens_ptr"],
+)
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     seq_lens_ptr,
     cu_query_lens_ptr,
     out_ptr,
+    window,
     stride_ot,
     stride_oh,
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
 
     # Recompute which splits ran, with stage 1's arithmetic; the others left their partials unwritten.
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    _, _, num_tiles, tiles_per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
     num_valid = tl.cdiv(num_tiles, tiles_per_split)
 
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < num_valid
-    part_row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + part_row, mask=mask_s, other=float("-inf"))
+    part_row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
+    offs_s = tl.arange(0, MAX_SPLITS)
+    lse = tl.load(part_lse_ptr + part_row + offs_s, mask=offs_s < num_valid, other=float("-inf"))
     # An empty sequence (a padding slot in a graph bucket) has no valid split: its output is zeros, not NaN.
     m = tl.where(num_valid > 0, tl.max(lse, 0), 0.0)
-    w = tl.where(mask_s, tl.math.exp2(lse - m), 0.0)
-    parts = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    denom = tl.zeros([SPLIT_CHUNK], dtype=tl.float32)
+    for s0 in range(0, num_valid, SPLIT_CHUNK):
+        offs_c = s0 + tl.arange(0, SPLIT_CHUNK)
+        mask_c = offs_c < num_valid
+        w = tl.where(mask_c, tl.math.exp2(tl.load(part_lse_ptr + part_row + offs_c, mask=mask_c, other=0.0) - m), 0.0)
+        parts = tl.load(
+            part_out_ptr + (part_row + offs_c)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_c[:, None], other=0.0
+        )
+        acc += tl.sum(parts * w[:, None], 0)
+        denom += w
+    total = tl.sum(denom, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
     out_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + out_row + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -176,17 +214,6 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     best on an H200: deeper splitting costs more in the reduce than it gains in occupancy)."""
     target_programs = 2 * num_sms
     return max(1, min(MAX_SPLITS, triton.cdiv(target_programs, num_seqs * num_kv_heads)))
-
-
-def kv_tile(block_n: int, head_dim: int, element_size: int) -> int:
-    """KV tokens per tile, capped so one K tile stays within 32 KB: K and V tiles, double-buffered, must fit
-    in shared memory even for fp32 with head_dim 256."""
-    return max(16, min(block_n, 32768 // (head_dim * element_size)))
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs must not silently drop to TF32: the fp32 engine is compared exactly with transformers."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def paged_decode_attention(
@@ -200,16 +227,23 @@ def paged_decode_attention(
     num_splits: int,
     out: torch.Tensor,
     config: DecodeConfig = DEFAULT_DECODE_CONFIG,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence over the paged cache; writes `out` [B, Hq, D] and returns it.
 
     `q` is [B, Hq, D] (row `cu_query_lens[b]` belongs to sequence b); caches are
-    [num_blocks, block_size, Hkv, D]. Nothing here reads a length on the host.
+    [num_blocks, block_size, Hkv, D]. `window` > 0 limits each query to its last `window` keys and
+    `softcap` > 0 caps scores at ±softcap with a tanh (`PagedAttentionBackend.forward`). Nothing here reads
+    a length on the host.
     """
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     block_n = kv_tile(config.block_n, head_dim, q.element_size())
+    score_scale, softcap_log2 = score_scales(scale, softcap)
     part_out = torch.empty(num_seqs, q.shape[1], num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, q.shape[1], num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -221,7 +255,9 @@ def paged_decode_attention(
         cu_query_lens,
         part_out,
         part_lse,
-        scale * LOG2E,
+        score_scale,
+        softcap_log2,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -237,6 +273,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
+        SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages if q.element_size() <= 2 else min(config.num_stages, 2),
@@ -247,12 +285,15 @@ def paged_decode_attention(
         seq_lens,
         cu_query_lens,
         out,
+        window,
         out.stride(0),
         out.stride(1),
         num_splits,
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
-        SPLITS_P2=triton.next_power_of_2(num_splits),
+        MAX_SPLITS=MAX_SPLITS,
+        SPLIT_CHUNK=SPLIT_CHUNK,
+        SLIDING=window > 0,
         num_warps=4,
     )
     return out

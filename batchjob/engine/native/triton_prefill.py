@@ -3,11 +3,14 @@
 Each program takes a tile of consecutive query tokens of one sequence times every query head that
 shares one KV head (GQA rows packed as token-major, head-minor), and streams that sequence's context
 through the block table in tiles with an online softmax. The cache already holds this step's K/V, so
-earlier chunks and the new tokens are read the same way.
+earlier chunks and the new tokens are read the same way. With a sliding window a program starts at the
+first tile its earliest query can see, so a sliding layer's cost is bounded by the window.
 
 Programs find their sequence on the device (no host sync on `cu_query_lens`): program `p` of
 sequence `b` is numbered `cu_query_lens[b] // BLOCK_Q + b + i`, an upper bound on the query tiles
 before it, so a grid of `T // BLOCK_Q + B` programs covers every tile and the few spare ones exit.
+The search reads `cu_query_lens` in fixed-width chunks, so the batch size is a runtime value: like the
+block-table stride and the window, it never selects a compiled variant.
 """
 
 from __future__ import annotations
@@ -18,10 +21,22 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.engine.native.triton_decode import LOG2E, check_tile, dot_precision, kv_tile
+from batchjob.engine.native.triton_attention_tile import (
+    attend_kv_tile,
+    check_tile,
+    dot_precision,
+    kv_tile,
+    score_scales,
+)
+
+# Sequences whose query starts one search step reads; a default batch (256 sequences) takes one step.
+SEQ_CHUNK = 256
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_seqs", "window", "stride_bt"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -31,7 +46,9 @@ def _prefill_kernel(
     seq_lens_ptr,
     cu_query_lens_ptr,
     num_seqs,
-    scale_log2,
+    score_scale,
+    softcap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -50,16 +67,22 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SEQS_P2: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    offs_b = tl.arange(0, SEQS_P2)
-    starts = tl.load(cu_query_lens_ptr + offs_b, mask=offs_b < num_seqs, other=0)
-    first_tile = tl.where(offs_b < num_seqs, starts // BLOCK_Q + offs_b, 2147483647)
-    seq = tl.sum((first_tile <= pid).to(tl.int32), 0) - 1
+    # This program's sequence: the last one whose first tile number is <= pid.
+    found = 0
+    for b0 in range(0, num_seqs, SEQ_CHUNK):
+        offs_b = b0 + tl.arange(0, SEQ_CHUNK)
+        mask_b = offs_b < num_seqs
+        starts = tl.load(cu_query_lens_ptr + offs_b, mask=mask_b, other=0)
+        found += tl.sum((mask_b & (starts // BLOCK_Q + offs_b <= pid)).to(tl.int32), 0)
+    seq = found - 1
     q_start = tl.load(cu_query_lens_ptr + seq)
     q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
     q0 = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
@@ -86,34 +109,23 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # The tile's last query sees positions up to its own; nothing later is read.
+    # The tile's last query sees positions up to its own, its first no further back than the window:
+    # nothing outside [kv_start, kv_end) is read.
     kv_end = tl.minimum(seq_len, context_before + q0 + BLOCK_Q)
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < kv_end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr + (block * stride_kb + in_block * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :],
-            mask=mask_n[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        # Position 0 is visible to every row (padding rows included), so no row is ever all -inf.
-        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + (block * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :],
-            mask=mask_n[:, None],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(context_before + q0 - window + 1, 0)
+    for n0 in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
+        m_i, l_i, acc = attend_kv_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
 
+    if SLIDING:
+        # Every real row sees at least its own key; a padding row past the sequence's end may see none.
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_rows * stride_ot + q_heads * stride_oh)[:, None] + offs_d[None, :],
@@ -150,17 +162,21 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor,
     config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal varlen attention of `q` [T, Hq, D] over the paged cache; writes `out` [T, Hq, D] and returns it.
 
     Query token j of sequence b sits at position `seq_lens[b] - q_len_b + j` and sees cache positions
-    [0, that position]. Any mix of query lengths (decodes included) and context lengths is allowed.
+    [0, that position], or with `window` > 0 only the last `window` of them; `softcap` > 0 caps scores with
+    a tanh. Any mix of query lengths (decodes included) and context lengths is allowed.
     """
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p2)
+    score_scale, softcap_log2 = score_scales(scale, softcap)
     grid = (q.shape[0] // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q,
@@ -171,7 +187,9 @@ def paged_prefill_attention(
         seq_lens,
         cu_query_lens,
         num_seqs,
-        scale * LOG2E,
+        score_scale,
+        softcap_log2,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -190,7 +208,9 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_q * group_p2,
         BLOCK_N=kv_tile(config.block_n, head_dim, q.element_size()),
-        SEQS_P2=triton.next_power_of_2(num_seqs),
+        SEQ_CHUNK=SEQ_CHUNK,
+        SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -1,0 +1,109 @@
+"""Each measurement in its own fresh process, so no system inherits another's compiled kernels, allocator
+state or warm imports, and a cold run really starts cold.
+
+The parent (scripts/bench.py) never touches the GPU: it writes a task as JSON, starts
+`python -m bench_lib.isolation TASK OUT` and reads the result back from OUT. A task is one of
+
+- `hardware`: measure copy bandwidth and matmul rate (and the card's memory, for the roofline's KV budget);
+- `model`: build (or find cached) the workload's random-weight model directory;
+- `system`: run one system on one workload (requests drawn in the child, from the same seed) and return its
+  `SystemResult`.
+
+`kernel_cache_env` gives a run its compile caches: "cold" runs point Triton's (and torch's) at an empty
+directory, "warm" runs reuse the directory the cold run of the same system just filled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parents[1]
+REPO = SCRIPTS.parent
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+def kernel_cache_env(directory: Path) -> dict[str, str]:
+    """Compile caches inside `directory`: Triton's kernels, torch inductor's, and the CUDA driver's JIT."""
+    return {
+        "TRITON_CACHE_DIR": str(directory / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
+        "CUDA_CACHE_PATH": str(directory / "cuda"),
+    }
+
+
+def run_child(task: dict[str, Any], env: dict[str, str] | None = None, timeout_s: float | None = None) -> dict:
+    """Run `task` in a fresh Python process (its output streams to ours) and return what it reported.
+    Raises ChildFailed with the reason if it raised, crashed or ran past `timeout_s`."""
+    with tempfile.TemporaryDirectory(prefix="bench-task-") as scratch:
+        task_path, out_path = Path(scratch) / "task.json", Path(scratch) / "out.json"
+        task_path.write_text(json.dumps(task))
+        path = os.pathsep.join([str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")])
+        child_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
+        command = [sys.executable, "-m", "bench_lib.isolation", str(task_path), str(out_path)]
+        try:
+            code = subprocess.run(command, env=child_env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            raise ChildFailed(f"still running after {timeout_s:.0f} s, stopped") from None
+        result = json.loads(out_path.read_text()) if out_path.exists() else None
+        if result is None:
+            raise ChildFailed(f"the process exited with status {code} without a result")
+        if "error" in result:
+            raise ChildFailed(result["error"])
+        return result
+
+
+def _hardware() -> dict[str, Any]:
+    import torch
+
+    from bench_lib.hardware import measure_hardware
+
+    rates = measure_hardware()
+    return {**dataclasses.asdict(rates), "total_memory": torch.cuda.get_device_properties(0).total_memory}
+
+
+def _model(task: dict[str, Any]) -> dict[str, Any]:
+    from bench_lib.models import random_model_dir
+
+    return {"model_dir": str(random_model_dir(task["architecture"], Path(task["cache"])))}
+
+
+def _system(task: dict[str, Any]) -> dict[str, Any]:
+    from bench_lib.systems import RunSettings, run_system
+    from bench_lib.workloads import TINY_WORKLOAD, WORKLOADS, draw_requests
+
+    spec = TINY_WORKLOAD if task["workload"] == TINY_WORKLOAD.name else WORKLOADS[task["workload"]]
+    requests = draw_requests(spec, task["vocab"], task["special_ids"])
+    settings = RunSettings(**task["settings"])
+    result = run_system(task["system"], Path(task["model_dir"]), requests, settings)
+    # The native engine's package sets TRITON_CACHE_DIR on import when the environment did not.
+    kernel_cache = os.environ.get("TRITON_CACHE_DIR")
+    return dataclasses.asdict(dataclasses.replace(result, run=task["run"], kernel_cache=kernel_cache))
+
+
+def child_main(task_path: str, out_path: str) -> int:
+    task = json.loads(Path(task_path).read_text())
+    runners = {"hardware": lambda: _hardware(), "model": lambda: _model(task), "system": lambda: _system(task)}
+    try:
+        result = runners[task["kind"]]()
+        code = 0
+    except Exception as error:  # reported to the parent, which records it and goes on with the next system
+        import traceback
+
+        traceback.print_exc()
+        result, code = {"error": f"{type(error).__name__}: {error}"}, 1
+    Path(out_path).write_text(json.dumps(result, default=float))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(*sys.argv[1:]))
