@@ -192,16 +192,18 @@ def test_tiny_run_with_dummy_weights_runs_only_the_native_engines(tmp_path):
             "dummy",
             "--systems",
             "native,hf_generate",
+            "--runs",
+            "warm",
         ]
         + ["--out", str(out), "--model-cache", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (workload,) = json.loads((out / "bench.json").read_text())["workloads"]
     assert list(workload["systems"]) == ["native"] and list(workload["skipped"]) == ["hf_generate"]
-    assert workload["systems"]["native"]["output_tokens"] == 8 * 16
+    assert workload["systems"]["native"]["warm"]["output_tokens"] == 8 * 16
 
 
 def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_its_70b_spec(bench_lib, tmp_path):
