@@ -22,9 +22,11 @@ from batchjob.engine import create_engine
 from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
-from batchjob.io.lock import LockError
+from batchjob.io.layout import OutputDirError
+from batchjob.io.lock import LockError, LockLost
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import InputError, InputSpec, open_input
+from batchjob.io.storage import StorageFull
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.prompts import PromptBuilder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
@@ -33,7 +35,10 @@ from batchjob.signals import Interrupted, exit_code_for
 
 log = logging.getLogger("batchjob")
 EXIT_USAGE = 2
-USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError)
+# The output could not take more rows (a full disk, a lost lock); everything committed is kept, and the
+# same command resumes once the cause is gone (sysexits' EX_TEMPFAIL).
+EXIT_RESUMABLE = 75
+USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError, OutputDirError)
 
 
 def quiet_libraries() -> None:
@@ -111,7 +116,9 @@ def prepare(settings: JobSettings) -> PreparedJob:
     builder.check(list(source.columns))
     passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
-    output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
+    output = OutputDataset(
+        settings.output.dir, settings.shard_index, settings.shard_count, settings.output.lock_timeout_s
+    )
     output.open(record, resume=settings.resume)
     return PreparedJob(settings, model_path, source, builder, passthrough, output)
 
@@ -128,6 +135,9 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except StorageFull as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RESUMABLE
     startup.lap("checks_s")
     try:
         return _generate(job, startup)
@@ -137,6 +147,9 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading: nothing was generated yet
         print("interrupted before generation started; resumable: rerun the same command", file=sys.stderr)
         return exit_code_for(signal.SIGINT)
+    except (StorageFull, LockLost) as err:
+        print(f"error: {err} ({job.output.committed_rows} rows committed)", file=sys.stderr)
+        return EXIT_RESUMABLE
     finally:
         job.output.close()
 

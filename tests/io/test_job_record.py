@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import bookkeeping
 
 from batchjob.io import JobRecordMismatch, OutputDataset
 
@@ -23,7 +24,7 @@ def commit_rows(directory: Path, ids: list[int], record: dict = JOB, **kwargs: i
 
 def test_first_open_writes_the_record(tmp_path: Path) -> None:
     commit_rows(tmp_path, [0])
-    assert json.loads((tmp_path / "_job.json").read_text()) == {**JOB, "shard_count": 1}
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text()) == {**JOB, "shard_count": 1}
 
 
 def test_same_record_resumes(tmp_path: Path) -> None:
@@ -49,7 +50,7 @@ def test_refusal_releases_the_lock(tmp_path: Path) -> None:
     commit_rows(tmp_path, [0])
     with pytest.raises(JobRecordMismatch):
         OutputDataset(str(tmp_path)).open({**JOB, "model": "other"})
-    assert not (tmp_path / "_lock-s00000").exists()
+    assert not (bookkeeping(tmp_path) / "locks" / "s00000.json").exists()
 
 
 def test_changing_the_shard_count_is_refused(tmp_path: Path) -> None:
@@ -66,7 +67,7 @@ def test_resume_false_starts_this_shard_over_with_the_new_record(tmp_path: Path)
         assert out.committed_row_ids().tolist() == []
         assert not out.is_success()
         assert not list(tmp_path.glob("part-*"))
-    assert json.loads((tmp_path / "_job.json").read_text())["model"] == "tiny-qwen3"
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text())["model"] == "tiny-qwen3"
 
 
 def test_resume_false_leaves_other_shards_alone(tmp_path: Path) -> None:
