@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as pads
 
 from batchjob.io.inputs import InputError, InputSpec
@@ -85,7 +86,8 @@ class PartProblem:
 class JobStatus:
     shards: tuple[ShardProgress, ...]
     validation: Validation
-    damaged: tuple[PartProblem, ...] | None = None  # None: the parts were not verified (no --verify)
+    damaged: tuple[PartProblem, ...] = ()  # parts that do not read (or, when verified, differ from the manifest)
+    verified: bool = False  # every committed part was read whole and checked (--verify)
 
     @property
     def complete(self) -> bool:
@@ -110,9 +112,25 @@ def _shard_files(storage: Storage, path: str, shard: int, count: int) -> ShardFi
     return ShardFiles(storage, layout, path, manifests, storage.join(meta, TMP_DIR_NAME))
 
 
-def _committed(files: ShardFiles) -> tuple[np.ndarray, np.ndarray]:
-    """(row ids, completion tokens) of the shard's committed parts: those visible in output.dir."""
+def _committed(files: ShardFiles) -> tuple[np.ndarray, np.ndarray, list[PartProblem]]:
+    """(row ids, completion tokens) of the shard's committed parts (those visible in output.dir), and the
+    parts that do not read (their rows are left out: the shard's next run recomputes them)."""
     parts = sorted(files.visible_parts())
+    try:
+        return (*_read_ids(files, parts), [])
+    except (OSError, pa.ArrowException):
+        pass
+    readable, problems = [], []
+    for name in parts:  # one of them is damaged: find which, one part at a time
+        try:
+            _read_ids(files, [name])
+            readable.append(name)
+        except (OSError, pa.ArrowException) as err:
+            problems.append(PartProblem(files.shard.shard_index, name, f"does not read as Parquet ({err})"))
+    return (*_read_ids(files, readable), problems)
+
+
+def _read_ids(files: ShardFiles, parts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     if not parts:
         return np.empty(0, np.int64), np.empty(0, np.int64)
     paths = [files.part_path(name) for name in parts]
@@ -150,9 +168,8 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None, verify: boo
     shards, all_ids, damaged = [], [], []
     for st in statuses:
         files = _shard_files(storage, path, st["shard"], count)
-        ids, tokens = _committed(files)
-        if verify:
-            damaged += _damaged(files)
+        ids, tokens, unreadable = _committed(files)
+        damaged += _damaged(files) if verify else unreadable
         all_ids.append(ids)
         report = st["report"] or {}
         start, stop = shard_range(total, st["shard"], count) if total is not None else (0, None)
@@ -184,7 +201,7 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None, verify: boo
         RowIds.of(missing),
         RowIds.of(unexpected),
     )
-    return JobStatus(tuple(shards), validation, tuple(damaged) if verify else None)
+    return JobStatus(tuple(shards), validation, tuple(damaged), verify)
 
 
 def _damaged(files: ShardFiles) -> list[PartProblem]:
@@ -213,11 +230,12 @@ def format_status(status: JobStatus) -> str:
         lines.append("every row exactly once")
     elif v.exactly_once:
         lines.append("no duplicates (pass the job's data.* keys to check the row ids against the input)")
-    if status.damaged is not None:
-        for p in status.damaged:
-            lines.append(f"shard {p.shard}: damaged part {p.part}: {p.problem}")
-        verified = "damaged parts found: rerun their shards to recompute their rows" if status.damaged else ""
-        lines.append(verified or "every committed part matches its manifest (size and sha256)")
+    for p in status.damaged:
+        lines.append(f"shard {p.shard}: damaged part {p.part}: {p.problem}")
+    if status.damaged:
+        lines.append("damaged parts found: rerun their shards to recompute their rows")
+    elif status.verified:
+        lines.append("every committed part matches its manifest (size and sha256)")
     lines.append("job COMPLETE" if status.complete else "job INCOMPLETE: rerun the incomplete shards")
     return "\n".join(lines)
 

@@ -76,6 +76,9 @@ class Storage:
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)
 
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 

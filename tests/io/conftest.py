@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from s3_server import s3_endpoint, s3_output_dir  # noqa: F401  (fixtures)
+from small_tmpfs import small_tmpfs  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 PROCS = Path(__file__).with_name("procs.py")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from jobtools import read_output, read_report, run_in_process, write_prompts, write_table
+from jobtools import bookkeeping, read_output, read_report, run_in_process, write_prompts, write_table
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(1500))  # far more tokens than the tiny model's 1024 context
 
@@ -79,7 +79,7 @@ def test_fail_policy_stops_non_zero_after_committing_finished_rows(tmp_path: Pat
     assert "row 12: prompt is null (on_error=fail)" in message
     committed = read_output(tmp_path / "o").column("row_id").to_pylist()
     assert committed == list(range(12))
-    assert not (tmp_path / "o" / "_SUCCESS").exists()
+    assert not (bookkeeping(tmp_path / "o") / "_SUCCESS").exists()
     assert run_in_process(*overrides) == 1
     assert read_output(tmp_path / "o").column("row_id").to_pylist() == committed
 
