@@ -104,11 +104,17 @@ def _shard_log_dir(*, _root_: DictConfig) -> str:
 
 
 def _bookkeeping_dir(output_dir: str) -> str:
-    """The folder beside output.dir for everything but parts; a bad output.dir is reported by the config
-    check in main(), not as a traceback here."""
+    """Where Hydra writes this process's log and config: the folder beside output.dir, or for an object
+    store (Hydra writes local files only) `batchjob-logs/<scheme>/<path>.batchjob` under the working
+    directory. A bad output.dir is reported by the config check in main(), not as a traceback here."""
     from batchjob.io.layout import BOOKKEEPING_SUFFIX  # here: the IO package costs a second to import
 
-    return str(output_dir).rstrip("/") + BOOKKEEPING_SUFFIX
+    scheme, sep, path = str(output_dir).partition("://")
+    if not sep:
+        path = str(output_dir)
+    elif scheme != "file":
+        path = os.path.join("batchjob-logs", scheme, path)
+    return path.rstrip("/") + BOOKKEEPING_SUFFIX
 
 
 def register_resolvers() -> None:
