@@ -16,6 +16,7 @@ import os
 import posixpath
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import fsspec
@@ -23,7 +24,7 @@ import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileSystem
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_READ_BATCH = 32  # objects fetched concurrently from an object store
+_READ_CONCURRENCY = 16  # objects fetched at once from an object store; a batch of parts stays small in memory
 
 
 class StorageFull(RuntimeError):
@@ -116,14 +117,15 @@ class Storage:
             return f.read()
 
     def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
-        """(path, content) of each path, in order; object stores fetch a batch concurrently."""
-        for start in range(0, len(paths), _READ_BATCH):
-            batch = paths[start : start + _READ_BATCH]
-            if self.is_local or len(batch) == 1:
-                yield from ((p, self.read_bytes(p)) for p in batch)
-            else:
-                contents = self.fs.cat(batch, on_error="raise")
-                yield from ((p, contents[p]) for p in batch)
+        """(path, content) of each path, in order; object stores fetch a few at a time concurrently (a
+        request's latency, not its bandwidth, is what a shard's thousands of small reads would wait on)."""
+        if self.is_local:
+            yield from ((p, self.read_bytes(p)) for p in paths)
+            return
+        with ThreadPoolExecutor(_READ_CONCURRENCY) as pool:
+            for start in range(0, len(paths), _READ_CONCURRENCY):
+                batch = paths[start : start + _READ_CONCURRENCY]
+                yield from zip(batch, pool.map(self.read_bytes, batch), strict=True)
 
     def modified(self, path: str) -> float | None:
         """When `path` was last written (seconds since the epoch, the storage's clock), or None if absent."""

@@ -214,10 +214,11 @@ def test_output_on_an_fsspec_filesystem() -> None:
     with OutputDataset(uri) as out:
         out.open(JOB)
         out.commit(rows([1, 0]))
+        out.commit(rows([2]))
         out.mark_success()
     with OutputDataset(uri) as out:
         out.open(JOB)
-        assert out.committed_row_ids().tolist() == [0, 1]
+        assert out.committed_row_ids().tolist() == [0, 1, 2]
         assert out.is_success()
 
 
