@@ -81,7 +81,18 @@ class Storage:
         return self.fs.isdir(path)
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        """Create `path` and its missing parents; on local disks each new entry is fsynced into its parent."""
+        if not self.is_local:
+            self.fs.makedirs(path, exist_ok=True)
+            return
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            path = os.path.dirname(path)
+        for directory in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another shard created it meanwhile
+                os.mkdir(directory)
+            self.fsync_dir(os.path.dirname(directory))
 
     def same_device(self, a: str, b: str) -> bool:
         """Whether a rename from directory `a` to directory `b` can be atomic (always true off local disks)."""
