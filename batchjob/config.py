@@ -15,6 +15,8 @@ from omegaconf.errors import InterpolationResolutionError
 
 from batchjob.engine import SamplingParams, check_engine_options
 from batchjob.errors import ConfigError
+from batchjob.io.layout import OutputDirError, bookkeeping_dir
+from batchjob.io.lock import DEFAULT_TIMEOUT_S as DEFAULT_LOCK_TIMEOUT_S
 from batchjob.pipelines.prompts import PROMPT_KINDS, PromptSpec
 
 BUNDLED_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
@@ -43,6 +45,7 @@ class OutputSettings:
     ordered: bool
     token_ids: bool
     overwrite: bool
+    lock_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,16 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         raise ConfigError("output.dir is empty: set output.dir=/path/to/results")
     if float(out.commit_every_s) <= 0:
         raise ConfigError(f"output.commit_every_s={out.commit_every_s!r}: must be > 0 seconds")
+    try:
+        bookkeeping_dir(str(out.dir))
+    except OutputDirError as err:
+        raise ConfigError(str(err)) from None
+    lock_timeout_s = out.get("lock_timeout_s", DEFAULT_LOCK_TIMEOUT_S)
+    if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, int | float) or lock_timeout_s <= 0:
+        raise ConfigError(
+            f"output.lock_timeout_s={lock_timeout_s!r}: must be a number of seconds > 0 (e.g. 300); a lock not "
+            "refreshed for this long is taken over"
+        )
     limit = data.limit
     if limit is not None:
         limit = _positive_int(limit, "data.limit", minimum=0)
@@ -187,6 +200,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             ordered=bool(out.ordered),
             token_ids=bool(out.token_ids),
             overwrite=_flag(out.overwrite, "output.overwrite"),
+            lock_timeout_s=float(lock_timeout_s),
         ),
         shard_index=shard_index,
         shard_count=shard_count,

@@ -23,10 +23,12 @@ from batchjob.engine import choose_backend, create_engine
 from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
-from batchjob.io.lock import LockError
+from batchjob.io.layout import OutputDirError
+from batchjob.io.lock import LockError, LockLost
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import InputError, InputSpec, open_input
 from batchjob.io.record_guard import record_is_stored
+from batchjob.io.storage import StorageFull
 from batchjob.io.unique_ids import check_unique_ids
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.prompts import PromptBuilder
@@ -36,7 +38,10 @@ from batchjob.signals import Interrupted, exit_code_for
 
 log = logging.getLogger("batchjob")
 EXIT_USAGE = 2
-USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError)
+# The output could not take more rows (a full disk, a lost lock); everything committed is kept, and the
+# same command resumes once the cause is gone (sysexits' EX_TEMPFAIL).
+EXIT_RESUMABLE = 75
+USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError, OutputDirError)
 
 
 def quiet_libraries() -> None:
@@ -146,7 +151,9 @@ def prepare(settings: JobSettings) -> PreparedJob:
     # ids were found unique already (by this shard earlier, or another): a restart skips the full read.
     if not record_is_stored(settings.output.dir, {"shard_count": settings.shard_count, **record}):
         check_unique_ids(source)
-    output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
+    output = OutputDataset(
+        settings.output.dir, settings.shard_index, settings.shard_count, settings.output.lock_timeout_s
+    )
     output.open(record, resume=settings.resume, overwrite=settings.output.overwrite)
     return PreparedJob(settings, model_path, source, builder, passthrough, output)
 
@@ -163,6 +170,9 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except StorageFull as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RESUMABLE
     startup.lap("checks_s")
     try:
         return _generate(job, startup)
@@ -172,6 +182,9 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading: nothing was generated yet
         print("interrupted before generation started; resumable: rerun the same command", file=sys.stderr)
         return exit_code_for(signal.SIGINT)
+    except (StorageFull, LockLost) as err:
+        print(f"error: {err} ({job.output.committed_rows} rows committed)", file=sys.stderr)
+        return EXIT_RESUMABLE
     finally:
         job.output.close()
 

@@ -98,8 +98,10 @@ class ShardRun:
                 self.feeder.close()
                 completions.close()
                 self.progress.close()
-                # Whatever ends the loop (done, signal, bad row, crash), finished rows are kept.
-                self._commit()
+                # Whatever ends the loop (done, signal, bad row, crash), finished rows are kept, unless a
+                # commit failed past its commit point: its rows may be committed, so never retry them.
+                if self.output.writable:
+                    self._commit()
         total = self.previously_committed + self.counts.committed
         if stop.requested and not complete:
             print(f"interrupted: {total} rows committed; resumable: rerun the same command", file=sys.stderr)

@@ -134,6 +134,7 @@ def job_command(args: argparse.Namespace, model: Path, data: Path, out_dir: Path
 def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dict[str, Any]:
     """One whole job with `engine.data_parallel=gpus`, from scratch, timed end to end and then checked."""
     from batchjob.io.inputs import InputSpec
+    from batchjob.io.layout import bookkeeping_dir
     from batchjob.status import job_status
 
     out_dir = args.out / "runs" / f"dp{gpus}"
@@ -169,7 +170,7 @@ def run_one(args: argparse.Namespace, model: Path, data: Path, gpus: int) -> dic
         result.update(exactly_once=False, complete=False, completion_tokens=0, tok_per_s=0.0, error=str(error))
         result.update(rows_committed=0, rows_expected=data_rows(data))
         return result
-    reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("_report-*.json"))]
+    reports = [json.loads(p.read_text()) for p in sorted(Path(bookkeeping_dir(str(out_dir))).glob("_report-*.json"))]
     tokens = sum(s.completion_tokens for s in job.shards)
     v = job.validation
     result.update(

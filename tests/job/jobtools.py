@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import batchjob
-from batchjob.io.layout import REPORT_NAME
+from batchjob.io.layout import BOOKKEEPING_SUFFIX, REPORT_NAME
 from batchjob.job import run_job
 from batchjob.slurm import register_resolvers
 from batchjob.tiny_model import SAMPLE_PROMPTS
@@ -66,10 +66,15 @@ def read_output(out_dir: Path) -> pa.Table:
     return pads.dataset(str(out_dir), format="parquet").to_table().sort_by("row_id")
 
 
+def bookkeeping(out_dir: Path) -> Path:
+    """The folder beside output.dir with the job record, manifests, locks, reports, markers and logs."""
+    return out_dir.with_name(out_dir.name + BOOKKEEPING_SUFFIX)
+
+
 def read_report(out_dir: Path) -> dict:
     import json
 
-    return json.loads((out_dir / REPORT_NAME).read_text())
+    return json.loads((bookkeeping(out_dir) / REPORT_NAME).read_text())
 
 
 def write_prompts(path: Path, rows: int, **extra_columns: list) -> Path:

@@ -78,20 +78,54 @@ def test_bad_arguments_print_usage(capsys: pytest.CaptureFixture) -> None:
 
 def test_a_directory_without_a_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([f"output.dir={tmp_path / 'typo'}"]) == 2
-    assert "holds no batchjob output (no _job.json)" in capsys.readouterr().err
+    assert "holds no batchjob output (no _job.json in" in capsys.readouterr().err
+
+
+def test_verify_checks_every_committed_part(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    commit(out, 0, [0, 1, 2, 3], success=True)
+    commit(out, 1, [4, 5, 6, 7], success=True)
+    assert main([f"output.dir={out}", "--verify"]) == 0
+    assert "every committed part matches its manifest (size and sha256)" in capsys.readouterr().out
+    part = out / "part-s00001-000000.parquet"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    assert main([f"output.dir={out}", "--verify"]) == 1
+    printed = capsys.readouterr().out
+    assert "shard 1: damaged part part-s00001-000000.parquet: " in printed and "(sha256)" in printed
+    assert "rerun their shards to recompute their rows" in printed
+
+
+def test_an_output_dir_of_the_older_layout_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "_job.json").write_text("{}")
+    assert main([f"output.dir={tmp_path}"]) == 2
+    assert "written by an older batchjob" in capsys.readouterr().err
+
+
+def test_a_part_that_does_not_read_is_listed_even_without_verify(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    commit(out, 0, [0, 1, 2, 3], success=True)
+    commit(out, 1, [4, 5, 6, 7], success=True)
+    part = out / "part-s00000-000000.parquet"
+    part.write_bytes(part.read_bytes()[:-20])
+    assert main([f"output.dir={out}"]) == 1
+    printed = capsys.readouterr().out
+    assert "shard 0: damaged part part-s00000-000000.parquet: does not read as Parquet" in printed
+    assert "4 row ids missing: 0, 1, 2, 3" in printed
 
 
 def test_a_string_id_held_by_two_rows_is_reported(tmp_path: Path, capsys) -> None:
     record = {"rows": {"count": 4, "id_column": "custom_id", "string_ids": True}}
     for shard, row_ids, ids in ((0, [0, 1], ["a", "b"]), (1, [2, 3], ["c", "a"])):
-        dataset = OutputDataset(str(tmp_path), shard, 2)
+        dataset = OutputDataset(str(tmp_path / "out"), shard, 2)
         dataset.open(record)
         dataset.commit(pa.table({"row_id": pa.array(row_ids, pa.int64()), "custom_id": ids}))
         dataset.mark_success()
         dataset.close()
-    status = job_status(str(tmp_path))
+    status = job_status(str(tmp_path / "out"))
     assert status.validation.ids_checked  # string ids keep row_id the position: 0..3 are checked too
     assert status.validation.repeated_ids == ("a",)
     assert not status.complete
-    assert main([f"output.dir={tmp_path}"]) == 1
+    assert main([f"output.dir={tmp_path / 'out'}"]) == 1
     assert "custom_id values in more than one row: 'a'" in capsys.readouterr().out
