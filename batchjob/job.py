@@ -13,13 +13,14 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from batchjob.config import JobSettings, load_settings
-from batchjob.engine import create_engine
-from batchjob.errors import ConfigError
+from batchjob.engine import check_engine_model, create_engine
+from batchjob.errors import EXIT_USAGE, ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.lock import LockError
@@ -28,11 +29,11 @@ from batchjob.io.readers import InputError, InputSpec, open_input
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.prompts import PromptBuilder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
+from batchjob.run_files import recorded_run
 from batchjob.shard_run import ShardRun
 from batchjob.signals import Interrupted, exit_code_for
 
 log = logging.getLogger("batchjob")
-EXIT_USAGE = 2
 USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError)
 
 
@@ -50,6 +51,10 @@ def quiet_libraries() -> None:
     # `datasets` is imported only for HF inputs (batchjob.io.hf_reader quiets it then): a Parquet job skips it.
 
 
+# Files a tokenizer is loaded from; a model directory with none of them cannot tokenise at all.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.tiktoken", "vocab.json", "vocab.txt", "spiece.model")
+
+
 @dataclass
 class PreparedJob:
     settings: JobSettings
@@ -58,6 +63,7 @@ class PreparedJob:
     builder: PromptBuilder
     passthrough: list[str]
     output: OutputDataset
+    complete: bool  # the shard was already complete under this same job record: nothing to do or write
 
 
 def passthrough_columns(settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...]) -> list[str]:
@@ -84,9 +90,11 @@ def passthrough_columns(settings: JobSettings, columns: list[str], prompt_column
 
 def prepare(settings: JobSettings) -> PreparedJob:
     """Check the model, the input and the output directory; lock the shard. Loads no model weights."""
-    from transformers import AutoTokenizer
-
     model_path = resolve_model_path(settings.model_path)
+    try:
+        check_engine_model(settings.engine_name, model_path, settings.engine_options)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"engine={settings.engine_name}: {err}") from err
     data = settings.data
     source = open_input(
         InputSpec(
@@ -103,17 +111,47 @@ def prepare(settings: JobSettings) -> PreparedJob:
             batch_rows=data.batch_rows,
         )
     )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
-    builder = PromptBuilder(settings.prompt, tokenizer)
+    builder = PromptBuilder(settings.prompt, load_tokenizer(model_path))
     builder.check(list(source.columns))
     passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
     output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
-    output.open(record, resume=settings.resume)
-    return PreparedJob(settings, model_path, source, builder, passthrough, output)
+    # A shard complete under this same record needs no lock and no write: a finished job reruns fine from
+    # a read-only directory.
+    complete = settings.resume and output.is_complete_for(record)
+    if not complete:
+        open_output(output, record, settings)
+    return PreparedJob(settings, model_path, source, builder, passthrough, output, complete)
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        local = Path(model_path)
+        if local.is_dir() and not any(f for pattern in TOKENIZER_FILES for f in local.glob(pattern)):
+            # transformers then falls back to converting a slow tokenizer and asks for sentencepiece.
+            raise ConfigError(
+                f"model.path={model_path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy them from "
+                "the model the weights came from"
+            ) from err
+        raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
+
+
+def open_output(output: OutputDataset, record: dict[str, Any], settings: JobSettings) -> None:
+    """Lock and resume (or reset) the shard's output; an unusable output.dir is a ConfigError."""
+    out_dir = settings.output.dir
+    if output.storage.exists(output.path) and not output.storage.isdir(output.path):
+        raise ConfigError(f"output.dir={out_dir} is a file: set output.dir to a directory (new or a job's)")
+    try:
+        output.open(record, resume=settings.resume)
+    except OSError as err:
+        raise ConfigError(
+            f"output.dir={out_dir} cannot be written ({err.strerror or err}: {err.filename or out_dir}): set "
+            "output.dir to a writable directory"
+        ) from err
 
 
 def run_job(cfg: DictConfig, started: float | None = None) -> int:
@@ -129,8 +167,15 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     startup.lap("checks_s")
+    settings = job.settings
+    if job.complete:
+        log.info(
+            "shard %d/%d of %s is already complete", settings.shard_index, settings.shard_count, settings.output.dir
+        )
+        return 0
     try:
-        return _generate(job, startup)
+        with recorded_run(cfg, settings.output.dir, settings.shard_index, settings.shard_count):
+            return _generate(job, startup)
     except Interrupted as stopped:  # a second signal while the first one's commit was running
         print("interrupted again: rows committed so far are kept; resumable: rerun the same command", file=sys.stderr)
         return exit_code_for(stopped.signum)
@@ -159,11 +204,6 @@ class StartupClock:
 
 def _generate(job: PreparedJob, startup: StartupClock) -> int:
     settings, output = job.settings, job.output
-    if output.is_success():
-        log.info(
-            "shard %d/%d of %s is already complete", settings.shard_index, settings.shard_count, settings.output.dir
-        )
-        return 0
     committed = output.committed_row_ids()
     total = job.source.num_rows()
     remaining = None if total is None else max(total - len(committed), 0)

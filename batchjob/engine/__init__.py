@@ -1,7 +1,9 @@
 """Backends behind one config key: `engine=native | native_sync | hf`.
 
 Each backend is a class taking `(model_path, **options)` with a `check_options(options)` classmethod that
-raises `ValueError` naming the bad option and the fix; `check_engine_options` runs it before any model
+raises `ValueError` naming the bad option and the fix, and a `check_model(model_path, options)` classmethod
+that reads the model's config files only and raises `ValueError` for a model it cannot run (an
+architecture, a weight format); `check_engine_options` and `check_engine_model` run them before any model
 is loaded, so a bad config fails before any GPU work.
 """
 
@@ -20,6 +22,7 @@ __all__ = [
     "Request",
     "Sample",
     "SamplingParams",
+    "check_engine_model",
     "check_engine_options",
     "create_engine",
 ]
@@ -42,6 +45,11 @@ def _backend(name: str) -> tuple[type, dict[str, Any]]:
 def check_engine_options(name: str, options: Mapping[str, Any]) -> None:
     cls, fixed = _backend(name)
     cls.check_options({**options, **fixed})
+
+
+def check_engine_model(name: str, model_path: str, options: Mapping[str, Any]) -> None:
+    cls, fixed = _backend(name)
+    cls.check_model(model_path, {**options, **fixed})
 
 
 def create_engine(name: str, model_path: str, options: Mapping[str, Any]) -> Engine:

@@ -57,7 +57,7 @@ class OutputDataset:
         With `resume=False` this shard's parts, manifest, reports and success marker are deleted first and
         the record is replaced; other shards' outputs are left alone.
         """
-        record = {"shard_count": self.shard.shard_count, **job_record}
+        record = self._stored_record(job_record)
         self.storage.makedirs(self.path)
         self.storage.makedirs(self.tmp_dir)
         if self._lock.holder is None:  # reopening after a failed write keeps the lock it holds
@@ -74,6 +74,18 @@ class OutputDataset:
             self._lock.release()
             raise
         self._is_open = True
+
+    def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:
+        return {"shard_count": self.shard.shard_count, **job_record}
+
+    def is_complete_for(self, job_record: dict[str, Any]) -> bool:
+        """Whether this shard is complete (success marker present) and the directory records this same job.
+        Takes no lock and writes nothing: a complete shard is never written again unless reset."""
+        record_path = self._file(JOB_RECORD_NAME)
+        if not (self.is_success() and self.storage.exists(record_path)):
+            return False
+        stored = json.loads(self.storage.read_bytes(record_path))
+        return not job_records.differences(stored, job_records.normalise(self._stored_record(job_record)))
 
     def _delete_shard_outputs(self) -> None:
         # Success marker first (a crash mid-reset must not leave a "complete" shard), then the manifest

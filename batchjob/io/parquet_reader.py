@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
@@ -57,6 +58,16 @@ def _list_parquet_files(storage: Storage, path: str, shown: str) -> list[str]:
     return sorted(found)
 
 
+def _footer(filesystem: pafs.FileSystem, file: str) -> pq.FileMetaData:
+    try:
+        with filesystem.open_input_file(file) as f:
+            return pq.ParquetFile(f).metadata
+    except (pa.ArrowException, OSError) as err:  # not Parquet, truncated, unreadable footer or file
+        raise InputError(
+            f"{file} is not a readable Parquet file ({err}): replace it with a good copy, or move it out of data.path"
+        ) from err
+
+
 def _is_hidden(relative: str) -> bool:
     return any(part.startswith(("_", ".")) for part in relative.split("/"))
 
@@ -69,8 +80,7 @@ class ParquetSource(InputSource):
         self.row_groups: list[RowGroup] = []
         schemas = []
         for file in files:
-            with self._pafs.open_input_file(file) as f:
-                metadata = pq.ParquetFile(f).metadata
+            metadata = _footer(self._pafs, file)
             schemas.append(metadata.schema.to_arrow_schema())
             for index in range(metadata.num_row_groups):
                 start = self.row_groups[-1].start + self.row_groups[-1].rows if self.row_groups else 0

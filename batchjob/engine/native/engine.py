@@ -46,6 +46,14 @@ class NativeEngine:
     def check_options(cls, options: Mapping[str, Any]) -> None:
         NativeOptions.from_mapping(options)
 
+    @classmethod
+    def check_model(cls, model_path: str, options: Mapping[str, Any]) -> None:
+        """Config files only: an unsupported architecture or pickle-only weights fail before any load."""
+        from batchjob.engine.native.loader import read_model_spec
+
+        opts = NativeOptions.from_mapping(options)
+        read_model_spec(model_path, opts.dtype, opts.max_model_len)
+
     def __init__(self, model_path: str, **options: Any) -> None:
         from transformers import AutoTokenizer
 
