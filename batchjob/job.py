@@ -231,6 +231,9 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
             queue_batches=settings.queue_batches,
             tokenize_batch_rows=settings.tokenize_batch_rows,
         )
-        return ShardRun(settings, engine, output, feeder, committed, remaining, startup=phases).run()
+        types = job.source.column_types(job.passthrough)
+        return ShardRun(
+            settings, engine, output, feeder, committed, remaining, startup=phases, passthrough_types=types
+        ).run()
     finally:
         engine.close()

@@ -1,7 +1,8 @@
 """`python -m batchjob.status output.dir=DIR [data.path=PATH data.id_column=COL ...]`: how far a job is.
 
-Prints one line per shard (rows done/total, output tokens, tokens/s, complete) and checks that the
-committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
+Prints one line per shard (rows done/total, output tokens, tokens/s, and its state: complete, running with
+the lock holder's pid and host, stale when that process is gone (rerun the shard), or incomplete) and checks
+that the committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
 not in the input are listed. With `data.path` (and the same `data.*` keys the job ran with) the check is
 against the input's own row ids; without, against the job record's row count (after `data.limit`) and,
 unless the job took its ids from `data.id_column`, ids 0..N-1.
@@ -13,6 +14,7 @@ so it is safe while shards are still writing. Exit status: 0 when complete and e
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -20,7 +22,8 @@ import numpy as np
 import pyarrow.dataset as pads
 
 from batchjob.io.inputs import InputError, InputSpec
-from batchjob.io.layout import JOB_RECORD_NAME, ShardOutput
+from batchjob.io.layout import JOB_RECORD_NAME, TMP_DIR_NAME, ShardOutput
+from batchjob.io.lock import LockError, ShardLock
 from batchjob.io.manifest import read_manifest
 from batchjob.io.readers import open_input
 from batchjob.io.sharding import shard_range
@@ -44,6 +47,7 @@ class ShardProgress:
     tokens_per_s: float | None  # of the shard's last run, from its report
     complete: bool
     locked: bool
+    state: str  # complete | running (pid, host) | stale (pid, host, why it is gone) | incomplete
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,28 @@ def _committed(storage: Storage, path: str, shard: int, count: int) -> tuple[np.
     return ids, tokens
 
 
+def _state(storage: Storage, path: str, shard: int, count: int, complete: bool, locked: bool) -> str:
+    """The shard's state; a lock left by a killed process reads `stale`, not `running`."""
+    if complete:
+        return "complete"
+    if not locked:
+        return "incomplete"
+    lock_path = storage.join(path, ShardOutput(path, shard, count).lock_name)
+    try:
+        holder = ShardLock(storage, lock_path, storage.join(path, TMP_DIR_NAME)).read_holder()
+    except LockError:
+        return "stale (unreadable lock file; rerun the shard)"
+    if holder is None:  # released since the directory was listed
+        return "incomplete"
+    who = f"pid {holder.pid} on {holder.host}"
+    gone = holder.stale_reason()
+    if gone is not None:
+        return f"stale ({who}: {gone}; rerun the shard)"
+    if holder.host != socket.gethostname():
+        return f"running? ({who}, since {holder.since}; another host, not checked from here)"
+    return f"running ({who}, since {holder.since})"
+
+
 def _input_ids(spec: InputSpec) -> np.ndarray:
     source = open_input(spec)
     batches = source.iter_batches([])
@@ -143,6 +169,7 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
                 tokens_per_s=report.get("output_tokens_per_s"),
                 complete=st["success"],
                 locked=st["locked"],
+                state=_state(storage, path, st["shard"], count, st["success"], st["locked"]),
             )
         )
     committed = np.sort(np.concatenate(all_ids or [np.empty(0, np.int64)]))
@@ -170,8 +197,7 @@ def format_status(status: JobStatus) -> str:
     for s in status.shards:
         total = "?" if s.rows_total is None else str(s.rows_total)
         rate = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}"
-        state = "complete" if s.complete else ("running" if s.locked else "incomplete")
-        lines.append(f"{s.index:>6} {s.rows_done:>10}/{total:<10} {s.completion_tokens:>10} {rate:>9}  {state}")
+        lines.append(f"{s.index:>6} {s.rows_done:>10}/{total:<10} {s.completion_tokens:>10} {rate:>9}  {s.state}")
     v = status.validation
     expected = "?" if v.rows_expected is None else v.rows_expected
     lines.append(f"committed {v.rows_committed} of {expected} rows")
@@ -201,8 +227,12 @@ def _parse(argv: list[str]) -> tuple[str, InputSpec | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(args):
+        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1].strip())
+        return 0
     try:
-        output_dir, spec = _parse(sys.argv[1:] if argv is None else argv)
+        output_dir, spec = _parse(args)
         status = job_status(output_dir, spec)
     except (ValueError, InputError) as err:
         print(f"error: {err}", file=sys.stderr)

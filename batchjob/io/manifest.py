@@ -25,8 +25,8 @@ class ManifestCorrupt(RuntimeError):
 class PartEntry:
     name: str
     rows: int
-    row_id_min: int
-    row_id_max: int
+    row_id_min: int | None  # None for a zero-row part (a shard without rows)
+    row_id_max: int | None
     size: int
     sha256: str
 

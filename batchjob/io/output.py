@@ -152,8 +152,18 @@ class OutputDataset:
         """Commit `table` (which must hold an int64 `row_id` column) as one new part, atomically."""
         self._require_open()
         _check_row_ids(table)
-        if table.num_rows == 0:
-            return
+        if table.num_rows:
+            self._commit_part(table)
+
+    def commit_empty(self, schema: pa.Schema) -> None:
+        """Commit a zero-row part with `schema` (which must hold an int64 `row_id`): a shard without rows
+        still shows readers its columns, where a directory with no part file at all is an error to them."""
+        self._require_open()
+        table = schema.empty_table()
+        _check_row_ids(table)
+        self._commit_part(table)
+
+    def _commit_part(self, table: pa.Table) -> None:
         with self._writing():
             entry = self._write_part(table, self._next_seq, final_dir=self.path)
             manifest.append_add(self.storage, self.manifest_path, entry)
@@ -184,8 +194,8 @@ class OutputDataset:
         return PartEntry(
             name=name,
             rows=table.num_rows,
-            row_id_min=int(pc.min(row_ids).as_py()),
-            row_id_max=int(pc.max(row_ids).as_py()),
+            row_id_min=pc.min(row_ids).as_py(),  # None for a zero-row part
+            row_id_max=pc.max(row_ids).as_py(),
             size=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
         )
@@ -198,7 +208,7 @@ class OutputDataset:
         (the commit point), then files are moved: a crash leaves either the old or the new set committed.
         """
         self._require_open()
-        if not self._parts:
+        if not self.committed_rows:
             return
         rows_per_part = rows_per_part or max(p.rows for p in self._parts.values())
         ids = self.committed_row_ids()
@@ -207,7 +217,7 @@ class OutputDataset:
         with self._writing():
             for start in range(0, len(ids), rows_per_part):
                 lo, hi = int(ids[start]), int(ids[min(start + rows_per_part, len(ids)) - 1])
-                sources = [p.name for p in old if p.row_id_max >= lo and p.row_id_min <= hi]
+                sources = [p.name for p in old if p.rows and p.row_id_max >= lo and p.row_id_min <= hi]
                 in_range = (pads.field("row_id") >= lo) & (pads.field("row_id") <= hi)
                 chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
                 new.append(self._write_part(chunk, self._next_seq + len(new), final_dir=None))

@@ -111,6 +111,9 @@ class ParquetSource(InputSource):
     def num_rows(self) -> int:
         return self.stop - self.start
 
+    def column_types(self, columns: list[str]) -> pa.Schema:
+        return pa.schema([self.schema.field(c) for c in columns])
+
     def job_rows(self) -> int:
         return self.limited_rows
 

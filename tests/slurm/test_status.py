@@ -1,5 +1,9 @@
 """`python -m batchjob.status`: per-shard progress and the exactly-once check, on real output directories."""
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +15,19 @@ from batchjob.io.output import OutputDataset
 from batchjob.status import job_status, main
 
 RECORD = {"rows": {"count": 8, "id_column": None}}
+REPO = Path(__file__).resolve().parents[2]
+# Opens shard 1 of 2 (taking its lock), says so, then waits to be killed.
+HOLD_SHARD_1 = f"""
+import sys, time
+from batchjob.io.output import OutputDataset
+OutputDataset(sys.argv[1], 1, 2).open({RECORD!r})
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def commit(out: Path, shard: int, row_ids: list[int], *, success: bool, record: dict = RECORD) -> None:
@@ -79,3 +96,38 @@ def test_bad_arguments_print_usage(capsys: pytest.CaptureFixture) -> None:
 def test_a_directory_without_a_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([f"output.dir={tmp_path / 'typo'}"]) == 2
     assert "holds no batchjob output (no _job.json)" in capsys.readouterr().err
+
+
+def test_a_killed_shard_reads_stale_with_its_pid_and_host(tmp_path: Path) -> None:
+    commit(tmp_path, 0, [0, 1, 2, 3], success=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SHARD_1, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=child_env()
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    holder.kill()  # SIGKILL: the lock file stays behind
+    holder.wait()
+    shard = job_status(str(tmp_path)).shards[1]
+    assert shard.locked and not shard.complete
+    assert shard.state.startswith(f"stale (pid {holder.pid} on {socket.gethostname()}")
+    assert "no longer running" in shard.state
+
+
+def test_a_shard_being_written_reads_running(tmp_path: Path) -> None:
+    commit(tmp_path, 0, [0, 1, 2, 3], success=True)
+    dataset = OutputDataset(str(tmp_path), 1, 2)
+    dataset.open(RECORD)
+    try:
+        state = job_status(str(tmp_path)).shards[1].state
+    finally:
+        dataset.close()
+    assert state.startswith(f"running (pid {os.getpid()} on {socket.gethostname()}")
+
+
+def test_help_prints_the_usage_and_exits_0() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "batchjob.status", "--help"], capture_output=True, text=True, env=child_env()
+    )
+    assert shown.returncode == 0
+    assert shown.stdout.startswith("usage: python -m batchjob.status output.dir=DIR")
+    assert "stale" in shown.stdout
+    assert shown.stderr == ""
