@@ -9,6 +9,7 @@ one-line message.
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from batchjob.errors import ConfigError, did_you_mean
+from batchjob.errors import ConfigError
 
 CONF_DIR = Path(__file__).parent / "conf"
 # Free-form subtrees: the backend's own options, checked by the backend.
@@ -42,6 +43,21 @@ def dotted_keys(tree: dict[str, Any], prefix: str = "") -> Iterator[str]:
             yield name
 
 
+def closest_key(key: str, valid: list[str]) -> str:
+    """` (did you mean X?)` for the valid key whose last part is closest to `key`'s (its siblings first, so
+    a shared `engine.` prefix is no likeness), or an empty string."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = [v for v in valid if v.rpartition(".")[0] == parent]
+    for pool in (siblings, valid):
+        by_leaf: dict[str, str] = {}
+        for name in pool:
+            by_leaf.setdefault(name.rpartition(".")[2], name)
+        close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {by_leaf[close[0]]}?)"
+    return ""
+
+
 def _unknown(given: dict[str, Any], known: dict[str, Any], prefix: str = "") -> Iterator[str]:
     for key, value in given.items():
         name = f"{prefix}{key}"
@@ -57,7 +73,7 @@ def check_known_keys(cfg: DictConfig) -> None:
     unknown = list(_unknown(given, packaged_defaults()))
     if unknown:
         valid = list(dotted_keys(packaged_defaults()))
-        named = ", ".join(f"{key}{did_you_mean(key, valid)}" for key in unknown)
+        named = ", ".join(f"{key}{closest_key(key, valid)}" for key in unknown)
         raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {named}: {_HELP}")
 
 
@@ -74,9 +90,17 @@ def composition_error(err: Exception) -> str:
     cause = err.__cause__
     if isinstance(cause, ConfigKeyError | ConfigAttributeError) and cause.full_key:
         # `sampling.max_new_token=8`: Hydra suggests adding `+`, which would only add the typo as a new key.
+        key = cause.full_key
         siblings = cause.parent_node.keys() if isinstance(cause.parent_node, DictConfig) else ()
-        parent = cause.full_key.rpartition(".")[0]
-        valid = [f"{parent}.{key}" if parent else str(key) for key in siblings] or dotted_keys(packaged_defaults())
-        return f"unknown key {cause.full_key}{did_you_mean(cause.full_key, valid)}: {_HELP}"
+        parent = key.rpartition(".")[0]
+        valid = [f"{parent}.{name}" if parent else str(name) for name in siblings]
+        suggestion = closest_key(key, valid or list(dotted_keys(packaged_defaults())))
+        if parent in _OPEN and not suggestion:
+            # A preset that sets only some of its backend's options leaves the others out of the config.
+            return (
+                f"{key} is not in this engine preset: if it is an option of the backend, add it with "
+                f"+{key}=VALUE (the backend checks it)"
+            )
+        return f"unknown key {key}{suggestion}: {_HELP}"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return "; ".join(lines)

@@ -87,6 +87,15 @@ def test_an_unknown_key_in_a_preset_file_is_refused(tmp_path: Path) -> None:
     assert_refused(done, "unknown key data.prompt_colum", "did you mean data.prompt_column?")
 
 
+def test_an_option_a_partial_engine_preset_leaves_out_is_set_with_a_plus(tmp_path: Path) -> None:
+    conf = write_presets(tmp_path / "conf", {"engine/small": "name: hf\nmax_batch_size: 2\n"})
+    done = run_cli("engine=small", "engine.lookahead=2", flags=("--config-dir", str(conf)))
+    assert_refused(done, "engine.lookahead is not in this engine preset", "+engine.lookahead=VALUE")
+    shown = run_cli("engine=small", "+engine.lookahead=2", flags=("--config-dir", str(conf), "--cfg", "job"))
+    assert shown.returncode == 0, shown.stderr
+    assert "lookahead: 2" in shown.stdout
+
+
 def test_an_engine_option_of_another_backend_is_refused(tmp_path: Path) -> None:
     done = run_cli(f"output.dir={tmp_path / 'out'}", "+engine.max_num_seqs=8")  # a native option, engine=hf
     assert_refused(done, "unknown hf engine option(s) engine.max_num_seqs")
