@@ -1,7 +1,8 @@
 """`python -m batchjob.status output.dir=DIR [--verify] [data.path=PATH data.id_column=COL ...]`: how far a job is.
 
-Prints one line per shard (rows done/total, output tokens, tokens/s, complete) and checks that the
-committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
+Prints one line per shard (rows done/total, output tokens, tokens/s, and its state: complete, running with
+the lock holder's pid and host, stale when that process is gone (rerun the shard), or incomplete) and checks
+that the committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
 not in the input are listed. With `data.path` (and the same `data.*` keys the job ran with) the check is
 against the input's own row ids; without, against the job record's row count (after `data.limit`) and,
 unless the job took its ids from an integer `data.id_column`, ids 0..N-1. A string id column's values in the
@@ -23,8 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 
+from batchjob.io import manifest
 from batchjob.io.inputs import InputError, InputSpec
 from batchjob.io.layout import BOOKKEEPING_SUFFIX, JOB_RECORD_NAME, TMP_DIR_NAME, ShardOutput, bookkeeping_dir
+from batchjob.io.lock import DEFAULT_TIMEOUT_S, LockError, ShardLock
 from batchjob.io.readers import open_input
 from batchjob.io.recovery import ShardFiles, check_parts
 from batchjob.io.sharding import shard_range
@@ -49,6 +52,7 @@ class ShardProgress:
     tokens_per_s: float | None  # of the shard's last run, from its report
     complete: bool
     locked: bool
+    state: str  # complete | running (pid, host) | stale (pid, host, why it is gone) | incomplete
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,31 @@ def _read_ids(files: ShardFiles, parts: list[str]) -> tuple[np.ndarray, np.ndarr
     return ids, tokens
 
 
+def _state(storage: Storage, path: str, shard: int, count: int, complete: bool, locked: bool) -> str:
+    """The shard's state; a lock left by a killed process reads `stale`, not `running`. The job's own
+    output.lock_timeout_s is not recorded, so a lock counts as abandoned after the default timeout; the
+    time since its last refresh is shown to judge by."""
+    if complete:
+        return "complete"
+    if not locked:
+        return "incomplete"
+    meta = path.rstrip("/") + BOOKKEEPING_SUFFIX
+    layout = ShardOutput(path, shard, count)
+    lock = ShardLock(storage, storage.join(meta, *layout.lock_name.split("/")), storage.join(meta, TMP_DIR_NAME))
+    try:
+        found = lock.read()
+    except LockError:
+        return "stale (unreadable lock file; rerun the shard)"
+    if found is None:  # released since the directory was listed
+        return "incomplete"
+    holder = found.holder
+    who = f"pid {holder.pid} on {holder.host}"
+    gone = holder.stale_reason(found.age_s, DEFAULT_TIMEOUT_S)
+    if gone is not None:
+        return f"stale ({who}: {gone}; rerun the shard)"
+    return f"running ({who}, since {holder.since}; lock refreshed {found.age_s:.0f} s ago)"
+
+
 def _input_ids(spec: InputSpec) -> np.ndarray:
     source = open_input(spec)
     batches = source.iter_batches([])
@@ -186,6 +215,7 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None, verify: boo
                 tokens_per_s=report.get("output_tokens_per_s"),
                 complete=st["success"],
                 locked=st["locked"],
+                state=_state(storage, path, st["shard"], count, st["success"], st["locked"]),
             )
         )
     committed = np.sort(np.concatenate(all_ids or [np.empty(0, np.int64)]))
@@ -222,14 +252,17 @@ def _damaged(files: ShardFiles) -> list[PartProblem]:
 def _repeated_string_ids(
     storage: Storage, path: str, shards: list[int], count: int, column: str | None, damaged: list[PartProblem]
 ) -> tuple:
-    """A few values of the string id column held by more than one committed row (error rows hold none)."""
+    """A few values of the string id column held by more than one committed row (error rows hold none).
+    Zero-row parts are left out: one written before any row was read may lack the pass-through columns."""
     if column is None:
         return ()
     skip = {p.part for p in damaged}
     files = []
     for shard in shards:
         parts = _shard_files(storage, path, shard, count)
-        files += [parts.part_path(name) for name in sorted(parts.visible_parts()) if name not in skip]
+        entries, _ = manifest.read_entries(storage, parts.manifest_dir)
+        empty = {name for name, entry in entries.items() if entry.rows == 0}
+        files += [parts.part_path(name) for name in sorted(parts.visible_parts()) if name not in skip | empty]
     if not files:
         return ()
     dataset = pads.dataset(files, format="parquet", filesystem=storage.pyarrow_fs())
@@ -243,8 +276,7 @@ def format_status(status: JobStatus) -> str:
     for s in status.shards:
         total = "?" if s.rows_total is None else str(s.rows_total)
         rate = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}"
-        state = "complete" if s.complete else ("running" if s.locked else "incomplete")
-        lines.append(f"{s.index:>6} {s.rows_done:>10}/{total:<10} {s.completion_tokens:>10} {rate:>9}  {state}")
+        lines.append(f"{s.index:>6} {s.rows_done:>10}/{total:<10} {s.completion_tokens:>10} {rate:>9}  {s.state}")
     v = status.validation
     expected = "?" if v.rows_expected is None else v.rows_expected
     lines.append(f"committed {v.rows_committed} of {expected} rows")
@@ -284,8 +316,12 @@ def _parse(argv: list[str]) -> tuple[str, InputSpec | None, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(args):
+        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1].strip())
+        return 0
     try:
-        output_dir, spec, verify = _parse(sys.argv[1:] if argv is None else argv)
+        output_dir, spec, verify = _parse(args)
         status = job_status(output_dir, spec, verify)
     except (ValueError, InputError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -32,8 +32,8 @@ class DamagedPart(ValueError):
 class PartEntry:
     name: str
     rows: int
-    row_id_min: int
-    row_id_max: int
+    row_id_min: int | None  # None for a zero-row part (a shard without rows)
+    row_id_max: int | None
     size: int
     sha256: str
 
@@ -44,8 +44,8 @@ class PartEntry:
         return cls(
             name=name,
             rows=table.num_rows,
-            row_id_min=int(pc.min(row_ids).as_py()),
-            row_id_max=int(pc.max(row_ids).as_py()),
+            row_id_min=pc.min(row_ids).as_py(),  # None for a zero-row part
+            row_id_max=pc.max(row_ids).as_py(),
             size=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
         )
@@ -58,8 +58,8 @@ class PartEntry:
         except (pa.ArrowException, OSError) as err:
             raise DamagedPart(f"{name} does not read as Parquet ({err})") from err
         column = table.column("row_id") if "row_id" in table.column_names else None
-        if column is None or column.type != pa.int64() or column.null_count or table.num_rows == 0:
-            raise DamagedPart(f"{name} has no non-null int64 row_id column with rows")
+        if column is None or column.type != pa.int64() or column.null_count:
+            raise DamagedPart(f"{name} has no non-null int64 row_id column")
         return cls.of_table(name, table, data)
 
     def check(self, data: bytes) -> None:

@@ -40,7 +40,7 @@ from batchjob.io.layout import (
 )
 from batchjob.io.lock import DEFAULT_TIMEOUT_S, ShardLock
 from batchjob.io.manifest import PartEntry, Rewrite
-from batchjob.io.record_guard import RecordChange, settle_job_record, settling
+from batchjob.io.record_guard import RecordChange, record_is_stored, settle_job_record, settling
 from batchjob.io.recovery import ShardFiles
 from batchjob.io.storage import Storage, full_disk_reported
 
@@ -78,7 +78,7 @@ class OutputDataset:
         other shards' outputs are left alone, and a different record is refused while they hold rows of
         it, unless `overwrite=True`, which deletes every shard's output under their locks.
         """
-        record = {"shard_count": self.shard.shard_count, **job_record}
+        record = self._stored_record(job_record)
         self._check_layout()
         with full_disk_reported(self.shard.dir):
             for directory in (self.path, self.tmp_dir, self._meta(LOCKS_DIR_NAME), self.files.manifest_dir):
@@ -112,6 +112,14 @@ class OutputDataset:
     def _check_layout(self) -> None:
         if any(OLD_LAYOUT_RE.match(name) for name in self.storage.list_files(self.path)):
             raise OutputDirError(old_layout_message(self.shard.dir))
+
+    def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:
+        return {"shard_count": self.shard.shard_count, **job_record}
+
+    def is_complete_for(self, job_record: dict[str, Any]) -> bool:
+        """Whether this shard is complete (success marker present) and the directory records this same job.
+        Takes no lock and writes nothing: a complete shard is never written again unless reset."""
+        return self.is_success() and record_is_stored(self.shard.dir, self._stored_record(job_record))
 
     def _require_open(self) -> None:
         if not self._is_open:
@@ -149,8 +157,18 @@ class OutputDataset:
         """
         self._require_open()
         _check_row_ids(table)
-        if table.num_rows == 0:
-            return
+        if table.num_rows:
+            self._commit_part(table)
+
+    def commit_empty(self, schema: pa.Schema) -> None:
+        """Commit a zero-row part with `schema` (which must hold an int64 `row_id`): a shard without rows
+        still shows readers its columns, where a directory with no part file at all is an error to them."""
+        self._require_open()
+        table = schema.empty_table()
+        _check_row_ids(table)
+        self._commit_part(table)
+
+    def _commit_part(self, table: pa.Table) -> None:
         self._lock.ensure_held()
         name = self.shard.part_name(self._next_seq)
         data = _parquet_bytes(table)
@@ -199,7 +217,7 @@ class OutputDataset:
         rows; a job is complete (its success marker written) only after the move.
         """
         self._require_open()
-        if not self._parts:
+        if not self.committed_rows:
             return
         self._lock.ensure_held()
         rows_per_part = rows_per_part or max(p.rows for p in self._parts.values())
@@ -209,7 +227,7 @@ class OutputDataset:
         with full_disk_reported(self.shard.dir), self._writing():
             for start in range(0, len(ids), rows_per_part):
                 lo, hi = int(ids[start]), int(ids[min(start + rows_per_part, len(ids)) - 1])
-                sources = [p.name for p in old if p.row_id_max >= lo and p.row_id_min <= hi]
+                sources = [p.name for p in old if p.rows and p.row_id_max >= lo and p.row_id_min <= hi]
                 in_range = (pads.field("row_id") >= lo) & (pads.field("row_id") <= hi)
                 chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
                 name = self.shard.part_name(self._next_seq + len(new))

@@ -85,6 +85,20 @@ def test_part_committed_without_its_manifest_object_is_recorded_on_open(
     assert json.loads(manifest.read_text()) == json.loads(recorded)
 
 
+def test_a_zero_row_part_is_recorded_without_a_row_id_range_and_checked_on_open(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with opened(out) as dataset:
+        dataset.commit_empty(rows([]).schema)
+    manifest = bookkeeping(out) / "manifests" / "s00000" / "part-s00000-000000.parquet.json"
+    recorded = json.loads(manifest.read_text())
+    assert (recorded["rows"], recorded["row_id_min"], recorded["row_id_max"]) == (0, None, None)
+    manifest.unlink()  # a crash right after the part became visible: recovery records it again
+    with opened(out) as dataset:
+        assert dataset.committed_rows == 0
+    assert json.loads(manifest.read_text()) == recorded
+    assert pq.read_table(out / "part-s00000-000000.parquet").schema.names == ["row_id", "generation"]
+
+
 def flip_a_byte(part: Path) -> None:
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -102,7 +102,7 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("sampling.max_new_tokens=0", "max_new_tokens must be >= 1"),
         ("on_error=ignore", "on_error='ignore': choose one of record, skip, fail"),
         ("engine.max_batch_size=0", "engine.max_batch_size must be a positive integer"),
-        ("+engine.flash=true", "unknown hf engine option(s) ['flash']"),
+        ("+engine.max_batch_siz=4", "engine.max_batch_siz (did you mean engine.max_batch_size?)"),
         ("data.passthrough_columns=[nope]", "passthrough_columns names nope, not in the input"),
         ("shard.index=3", "shard.index=3 must be below shard.count=1"),
         ("output.lock_timeout_s=0", "output.lock_timeout_s=0: must be a number of seconds > 0"),

@@ -29,8 +29,8 @@ def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_di
     prompts = write_prompts(tmp_path / "prompts.parquet", ROWS)
     local = tmp_path / "local"
     assert run_cli(f"data.path={prompts}", f"output.dir={local}", *SMALL_PARTS).returncode == 0
-    args = (f"data.path={prompts}", f"output.dir={s3_output_dir}", *SMALL_PARTS, f"hydra.run.dir={tmp_path / 'logs'}")
-    job = start_cli(*args)
+    args = (f"data.path={prompts}", f"output.dir={s3_output_dir}", *SMALL_PARTS)
+    job = start_cli(*args, cwd=tmp_path)
     deadline = time.monotonic() + 120
     while len(s3_parts(s3_output_dir)) < 2:
         assert job.poll() is None, job.communicate()[1][-2000:]
@@ -38,9 +38,13 @@ def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_di
         time.sleep(0.05)
     job.kill()
     job.wait()
-    resumed = run_cli(*args)
+    resumed = run_cli(*args, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming:" in resumed.stderr
+    # Logs cannot be appended to on S3: both runs' go to a local folder named after output.dir.
+    log = tmp_path / "batchjob-logs" / "s3" / s3_output_dir.removeprefix("s3://")
+    log = log.with_name(log.name + ".batchjob") / "_hydra" / "shard-0-of-1" / "batchjob.log"
+    assert log.read_text().count("ready to generate") == 2
     got, want = read_s3_output(s3_output_dir), read_output(local)
     assert got.column("row_id").to_pylist() == list(range(ROWS))
     assert got.column("generation").to_pylist() == want.column("generation").to_pylist()

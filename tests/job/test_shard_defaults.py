@@ -44,7 +44,8 @@ def test_an_array_not_numbered_from_zero_needs_an_explicit_shard_count(tmp_path:
     assert failed.returncode == 2
     assert "shard.count: this Slurm array has 1 task(s) with ids 2..2" in failed.stderr
     assert "Traceback" not in failed.stderr
-    assert (bookkeeping(tmp_path / "out") / "_hydra" / "shard-2-of-unknown").is_dir()
+    # A refused run writes nothing, not even Hydra's files.
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
 
 
 def test_data_parallel_children_write_every_row_of_the_shard_once(tmp_path: Path) -> None:

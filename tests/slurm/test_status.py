@@ -1,5 +1,12 @@
 """`python -m batchjob.status`: per-shard progress and the exactly-once check, on real output directories."""
 
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -7,10 +14,24 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.io.inputs import InputSpec
+from batchjob.io.lock import DEFAULT_TIMEOUT_S, LockHolder
 from batchjob.io.output import OutputDataset
 from batchjob.status import job_status, main
 
 RECORD = {"rows": {"count": 8, "id_column": None}}
+REPO = Path(__file__).resolve().parents[2]
+# Opens shard 1 of 2 (taking its lock), says so, then waits to be killed.
+HOLD_SHARD_1 = f"""
+import sys, time
+from batchjob.io.output import OutputDataset
+OutputDataset(sys.argv[1], 1, 2).open({RECORD!r})
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def commit(out: Path, shard: int, row_ids: list[int], *, success: bool, record: dict = RECORD) -> None:
@@ -129,3 +150,49 @@ def test_a_string_id_held_by_two_rows_is_reported(tmp_path: Path, capsys) -> Non
     assert not status.complete
     assert main([f"output.dir={tmp_path / 'out'}"]) == 1
     assert "custom_id values in more than one row: 'a'" in capsys.readouterr().out
+
+
+def test_a_killed_shard_reads_stale_with_its_pid_and_host(tmp_path: Path) -> None:
+    commit(tmp_path, 0, [0, 1, 2, 3], success=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SHARD_1, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=child_env()
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    holder.kill()  # SIGKILL: the lock file stays behind
+    holder.wait()
+    shard = job_status(str(tmp_path)).shards[1]
+    assert shard.locked and not shard.complete
+    assert shard.state.startswith(f"stale (pid {holder.pid} on {socket.gethostname()}")
+    assert "no longer running" in shard.state
+
+
+def test_a_shard_being_written_reads_running(tmp_path: Path) -> None:
+    commit(tmp_path, 0, [0, 1, 2, 3], success=True)
+    dataset = OutputDataset(str(tmp_path), 1, 2)
+    dataset.open(RECORD)
+    try:
+        state = job_status(str(tmp_path)).shards[1].state
+    finally:
+        dataset.close()
+    assert state.startswith(f"running (pid {os.getpid()} on {socket.gethostname()}")
+
+
+def test_help_prints_the_usage_and_exits_0() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "batchjob.status", "--help"], capture_output=True, text=True, env=child_env()
+    )
+    assert shown.returncode == 0
+    assert shown.stdout.startswith("usage: python -m batchjob.status output.dir=DIR")
+    assert "stale" in shown.stdout
+    assert shown.stderr == ""
+
+
+def test_a_lock_from_another_host_not_refreshed_for_the_timeout_reads_stale(tmp_path: Path) -> None:
+    commit(tmp_path, 0, [0, 1, 2, 3], success=True)
+    lock = tmp_path.with_name(tmp_path.name + ".batchjob") / "locks" / "s00001.json"
+    lost = dataclasses.replace(LockHolder.this_process(), host="node-17")
+    lock.write_text(json.dumps(dataclasses.asdict(lost)))
+    then = time.time() - 2 * DEFAULT_TIMEOUT_S
+    os.utime(lock, (then, then))
+    state = job_status(str(tmp_path)).shards[1].state
+    assert state.startswith(f"stale (pid {lost.pid} on node-17: not refreshed for ")
