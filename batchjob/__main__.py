@@ -7,6 +7,7 @@ With `engine.data_parallel=N` this process only launches N children, one GPU and
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -16,35 +17,52 @@ _STARTED = time.perf_counter()
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from batchjob.config_help import register_help_resolver  # noqa: E402
+from batchjob.errors import EXIT_USAGE, ConfigError  # noqa: E402
+from batchjob.run_files import register_sweep_dir_resolver  # noqa: E402
 from batchjob.slurm import register_resolvers  # noqa: E402
 
-# The conf's shard defaults are `${slurm_shard_index:}`/`${slurm_shard_count:}`, and Hydra resolves
-# them (hydra.run.dir names the shard) before main() is called.
+# Hydra reports an exception raised while composing the config itself (a trimmed traceback, exit 1)
+# unless this is "1"; `cli` sets it for the composition only, to report those errors as batchjob does.
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_USERS_FULL_ERROR = os.environ.get(_FULL_ERROR)
+
+# The conf calls these resolvers: the shard defaults (`${slurm_shard_index:}`), the multirun folder and
+# the --help text; Hydra may resolve them before main() is called.
 register_resolvers()
+register_sweep_dir_resolver()
+register_help_resolver()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from batchjob.config import data_parallel, load_settings
-    from batchjob.errors import ConfigError
-    from batchjob.job import EXIT_USAGE, run_job
+    from batchjob.job import run_job
 
+    # Composition is over: errors of the job itself get Hydra's usual report, and children (engine.
+    # data_parallel, submitit) inherit the user's setting, not cli's.
+    if _USERS_FULL_ERROR is None:
+        os.environ.pop(_FULL_ERROR, None)
+    else:
+        os.environ[_FULL_ERROR] = _USERS_FULL_ERROR
     try:
         processes = data_parallel(cfg)
         if processes > 1:
             from hydra.core.hydra_config import HydraConfig
 
             from batchjob.launch import run_data_parallel
+            from batchjob.run_files import save_run_config
 
             # Checked once here, so a bad config is one message, not one per child.
             settings = load_settings(cfg)
             overrides = HydraConfig.get().overrides.task
             tensor_parallel = int(settings.engine_options.get("tensor_parallel", 1))
-            sys.exit(
-                run_data_parallel(
-                    overrides, processes, settings.shard_index, settings.shard_count, tensor_parallel=tensor_parallel
-                )
+            status = run_data_parallel(
+                overrides, processes, settings.shard_index, settings.shard_count, tensor_parallel=tensor_parallel
             )
+            if status != EXIT_USAGE:  # a refused child: this command belongs to another job's directory
+                save_run_config(cfg, settings.output.dir, settings.shard_index, settings.shard_count)
+            sys.exit(status)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -53,5 +71,23 @@ def main(cfg: DictConfig) -> None:
         sys.exit(status)
 
 
+def cli() -> None:
+    """Run `main`, reporting Hydra's errors while composing the config (an unknown preset or key, an
+    override it cannot parse) as one line and exit status 2, like batchjob's own config errors."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    from batchjob.config_keys import composition_error
+
+    if _USERS_FULL_ERROR == "1":  # the user asked for Hydra's full traces
+        main()
+        return
+    os.environ[_FULL_ERROR] = "1"
+    try:
+        main()
+    except (ConfigCompositionException, OverrideParseException) as err:
+        print(f"error: {composition_error(err)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -13,12 +13,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from batchjob.config_keys import check_known_keys
 from batchjob.engine import SamplingParams, check_engine_options
 from batchjob.errors import ConfigError
+from batchjob.io.layout import OutputDirError, bookkeeping_dir
 from batchjob.pipelines.prompts import PROMPT_KINDS, PromptSpec
 
 BUNDLED_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
 ON_ERROR = ("record", "skip", "fail")
+# What a `SamplingParams` number field accepts (its annotations are strings: `from __future__ import annotations`).
+_NUMBERS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "bool": ((bool,), "true or false")}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class OutputSettings:
     ordered: bool
     token_ids: bool
     overwrite: bool
+    lock_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -75,17 +80,31 @@ def _flag(value: Any, key: str) -> bool:
     return value
 
 
+def _check_number(key: str, value: Any, annotation: str) -> None:
+    """`sampling.max_new_tokens=abc` fails naming the key and the type, not deep inside a comparison."""
+    base, _, optional = annotation.partition(" | ")
+    if base not in _NUMBERS or (value is None and optional == "None"):
+        return
+    types, wanted = _NUMBERS[base]
+    if value is None or (isinstance(value, bool) and base != "bool") or not isinstance(value, types):
+        raise ConfigError(f"sampling.{key}={value!r}: must be {wanted}{' or null' if optional else ''}")
+
+
 def _sampling(cfg: DictConfig) -> SamplingParams:
     raw = OmegaConf.to_container(cfg.sampling, resolve=True)
     stop = raw.pop("stop", None) or []
     stop_ids = raw.pop("stop_token_ids", None) or []
     if isinstance(stop, str):
         stop = [stop]
+    if not all(isinstance(s, str) for s in stop):
+        raise ConfigError(f"sampling.stop={stop!r}: must be a string or a list of strings")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ConfigError(f"sampling.stop_token_ids={stop_ids!r}: must be a list of token ids (integers)")
+    fields = SamplingParams.__dataclass_fields__
+    for key, value in raw.items():
+        _check_number(key, value, str(fields[key].type))
     try:
-        return SamplingParams(**raw, stop=tuple(stop), stop_token_ids=tuple(int(t) for t in stop_ids))
-    except TypeError as err:
-        allowed = ", ".join(SamplingParams.__dataclass_fields__)
-        raise ConfigError(f"bad sampling key ({err}); sampling takes {allowed}") from err
+        return SamplingParams(**raw, stop=tuple(stop), stop_token_ids=tuple(stop_ids))
     except ValueError as err:
         raise ConfigError(f"{err} (fix the sampling.* override)") from err
 
@@ -131,6 +150,7 @@ def _shard_key(cfg: DictConfig, key: str) -> Any:
 
 def load_settings(cfg: DictConfig) -> JobSettings:
     """Check `cfg` (and the engine options, through the backend's own check) without loading anything."""
+    check_known_keys(cfg)
     engine_cfg = OmegaConf.to_container(cfg.engine, resolve=True)
     engine_name = engine_cfg.pop("name", None)
     # A launcher setting, not a backend option: the launched processes each run one engine on one GPU.
@@ -157,6 +177,16 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         raise ConfigError("output.dir is empty: set output.dir=/path/to/results")
     if float(out.commit_every_s) <= 0:
         raise ConfigError(f"output.commit_every_s={out.commit_every_s!r}: must be > 0 seconds")
+    try:
+        bookkeeping_dir(str(out.dir))
+    except OutputDirError as err:
+        raise ConfigError(str(err)) from None
+    lock_timeout_s = out.lock_timeout_s
+    if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, int | float) or lock_timeout_s <= 0:
+        raise ConfigError(
+            f"output.lock_timeout_s={lock_timeout_s!r}: must be a number of seconds > 0 (e.g. 300); a lock not "
+            "refreshed for this long is taken over"
+        )
     limit = data.limit
     if limit is not None:
         limit = _positive_int(limit, "data.limit", minimum=0)
@@ -187,6 +217,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             ordered=bool(out.ordered),
             token_ids=bool(out.token_ids),
             overwrite=_flag(out.overwrite, "output.overwrite"),
+            lock_timeout_s=float(lock_timeout_s),
         ),
         shard_index=shard_index,
         shard_count=shard_count,

@@ -14,31 +14,35 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from batchjob.config import JobSettings, load_settings
 from batchjob.engine import EngineFailure, choose_backend, create_engine
-from batchjob.errors import ConfigError
+from batchjob.errors import EXIT_USAGE, ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
-from batchjob.io.lock import LockError
+from batchjob.io.layout import OutputDirError
+from batchjob.io.lock import LockError, LockLost
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import InputError, InputSpec, open_input
 from batchjob.io.record_guard import record_is_stored
+from batchjob.io.storage import StorageFull
 from batchjob.io.unique_ids import check_unique_ids
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.prompts import PromptBuilder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
+from batchjob.run_files import recorded_run
 from batchjob.shard_run import ShardRun
 from batchjob.signals import Interrupted, exit_code_for
 
 log = logging.getLogger("batchjob")
-EXIT_USAGE = 2
-# sysexits' EX_TEMPFAIL: the engine broke down (a tensor-parallel rank died), nothing was wrong with the job.
-EXIT_ENGINE_FAILED = 75
-USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError)
+# sysexits' EX_TEMPFAIL: the output could take no more rows (a full disk, a lost lock) or the engine broke down
+# (a tensor-parallel rank died); everything committed is kept, and the same command resumes once the cause is gone.
+EXIT_RESUMABLE = 75
+USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError, OutputDirError)
 
 
 def quiet_libraries() -> None:
@@ -55,6 +59,10 @@ def quiet_libraries() -> None:
     # `datasets` is imported only for HF inputs (batchjob.io.hf_reader quiets it then): a Parquet job skips it.
 
 
+# Files a tokenizer is loaded from; a model directory with none of them cannot tokenise at all.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.tiktoken", "vocab.json", "vocab.txt", "spiece.model")
+
+
 @dataclass
 class PreparedJob:
     settings: JobSettings
@@ -63,6 +71,7 @@ class PreparedJob:
     builder: PromptBuilder
     passthrough: list[str]
     output: OutputDataset
+    complete: bool  # the shard was already complete under this same job record: nothing to do or write
 
 
 def passthrough_columns(
@@ -114,8 +123,6 @@ def choose_engine(settings: JobSettings, model_path: str) -> JobSettings:
 def prepare(settings: JobSettings) -> PreparedJob:
     """Check the model, the engine for it, the input and the output directory; lock the shard. Loads no
     model weights."""
-    from transformers import AutoTokenizer
-
     model_path = resolve_model_path(settings.model_path)
     settings = choose_engine(settings, model_path)
     data = settings.data
@@ -134,23 +141,55 @@ def prepare(settings: JobSettings) -> PreparedJob:
             batch_rows=data.batch_rows,
         )
     )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
-    builder = PromptBuilder(settings.prompt, tokenizer)
+    builder = PromptBuilder(settings.prompt, load_tokenizer(model_path))
     builder.check(list(source.columns))
     passthrough = passthrough_columns(
         settings, list(source.columns), settings.prompt.input_columns, string_ids=source.string_ids
     )
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)
-    # The record is written only once every check has passed, so a stored, identical record means the
-    # ids were found unique already (by this shard earlier, or another): a restart skips the full read.
-    if not record_is_stored(settings.output.dir, {"shard_count": settings.shard_count, **record}):
-        check_unique_ids(source)
-    output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
-    output.open(record, resume=settings.resume, overwrite=settings.output.overwrite)
-    return PreparedJob(settings, model_path, source, builder, passthrough, output)
+    output = OutputDataset(
+        settings.output.dir, settings.shard_index, settings.shard_count, settings.output.lock_timeout_s
+    )
+    # A shard complete under this same record needs no lock and no write: a finished job reruns fine from
+    # a read-only directory.
+    complete = settings.resume and output.is_complete_for(record)
+    if not complete:
+        # The record is written only once every check has passed, so a stored, identical record means the
+        # ids were found unique already (by this shard earlier, or another): a restart skips the full read.
+        if not record_is_stored(settings.output.dir, {"shard_count": settings.shard_count, **record}):
+            check_unique_ids(source)
+        open_output(output, record, settings)
+    return PreparedJob(settings, model_path, source, builder, passthrough, output, complete)
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        local = Path(model_path)
+        if local.is_dir() and not any(f for pattern in TOKENIZER_FILES for f in local.glob(pattern)):
+            # transformers then falls back to converting a slow tokenizer and asks for sentencepiece.
+            raise ConfigError(
+                f"model.path={model_path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy them from "
+                "the model the weights came from"
+            ) from err
+        raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
+
+
+def open_output(output: OutputDataset, record: dict[str, Any], settings: JobSettings) -> None:
+    """Lock and resume (or reset) the shard's output; an unusable output.dir is a ConfigError."""
+    out_dir = settings.output.dir
+    if output.storage.exists(output.path) and not output.storage.isdir(output.path):
+        raise ConfigError(f"output.dir={out_dir} is a file: set output.dir to a directory (new or a job's)")
+    try:
+        output.open(record, resume=settings.resume, overwrite=settings.output.overwrite)
+    except OSError as err:
+        raise ConfigError(
+            f"output.dir={out_dir} cannot be written ({err.strerror or err}: {err.filename or out_dir}): set "
+            "output.dir to a writable directory"
+        ) from err
 
 
 def run_job(cfg: DictConfig, started: float | None = None) -> int:
@@ -166,9 +205,19 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except StorageFull as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RESUMABLE
     startup.lap("checks_s")
+    settings = job.settings
+    if job.complete:
+        log.info(
+            "shard %d/%d of %s is already complete", settings.shard_index, settings.shard_count, settings.output.dir
+        )
+        return 0
     try:
-        return _generate(job, startup)
+        with recorded_run(cfg, settings.output.dir, settings.shard_index, settings.shard_count):
+            return _generate(job, startup)
     except Interrupted as stopped:  # a second signal while the first one's commit was running
         print("interrupted again: rows committed so far are kept; resumable: rerun the same command", file=sys.stderr)
         return exit_code_for(stopped.signum)
@@ -176,12 +225,15 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
         print("interrupted before generation started; resumable: rerun the same command", file=sys.stderr)
         return exit_code_for(signal.SIGINT)
     except EngineFailure as err:  # the finished rows were committed on the way out of the generation loop
-        committed = len(job.output.committed_row_ids())
         print(
-            f"error: the engine failed: {err}\n{committed} rows committed; resumable: rerun the same command",
+            f"error: the engine failed: {err}\n{job.output.committed_rows} rows committed; "
+            "resumable: rerun the same command",
             file=sys.stderr,
         )
-        return EXIT_ENGINE_FAILED
+        return EXIT_RESUMABLE
+    except (StorageFull, LockLost) as err:
+        print(f"error: {err} ({job.output.committed_rows} rows committed)", file=sys.stderr)
+        return EXIT_RESUMABLE
     finally:
         job.output.close()
 
@@ -213,11 +265,6 @@ class StartupClock:
 
 def _generate(job: PreparedJob, startup: StartupClock) -> int:
     settings, output = job.settings, job.output
-    if output.is_success():
-        log.info(
-            "shard %d/%d of %s is already complete", settings.shard_index, settings.shard_count, settings.output.dir
-        )
-        return 0
     committed = output.committed_row_ids()
     total = job.source.num_rows()
     remaining = None if total is None else max(total - len(committed), 0)
@@ -250,6 +297,9 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
             queue_batches=settings.queue_batches,
             tokenize_batch_rows=settings.tokenize_batch_rows,
         )
-        return ShardRun(settings, engine, output, feeder, committed, remaining, startup=phases).run()
+        types = job.source.column_types(job.passthrough)
+        return ShardRun(
+            settings, engine, output, feeder, committed, remaining, startup=phases, passthrough_types=types
+        ).run()
     finally:
         engine.close()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from batchjob.config import JobSettings
 from batchjob.engine import Completion, Engine, Request, SamplingParams
@@ -53,8 +54,12 @@ class ShardRun:
         already_committed: np.ndarray,
         total_rows: int | None,
         startup: dict[str, float] | None = None,
+        passthrough_types: pa.Schema | None = None,
     ) -> None:
+        """`passthrough_types`: the pass-through columns' types from the input's metadata, for the part a
+        shard without rows writes (None: unknown before a row is read; that part then omits them)."""
         self.settings = settings
+        self.passthrough_types = passthrough_types
         self.startup = startup or {}
         self.engine = engine
         self.output = output
@@ -98,8 +103,10 @@ class ShardRun:
                 self.feeder.close()
                 completions.close()
                 self.progress.close()
-                # Whatever ends the loop (done, signal, bad row, crash), finished rows are kept.
-                self._commit()
+                # Whatever ends the loop (done, signal, bad row, crash), finished rows are kept, unless a
+                # commit failed past its commit point: its rows may be committed, so never retry them.
+                if self.output.writable:
+                    self._commit()
         total = self.previously_committed + self.counts.committed
         if stop.requested and not complete:
             print(f"interrupted: {total} rows committed; resumable: rerun the same command", file=sys.stderr)
@@ -115,6 +122,8 @@ class ShardRun:
             return EXIT_FAILED_ROW
         if self.settings.output.ordered:
             self.output.rewrite_ordered()
+        if not self.output.committed_rows:
+            self._commit_empty_part()
         report = self.report(time.perf_counter() - started, total)
         self.output.write_report(report)
         self.output.mark_success()
@@ -191,6 +200,18 @@ class ShardRun:
         self._finished = []
         self._last_commit = time.monotonic()
         self.counts.stage_s["write"] += time.perf_counter() - t0
+
+    def _commit_empty_part(self) -> None:
+        """A shard that ends with no rows (an empty input or slice, every row skipped) still commits a part:
+        readers of the output then see its columns instead of failing on a directory without Parquet files."""
+        passthrough = self.feeder.passthrough_schema or self.passthrough_types or pa.schema([])
+        log.warning(
+            "shard %d/%d has no rows to write (empty input, or every row skipped): committing a zero-row part "
+            "with the output columns",
+            self.settings.shard_index,
+            self.settings.shard_count,
+        )
+        self.output.commit_empty(self.layout.schema(passthrough))
 
     def report(self, wall_s: float, total_committed: int) -> dict[str, Any]:
         counts = self.counts

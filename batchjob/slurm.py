@@ -25,8 +25,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf import OmegaConf
 
 from batchjob.errors import ConfigError
 
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 
 INDEX_RESOLVER = "slurm_shard_index"
 COUNT_RESOLVER = "slurm_shard_count"
-LOG_DIR_RESOLVER = "shard_log_dir"
 # Slurm's job state/reason after SIGTERM when nothing else will restart the task: a time limit hit
 # without (or despite) the USR1 margin, or a preemption that cancels instead of requeueing.
 _REQUEUE_AFTER_TERM = {"TimeLimit", "TIMEOUT", "PREEMPTED"}
@@ -90,26 +88,12 @@ def _shard_index() -> int:
     return (_int(env, "SLURM_ARRAY_TASK_ID") or 0) * tasks + procid
 
 
-def _shard_log_dir(*, _root_: DictConfig) -> str:
-    """`shard-I-of-N`, this process's folder under `output.dir/_hydra/`: with the count in it, an
-    `engine.data_parallel` parent (shard I of N) and its children (of N*data_parallel) never share one."""
-    try:
-        count = _root_.shard.count
-    except InterpolationResolutionError:
-        # Hydra resolves its run dir before main(), where this would be a traceback; main() reports the
-        # bad Slurm array as a ConfigError with its fix instead.
-        count = "unknown"
-    return f"shard-{_root_.shard.index}-of-{count}"
-
-
 def register_resolvers() -> None:
-    """Make `${slurm_shard_index:}`, `${slurm_shard_count:}` and `${shard_log_dir:}` available to the conf."""
+    """Make `${slurm_shard_index:}` and `${slurm_shard_count:}` available to the conf."""
     if not OmegaConf.has_resolver(INDEX_RESOLVER):
         OmegaConf.register_new_resolver(INDEX_RESOLVER, _shard_index)
     if not OmegaConf.has_resolver(COUNT_RESOLVER):
         OmegaConf.register_new_resolver(COUNT_RESOLVER, lambda: shard_from_env().count)
-    if not OmegaConf.has_resolver(LOG_DIR_RESOLVER):
-        OmegaConf.register_new_resolver(LOG_DIR_RESOLVER, _shard_log_dir)
 
 
 def slurm_task_id(env: Mapping[str, str] | None = None) -> str | None:

@@ -1,14 +1,17 @@
-"""`python -m batchjob.status output.dir=DIR [data.path=PATH data.id_column=COL ...]`: how far a job is.
+"""`python -m batchjob.status output.dir=DIR [--verify] [data.path=PATH data.id_column=COL ...]`: how far a job is.
 
-Prints one line per shard (rows done/total, output tokens, tokens/s, complete) and checks that the
-committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
+Prints one line per shard (rows done/total, output tokens, tokens/s, and its state: complete, running with
+the lock holder's pid and host, stale when that process is gone (rerun the shard), or incomplete) and checks
+that the committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
 not in the input are listed. With `data.path` (and the same `data.*` keys the job ran with) the check is
 against the input's own row ids; without, against the job record's row count (after `data.limit`) and,
 unless the job took its ids from an integer `data.id_column`, ids 0..N-1. A string id column's values in the
 output are checked to be unique too.
-Reads manifests, reports and the `row_id`/`completion_tokens` columns of committed parts; takes no lock,
-so it is safe while shards are still writing. Exit status: 0 when complete and exactly once, 1 otherwise,
-2 for bad arguments.
+With `--verify` every committed part is also read whole and checked against its manifest object (size and
+sha256): damaged or missing parts are listed (the next run of their shard recomputes their rows).
+Reads the output listing, manifests, reports and the `row_id`/`completion_tokens` columns of committed
+parts; takes no lock, so it is safe while shards are still writing. Exit status: 0 when complete, exactly
+once (and, with --verify, undamaged), 1 otherwise, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -18,19 +21,22 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as pads
 
+from batchjob.io import manifest
 from batchjob.io.inputs import InputError, InputSpec
-from batchjob.io.layout import JOB_RECORD_NAME, ShardOutput
-from batchjob.io.manifest import read_manifest
+from batchjob.io.layout import BOOKKEEPING_SUFFIX, JOB_RECORD_NAME, TMP_DIR_NAME, ShardOutput, bookkeeping_dir
+from batchjob.io.lock import DEFAULT_TIMEOUT_S, LockError, ShardLock
 from batchjob.io.readers import open_input
+from batchjob.io.recovery import ShardFiles, check_parts
 from batchjob.io.sharding import shard_range
 from batchjob.io.status import shard_status
 from batchjob.io.storage import Storage
 from batchjob.io.unique_ids import PARTITION_ROWS, find_duplicates
 
 USAGE = (
-    "usage: python -m batchjob.status output.dir=DIR [data.path=PATH data.id_column=COL data.limit=N "
+    "usage: python -m batchjob.status output.dir=DIR [--verify] [data.path=PATH data.id_column=COL data.limit=N "
     "data.format=FMT data.split=SPLIT] (the data.* keys the job ran with)"
 )
 _DATA_KEYS = {"data.path": "path", "data.format": "format", "data.split": "split", "data.id_column": "id_column"}
@@ -46,6 +52,7 @@ class ShardProgress:
     tokens_per_s: float | None  # of the shard's last run, from its report
     complete: bool
     locked: bool
+    state: str  # complete | running (pid, host) | stale (pid, host, why it is gone) | incomplete
 
 
 @dataclass(frozen=True)
@@ -77,37 +84,95 @@ class Validation:
 
 
 @dataclass(frozen=True)
+class PartProblem:
+    shard: int
+    part: str
+    problem: str
+
+
+@dataclass(frozen=True)
 class JobStatus:
     shards: tuple[ShardProgress, ...]
     validation: Validation
+    damaged: tuple[PartProblem, ...] = ()  # parts that do not read (or, when verified, differ from the manifest)
+    verified: bool = False  # every committed part was read whole and checked (--verify)
 
     @property
     def complete(self) -> bool:
-        return all(s.complete for s in self.shards) and self.validation.exactly_once
+        return all(s.complete for s in self.shards) and self.validation.exactly_once and not self.damaged
 
 
 def _record(storage: Storage, path: str, output_dir: str) -> dict:
-    record_path = storage.join(path, JOB_RECORD_NAME)
+    record_path = storage.join(path.rstrip("/") + BOOKKEEPING_SUFFIX, JOB_RECORD_NAME)
     if not storage.exists(record_path):
         # Every shard writes the record before anything else, so without it there is no job to report.
-        raise ValueError(f"{output_dir} holds no batchjob output (no {JOB_RECORD_NAME}): set output.dir to a job's")
+        raise ValueError(
+            f"{output_dir} holds no batchjob output (no {JOB_RECORD_NAME} in {bookkeeping_dir(output_dir)}): "
+            "set output.dir to a job's"
+        )
     return json.loads(storage.read_bytes(record_path))
 
 
-def _committed(storage: Storage, path: str, shard: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row ids, completion tokens) of the parts this shard's manifest commits: the manifest, not the
-    directory listing, decides what is committed."""
+def _shard_files(storage: Storage, path: str, shard: int, count: int) -> ShardFiles:
     layout = ShardOutput(path, shard, count)
-    parts = read_manifest(storage, storage.join(path, layout.manifest_name)).parts
+    meta = path.rstrip("/") + BOOKKEEPING_SUFFIX
+    manifests = storage.join(meta, *layout.manifest_dir.split("/"))
+    return ShardFiles(storage, layout, path, manifests, storage.join(meta, TMP_DIR_NAME))
+
+
+def _committed(files: ShardFiles) -> tuple[np.ndarray, np.ndarray, list[PartProblem]]:
+    """(row ids, completion tokens) of the shard's committed parts (those visible in output.dir), and the
+    parts that do not read (their rows are left out: the shard's next run recomputes them)."""
+    parts = sorted(files.visible_parts())
+    try:
+        return (*_read_ids(files, parts), [])
+    except (OSError, pa.ArrowException):
+        pass
+    readable, problems = [], []
+    for name in parts:  # one of them is damaged: find which, one part at a time
+        try:
+            _read_ids(files, [name])
+            readable.append(name)
+        except (OSError, pa.ArrowException) as err:
+            problems.append(PartProblem(files.shard.shard_index, name, f"does not read as Parquet ({err})"))
+    return (*_read_ids(files, readable), problems)
+
+
+def _read_ids(files: ShardFiles, parts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     if not parts:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    files = [storage.join(path, name) for name in parts]
-    dataset = pads.dataset(files, format="parquet", filesystem=storage.pyarrow_fs())
+    paths = [files.part_path(name) for name in parts]
+    dataset = pads.dataset(paths, format="parquet", filesystem=files.storage.pyarrow_fs())
     columns = ["row_id"] + (["completion_tokens"] if "completion_tokens" in dataset.schema.names else [])
     table = dataset.to_table(columns=columns)
     ids = table.column("row_id").to_numpy().astype(np.int64, copy=False)
     tokens = table.column(columns[-1]).to_numpy() if len(columns) == 2 else np.zeros(len(ids), np.int64)
     return ids, tokens
+
+
+def _state(storage: Storage, path: str, shard: int, count: int, complete: bool, locked: bool) -> str:
+    """The shard's state; a lock left by a killed process reads `stale`, not `running`. The job's own
+    output.lock_timeout_s is not recorded, so a lock counts as abandoned after the default timeout; the
+    time since its last refresh is shown to judge by."""
+    if complete:
+        return "complete"
+    if not locked:
+        return "incomplete"
+    meta = path.rstrip("/") + BOOKKEEPING_SUFFIX
+    layout = ShardOutput(path, shard, count)
+    lock = ShardLock(storage, storage.join(meta, *layout.lock_name.split("/")), storage.join(meta, TMP_DIR_NAME))
+    try:
+        found = lock.read()
+    except LockError:
+        return "stale (unreadable lock file; rerun the shard)"
+    if found is None:  # released since the directory was listed
+        return "incomplete"
+    holder = found.holder
+    who = f"pid {holder.pid} on {holder.host}"
+    gone = holder.stale_reason(found.age_s, DEFAULT_TIMEOUT_S)
+    if gone is not None:
+        return f"stale ({who}: {gone}; rerun the shard)"
+    return f"running ({who}, since {holder.since}; lock refreshed {found.age_s:.0f} s ago)"
 
 
 def _input_ids(spec: InputSpec) -> np.ndarray:
@@ -116,12 +181,13 @@ def _input_ids(spec: InputSpec) -> np.ndarray:
     return np.concatenate([b.column("row_id").to_numpy() for b in batches] or [np.empty(0, np.int64)])
 
 
-def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatus:
+def job_status(output_dir: str, input_spec: InputSpec | None = None, verify: bool = False) -> JobStatus:
     """Progress of every shard of `output_dir`, and the exactly-once check against `input_spec` (or,
-    when None, against the job record's row count: ids 0..N-1 unless the ids came from an id column)."""
+    when None, against the job record's row count: ids 0..N-1 unless the ids came from an id column).
+    With `verify`, every committed part is also checked against its manifest object."""
     storage, path = Storage.for_uri(output_dir)
+    statuses = shard_status(output_dir)  # first: it says clearly when output_dir has an older layout
     record = _record(storage, path, output_dir)
-    statuses = shard_status(output_dir)
     count = max(record.get("shard_count") or 1, len(statuses))
     if input_spec is not None:
         expected = _input_ids(input_spec)
@@ -132,9 +198,11 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
         # Without the input, the ids are known only when they are the rows' positions.
         by_position = total is not None and (rows.get("id_column") is None or bool(rows.get("string_ids")))
         expected = np.arange(total, dtype=np.int64) if by_position else None
-    shards, all_ids = [], []
+    shards, all_ids, damaged = [], [], []
     for st in statuses:
-        ids, tokens = _committed(storage, path, st["shard"], count)
+        files = _shard_files(storage, path, st["shard"], count)
+        ids, tokens, unreadable = _committed(files)
+        damaged += _damaged(files) if verify else unreadable
         all_ids.append(ids)
         report = st["report"] or {}
         start, stop = shard_range(total, st["shard"], count) if total is not None else (0, None)
@@ -147,6 +215,7 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
                 tokens_per_s=report.get("output_tokens_per_s"),
                 complete=st["success"],
                 locked=st["locked"],
+                state=_state(storage, path, st["shard"], count, st["success"], st["locked"]),
             )
         )
     committed = np.sort(np.concatenate(all_ids or [np.empty(0, np.int64)]))
@@ -167,19 +236,33 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
         RowIds.of(missing),
         RowIds.of(unexpected),
         id_column,
-        _repeated_string_ids(storage, path, [st["shard"] for st in statuses], count, id_column),
+        _repeated_string_ids(storage, path, [st["shard"] for st in statuses], count, id_column, damaged),
     )
-    return JobStatus(tuple(shards), validation)
+    return JobStatus(tuple(shards), validation, tuple(damaged), verify)
 
 
-def _repeated_string_ids(storage: Storage, path: str, shards: list[int], count: int, column: str | None) -> tuple:
-    """A few values of the string id column held by more than one committed row (error rows hold none)."""
+def _damaged(files: ShardFiles) -> list[PartProblem]:
+    index = files.shard.shard_index
+    found = check_parts(files)
+    problems = [PartProblem(index, c.name, c.problem) for c in found.parts if c.problem is not None]
+    missing = "recorded in the manifest, but the part is gone"
+    return problems + [PartProblem(index, name, missing) for name in found.missing]
+
+
+def _repeated_string_ids(
+    storage: Storage, path: str, shards: list[int], count: int, column: str | None, damaged: list[PartProblem]
+) -> tuple:
+    """A few values of the string id column held by more than one committed row (error rows hold none).
+    Zero-row parts are left out: one written before any row was read may lack the pass-through columns."""
     if column is None:
         return ()
+    skip = {p.part for p in damaged}
     files = []
     for shard in shards:
-        manifest = storage.join(path, ShardOutput(path, shard, count).manifest_name)
-        files += [storage.join(path, name) for name in read_manifest(storage, manifest).parts]
+        parts = _shard_files(storage, path, shard, count)
+        entries, _ = manifest.read_entries(storage, parts.manifest_dir)
+        empty = {name for name, entry in entries.items() if entry.rows == 0}
+        files += [parts.part_path(name) for name in sorted(parts.visible_parts()) if name not in skip | empty]
     if not files:
         return ()
     dataset = pads.dataset(files, format="parquet", filesystem=storage.pyarrow_fs())
@@ -193,8 +276,7 @@ def format_status(status: JobStatus) -> str:
     for s in status.shards:
         total = "?" if s.rows_total is None else str(s.rows_total)
         rate = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}"
-        state = "complete" if s.complete else ("running" if s.locked else "incomplete")
-        lines.append(f"{s.index:>6} {s.rows_done:>10}/{total:<10} {s.completion_tokens:>10} {rate:>9}  {state}")
+        lines.append(f"{s.index:>6} {s.rows_done:>10}/{total:<10} {s.completion_tokens:>10} {rate:>9}  {s.state}")
     v = status.validation
     expected = "?" if v.rows_expected is None else v.rows_expected
     lines.append(f"committed {v.rows_committed} of {expected} rows")
@@ -208,27 +290,39 @@ def format_status(status: JobStatus) -> str:
         lines.append("every row exactly once")
     elif v.exactly_once:
         lines.append("no duplicates (pass the job's data.* keys to check the row ids against the input)")
+    for p in status.damaged:
+        lines.append(f"shard {p.shard}: damaged part {p.part}: {p.problem}")
+    if status.damaged:
+        lines.append("damaged parts found: rerun their shards to recompute their rows")
+    elif status.verified:
+        lines.append("every committed part matches its manifest (size and sha256)")
     lines.append("job COMPLETE" if status.complete else "job INCOMPLETE: rerun the incomplete shards")
     return "\n".join(lines)
 
 
-def _parse(argv: list[str]) -> tuple[str, InputSpec | None]:
+def _parse(argv: list[str]) -> tuple[str, InputSpec | None, bool]:
+    verify = "--verify" in argv
+    argv = [a for a in argv if a != "--verify"]
     values = dict(arg.split("=", 1) for arg in argv if "=" in arg)
     unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in {"output.dir", "data.limit", *_DATA_KEYS}]
     if unknown or "output.dir" not in values:
         raise ValueError(f"{USAGE}\n(unrecognised: {' '.join(unknown)})" if unknown else USAGE)
     if "data.path" not in values:
-        return values["output.dir"], None
+        return values["output.dir"], None, verify
     kwargs = {_DATA_KEYS[k]: v for k, v in values.items() if k in _DATA_KEYS and v not in ("null", "")}
     if values.get("data.limit") not in (None, "null", ""):
         kwargs["limit"] = int(values["data.limit"])
-    return values["output.dir"], InputSpec(**kwargs)
+    return values["output.dir"], InputSpec(**kwargs), verify
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(args):
+        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1].strip())
+        return 0
     try:
-        output_dir, spec = _parse(sys.argv[1:] if argv is None else argv)
-        status = job_status(output_dir, spec)
+        output_dir, spec, verify = _parse(args)
+        status = job_status(output_dir, spec, verify)
     except (ValueError, InputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

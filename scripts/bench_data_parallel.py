@@ -164,6 +164,7 @@ def run_one(
     gpus = data_parallel * tensor_parallel
     name = f"dp{data_parallel}" + (f"tp{tensor_parallel}" if tensor_parallel > 1 else "")
     from batchjob.io.inputs import InputSpec
+    from batchjob.io.layout import bookkeeping_dir
     from batchjob.status import job_status
 
     out_dir = args.out / "runs" / name
@@ -207,7 +208,7 @@ def run_one(
         result.update(exactly_once=False, complete=False, completion_tokens=0, tok_per_s=0.0, error=str(error))
         result.update(rows_committed=0, rows_expected=data_rows(data))
         return result
-    reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("_report-*.json"))]
+    reports = [json.loads(p.read_text()) for p in sorted(Path(bookkeeping_dir(str(out_dir))).glob("_report-*.json"))]
     tokens = sum(s.completion_tokens for s in job.shards)
     v = job.validation
     result.update(

@@ -21,6 +21,7 @@ import torch
 
 from batchjob.engine.api import Completion, Request, Sample, SamplingParams
 from batchjob.engine.hf_sampling import RowState, choose_tokens
+from batchjob.errors import did_you_mean
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -54,7 +55,8 @@ class HFEngine:
     def check_options(cls, options: Mapping[str, Any]) -> None:
         unknown = sorted(set(options) - set(OPTION_DEFAULTS))
         if unknown:
-            raise ValueError(f"unknown hf engine option(s) {unknown}: the hf engine takes {sorted(OPTION_DEFAULTS)}")
+            named = ", ".join(f"engine.{key}{did_you_mean(key, OPTION_DEFAULTS, prefix='engine.')}" for key in unknown)
+            raise ValueError(f"unknown hf engine option(s) {named}: the hf engine takes {', '.join(OPTION_DEFAULTS)}")
         opts = {**OPTION_DEFAULTS, **options}
         if opts["dtype"] != "auto" and opts["dtype"] not in DTYPES:
             raise ValueError(f"engine.dtype={opts['dtype']!r}: use auto, {', '.join(DTYPES)}")

@@ -5,12 +5,12 @@ Knows nothing of CUDA, torch or the engine: it moves Arrow batches with `row_id`
 
 from batchjob.io.inputs import InputError, InputSource, InputSpec
 from batchjob.io.job_record import JobRecordMismatch
-from batchjob.io.layout import ShardOutput
-from batchjob.io.lock import LockError
-from batchjob.io.manifest import ManifestCorrupt
+from batchjob.io.layout import OutputDirError, ShardOutput
+from batchjob.io.lock import LockError, LockLost
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import open_input
 from batchjob.io.status import shard_status
+from batchjob.io.storage import StorageFull
 
 __all__ = [
     "InputError",
@@ -18,9 +18,11 @@ __all__ = [
     "InputSpec",
     "JobRecordMismatch",
     "LockError",
-    "ManifestCorrupt",
+    "LockLost",
     "OutputDataset",
+    "OutputDirError",
     "ShardOutput",
+    "StorageFull",
     "open_input",
     "shard_status",
 ]

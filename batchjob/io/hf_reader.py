@@ -124,6 +124,10 @@ class ArrowDatasetSource(InputSource):
     def num_rows(self) -> int:
         return self.stop - self.start
 
+    def column_types(self, columns: list[str]) -> pa.Schema:
+        schema = self.dataset.features.arrow_schema
+        return pa.schema([schema.field(c) for c in columns])
+
     def job_rows(self) -> int:
         return self.limited_rows
 
@@ -168,6 +172,12 @@ class StreamingDatasetSource(InputSource):
 
     def num_rows(self) -> None:
         return None
+
+    def column_types(self, columns: list[str]) -> pa.Schema | None:
+        if self.dataset.features is None:
+            return None
+        schema = self.dataset.features.arrow_schema
+        return pa.schema([schema.field(c) for c in columns])
 
     def job_rows(self) -> None:
         return None

@@ -95,6 +95,11 @@ class InputSource(ABC):
     def job_rows(self) -> int | None:
         """Rows of the whole job, every shard together: the input's after `limit`; None when unknown."""
 
+    def column_types(self, columns: list[str]) -> pa.Schema | None:
+        """Arrow types of `columns` from the input's metadata, or None when only rows would tell: a shard
+        without rows still writes a part with its output columns."""
+        return None
+
     @abstractmethod
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         """Batches of `row_id` (int64) plus `columns`, in deterministic order, minus rows in `skip_row_ids`.

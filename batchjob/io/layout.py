@@ -1,30 +1,74 @@
-"""Names of every file in an output directory.
+"""Names of everything a job writes: part files in `output.dir`, bookkeeping in the folder beside it.
 
-Only part files may be visible to `pyarrow.dataset(output_dir)` / `pandas.read_parquet(output_dir)`: every
-other file starts with `_`, which pyarrow's discovery skips, so reading the directory yields exactly the
-committed rows.
+`output.dir` holds committed Parquet parts and nothing else, so every Parquet reader given the plain
+directory reads exactly the committed rows. Readers disagree on what they skip: pyarrow and pandas skip
+names starting with `_` or `.`; `datasets` skips only `.`-hidden names; polars reads every non-empty file
+in the whole tree, hidden folders included, and refuses mixed extensions; duckdb reads every `*.parquet` in
+the tree. A bookkeeping folder inside `output.dir` cannot satisfy polars, so it lives beside it:
+
+    output.dir/                      part-sNNNNN-NNNNNN.parquet (committed parts only)
+    output.dir.batchjob/             _job.json, _SUCCESS[-sNNNNN], _report[-sNNNNN].json, _hydra/,
+                                     locks/sNNNNN.json, manifests/sNNNNN/<part>.json, tmp/
+
+A part is committed when it appears under its final name in `output.dir` (an atomic rename on local disks,
+an atomic PUT on object stores); its manifest object records its size and checksum just after.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
 
+BOOKKEEPING_SUFFIX = ".batchjob"
 JOB_RECORD_NAME = "_job.json"
-TMP_DIR_NAME = "_tmp"
-# The whole-job report for single-shard runs; `report.json` would break plain reads of the directory.
+# The whole-job report and success marker of single-shard runs (the names Spark and Hadoop users expect).
 REPORT_NAME = "_report.json"
 SUCCESS_NAME = "_SUCCESS"
+TMP_DIR_NAME = "tmp"
+LOCKS_DIR_NAME = "locks"
+MANIFESTS_DIR_NAME = "manifests"
+HYDRA_DIR_NAME = "_hydra"
+# An ordered rewrite in progress: old parts out, new parts in, rolled forward by the next open.
+REWRITE_NAME = "rewrite.json"
 
 PART_RE = re.compile(r"^part-s(\d{5})-(\d{6})\.parquet$")
-MANIFEST_RE = re.compile(r"^_manifest-s(\d{5})\.jsonl$")
+SHARD_DIR_RE = re.compile(r"^s(\d{5})$")
 SHARD_SUCCESS_RE = re.compile(r"^_SUCCESS-s(\d{5})$")
-LOCK_RE = re.compile(r"^_lock-s(\d{5})$")
+LOCK_RE = re.compile(r"^s(\d{5})\.json$")
+# What batchjob versions that kept their bookkeeping inside output.dir left there.
+OLD_LAYOUT_RE = re.compile(r"^(_job\.json|_manifest-s\d{5}\.jsonl)$")
+
+
+class OutputDirError(ValueError):
+    """output.dir cannot hold a job's output: written by an older layout, a bucket's root, a mount point."""
+
+
+def bookkeeping_dir(output_dir: str) -> str:
+    """The folder beside `output_dir` that holds its job record, manifests, locks, reports and logs."""
+    trimmed = output_dir.rstrip("/")
+    _, scheme_sep, path = trimmed.rpartition("://")
+    at_root = "/" not in path.strip("/") if scheme_sep else not trimmed
+    if at_root:
+        where = "a bucket's root" if scheme_sep else "the filesystem root"
+        raise OutputDirError(
+            f"output.dir={output_dir!r} is {where}: batchjob keeps its bookkeeping in a folder beside "
+            f"output.dir, so set output.dir to a folder inside it (e.g. {trimmed}/run1)"
+        )
+    return trimmed + BOOKKEEPING_SUFFIX
+
+
+def old_layout_message(output_dir: str) -> str:
+    return (
+        f"{output_dir} was written by an older batchjob that kept its bookkeeping (_job.json, manifests) "
+        "inside output.dir; this version keeps it in a folder beside it and cannot resume that layout. "
+        "Finish the job with the batchjob version that started it, or write to a new output.dir"
+    )
 
 
 @dataclass(frozen=True)
 class ShardOutput:
-    """Where one shard's outputs live inside an output directory."""
+    """Names of one shard's files: part names inside output.dir, the rest relative to the bookkeeping folder."""
 
     dir: str
     shard_index: int = 0
@@ -48,13 +92,16 @@ class ShardOutput:
     def part_name(self, seq: int) -> str:
         return f"{self.part_prefix}{seq:06d}.parquet"
 
+    def owns_part(self, name: str) -> bool:
+        return name.startswith(self.part_prefix) and PART_RE.match(name) is not None
+
     @property
-    def manifest_name(self) -> str:
-        return f"_manifest-{self.tag}.jsonl"
+    def manifest_dir(self) -> str:
+        return posixpath.join(MANIFESTS_DIR_NAME, self.tag)
 
     @property
     def lock_name(self) -> str:
-        return f"_lock-{self.tag}"
+        return posixpath.join(LOCKS_DIR_NAME, f"{self.tag}.json")
 
     @property
     def success_name(self) -> str:
@@ -66,5 +113,12 @@ class ShardOutput:
 
     def owns_tmp(self, name: str) -> bool:
         """Whether a file in the temp dir was left by this shard (other shards' temps are theirs to clean)."""
-        own = (self.part_prefix, self.manifest_name, self.lock_name, self.success_name, self.report_name)
-        return name.startswith(own)
+        own = (self.part_prefix, f"{self.tag}.", self.success_name, self.report_name)
+        return name.startswith(own + ((REPORT_NAME,) if self.shard_count == 1 else ()))
+
+
+def part_seq(part_name: str) -> int:
+    match = PART_RE.match(part_name)
+    if match is None:
+        raise RuntimeError(f"{part_name!r} is not a part file name")
+    return int(match.group(2))

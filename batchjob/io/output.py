@@ -1,19 +1,19 @@
 """A shard's view of the output directory: exactly-once Parquet part commits, resume, success markers.
 
-Commit protocol (why each step): the part is written under `_tmp/` (invisible to `pyarrow.dataset`) and
-fsynced, so a crash never exposes a torn Parquet file; it is renamed into place, then a manifest line is
-appended and fsynced. The manifest line is the commit point: on open, a part file the manifest does not
-list (a crash between rename and append) is deleted and its rows are recomputed; a listed part is kept and
-its rows are skipped. So every row is committed exactly once.
+Commit protocol (why each step): on a local disk the part is written to the temp folder beside output.dir
+and fsynced, so a crash never exposes a torn Parquet file; it is renamed into output.dir, the commit point,
+and output.dir is fsynced; then its manifest object (size, sha256, row ids) is created and its folder
+fsynced. On an object store the part is PUT under its final name (atomic: the commit point), then its
+manifest object. Each commit costs a constant number of requests, however long the job.
 
-Reading the whole directory with `pyarrow.dataset` / `pandas.read_parquet` yields exactly the committed
-rows once each shard has been opened after its last crash (or closed cleanly).
+So output.dir always holds exactly the committed parts, even right after a kill -9: every reader of the
+plain directory sees exactly the committed rows, and a rerun skips exactly those row ids. The next open
+checks every part against its manifest object and repairs what a crash left (batchjob/io/recovery.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -21,32 +21,51 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from batchjob.io import manifest
-from batchjob.io.layout import PART_RE, REPORT_NAME, TMP_DIR_NAME, ShardOutput
-from batchjob.io.lock import ShardLock
-from batchjob.io.manifest import PartEntry
-from batchjob.io.record_guard import RecordChange, settle_job_record, settling
-from batchjob.io.storage import Storage
+from batchjob.io import manifest, recovery
+from batchjob.io.crash_points import crash_point
+from batchjob.io.layout import (
+    BOOKKEEPING_SUFFIX,
+    LOCKS_DIR_NAME,
+    OLD_LAYOUT_RE,
+    REPORT_NAME,
+    TMP_DIR_NAME,
+    OutputDirError,
+    ShardOutput,
+    bookkeeping_dir,
+    old_layout_message,
+    part_seq,
+)
+from batchjob.io.lock import DEFAULT_TIMEOUT_S, ShardLock
+from batchjob.io.manifest import PartEntry, Rewrite
+from batchjob.io.record_guard import RecordChange, record_is_stored, settle_job_record, settling
+from batchjob.io.recovery import ShardFiles
+from batchjob.io.storage import Storage, full_disk_reported
 
 log = logging.getLogger(__name__)
 
 
 class OutputDataset:
-    def __init__(self, dir: str, shard_index: int = 0, shard_count: int = 1) -> None:
+    def __init__(
+        self, dir: str, shard_index: int = 0, shard_count: int = 1, lock_timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         self.shard = ShardOutput(dir, shard_index, shard_count)
+        self.bookkeeping_dir = bookkeeping_dir(dir)
         self.storage, self.path = Storage.for_uri(dir)
-        self.tmp_dir = self._file(TMP_DIR_NAME)
-        self.manifest_path = self._file(self.shard.manifest_name)
-        self._lock = ShardLock(self.storage, self._file(self.shard.lock_name), self.tmp_dir)
+        self.meta = self.path.rstrip("/") + BOOKKEEPING_SUFFIX
+        self.tmp_dir = self._meta(TMP_DIR_NAME)
+        self.files = ShardFiles(self.storage, self.shard, self.path, self._meta(self.shard.manifest_dir), self.tmp_dir)
+        self._lock = ShardLock(self.storage, self._meta(self.shard.lock_name), self.tmp_dir, lock_timeout_s)
         self._parts: dict[str, PartEntry] = {}
         self._next_seq = 0
         self._is_open = False
 
-    def _file(self, name: str) -> str:
+    def _meta(self, name: str) -> str:
+        return self.storage.join(self.meta, *name.split("/"))
+
+    def _part(self, name: str) -> str:
         return self.storage.join(self.path, name)
 
     def open(self, job_record: dict[str, Any], resume: bool = True, overwrite: bool = False) -> None:
@@ -59,51 +78,48 @@ class OutputDataset:
         other shards' outputs are left alone, and a different record is refused while they hold rows of
         it, unless `overwrite=True`, which deletes every shard's output under their locks.
         """
-        record = {"shard_count": self.shard.shard_count, **job_record}
-        self.storage.makedirs(self.path)
-        self.storage.makedirs(self.tmp_dir)
-        with settling(self.storage, self.path, self.tmp_dir):
+        record = self._stored_record(job_record)
+        self._check_layout()
+        with full_disk_reported(self.shard.dir):
+            for directory in (self.path, self.tmp_dir, self._meta(LOCKS_DIR_NAME), self.files.manifest_dir):
+                self.storage.makedirs(directory)
+        if not self.storage.same_device(self.tmp_dir, self.path):
+            raise OutputDirError(
+                f"output.dir={self.shard.dir} is on another filesystem than {self.bookkeeping_dir} beside it "
+                "(is output.dir a mount point?), so parts cannot be renamed into it atomically: set output.dir "
+                "to a folder inside that filesystem"
+            )
+        change = RecordChange(
+            self.storage, self.path, self.meta, self.tmp_dir, self.shard, record, self._lock.timeout_s
+        )
+        with full_disk_reported(self.shard.dir), settling(change):
             if self._lock.holder is None:  # reopening after a failed write keeps the lock it holds
                 self._lock.acquire()
             try:
-                change = RecordChange(self.storage, self.path, self.tmp_dir, self.shard, record)
                 settle_job_record(change, resume=resume, overwrite=overwrite)
             except BaseException:
                 self._lock.release()
                 raise
         try:
-            self._recover()
+            with full_disk_reported(self.shard.dir):
+                self._parts = recovery.recover(self.files)
         except BaseException:
             self._lock.release()
             raise
+        self._next_seq = 1 + max((part_seq(name) for name in self._parts), default=-1)
         self._is_open = True
 
-    def _recover(self) -> None:
-        state = manifest.read_manifest(self.storage, self.manifest_path)
-        if manifest.repair_torn_tail(self.storage, self.manifest_path, state):
-            log.warning("%s: dropped a torn last line (its commit never completed)", self.manifest_path)
-        present = self.storage.list_files(self.path)
-        in_tmp = self.storage.list_files(self.tmp_dir)
-        for name, entry in state.parts.items():
-            if name not in present and name in in_tmp:
-                # An ordered rewrite committed this part but crashed before moving it into place.
-                self.storage.rename(self.storage.join(self.tmp_dir, name), self._file(name))
-                present[name] = in_tmp.pop(name)
-            if present.get(name) != entry.size:
-                found = "missing" if name not in present else f"{present[name]} bytes, expected {entry.size}"
-                raise RuntimeError(
-                    f"committed part {self._file(name)} is {found}: its rows are lost. "
-                    "Rerun with resume=false to start this shard over"
-                )
-        for name in present:
-            if name.startswith(self.shard.part_prefix) and name not in state.parts:
-                log.warning("deleting uncommitted part %s (crash before its manifest line)", name)
-                self.storage.remove(self._file(name))
-        for name in in_tmp:
-            if self.shard.owns_tmp(name):
-                self.storage.remove(self.storage.join(self.tmp_dir, name))
-        self._parts = dict(state.parts)
-        self._next_seq = 1 + max((_seq(name) for name in self._parts), default=-1)
+    def _check_layout(self) -> None:
+        if any(OLD_LAYOUT_RE.match(name) for name in self.storage.list_files(self.path)):
+            raise OutputDirError(old_layout_message(self.shard.dir))
+
+    def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:
+        return {"shard_count": self.shard.shard_count, **job_record}
+
+    def is_complete_for(self, job_record: dict[str, Any]) -> bool:
+        """Whether this shard is complete (success marker present) and the directory records this same job.
+        Takes no lock and writes nothing: a complete shard is never written again unless reset."""
+        return self.is_success() and record_is_stored(self.shard.dir, self._stored_record(job_record))
 
     def _require_open(self) -> None:
         if not self._is_open:
@@ -111,6 +127,11 @@ class OutputDataset:
                 f"{self.shard.dir} shard {self.shard.shard_index} is not open (never opened, closed, or a "
                 "write failed midway): call open() to (re)start it"
             )
+
+    @property
+    def writable(self) -> bool:
+        """False once closed, or after a write failed past its commit point (only open() may go on)."""
+        return self._is_open
 
     @property
     def committed_rows(self) -> int:
@@ -126,76 +147,96 @@ class OutputDataset:
         return np.unique(ids.astype(np.int64, copy=False))
 
     def _parts_dataset(self, names: list[str]) -> pads.Dataset:
-        return pads.dataset([self._file(n) for n in names], format="parquet", filesystem=self.storage.pyarrow_fs())
+        return pads.dataset([self._part(n) for n in names], format="parquet", filesystem=self.storage.pyarrow_fs())
 
     def commit(self, table: pa.Table) -> None:
-        """Commit `table` (which must hold an int64 `row_id` column) as one new part, atomically."""
+        """Commit `table` (which must hold an int64 `row_id` column) as one new part, atomically.
+
+        A failure before the commit point leaves the shard as it was (the call may be retried); past it the
+        part is committed but its manifest object may be missing, and the shard refuses writes until open().
+        """
         self._require_open()
         _check_row_ids(table)
-        if table.num_rows == 0:
-            return
-        with self._writing():
-            entry = self._write_part(table, self._next_seq, final_dir=self.path)
-            manifest.append_add(self.storage, self.manifest_path, entry)
-        self._parts[entry.name] = entry
-        self._next_seq += 1
+        if table.num_rows:
+            self._commit_part(table)
+
+    def commit_empty(self, schema: pa.Schema) -> None:
+        """Commit a zero-row part with `schema` (which must hold an int64 `row_id`): a shard without rows
+        still shows readers its columns, where a directory with no part file at all is an error to them."""
+        self._require_open()
+        table = schema.empty_table()
+        _check_row_ids(table)
+        self._commit_part(table)
+
+    def _commit_part(self, table: pa.Table) -> None:
+        self._lock.ensure_held()
+        name = self.shard.part_name(self._next_seq)
+        data = _parquet_bytes(table)
+        entry = PartEntry.of_table(name, table, data)
+        final = self._part(name)
+        with full_disk_reported(self.shard.dir):
+            if self.storage.is_local:
+                tmp = self.storage.join(self.tmp_dir, name)
+                self.storage.write_durable(tmp, data)
+                crash_point("part-written")
+                try:
+                    self.storage.rename(tmp, final, sync=False)
+                except BaseException:
+                    self.storage.remove(tmp)
+                    raise
+            else:
+                self.storage.write_durable(final, data)
+            self._parts[name] = entry  # committed: visible under its final name
+            self._next_seq += 1
+            with self._writing():
+                crash_point("part-committed")
+                self.storage.fsync_dir(self.path)
+                crash_point("part-synced")
+                manifest.write_entry(self.storage, self.files.manifest_dir, entry, self.tmp_dir, sync=False)
+                crash_point("manifest-written")
+                self.storage.fsync_dir(self.files.manifest_dir)
+                crash_point("manifest-synced")
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
-        """A write that fails midway may leave a stray part or a torn manifest line, which only open()'s
-        recovery may continue from: until then the shard refuses further writes."""
+        """A write that fails past its commit point may leave a part without its manifest object or half an
+        ordered rewrite, which only open()'s recovery may continue from: until then writes are refused."""
         try:
             yield
         except BaseException:
             self._is_open = False
             raise
 
-    def _write_part(self, table: pa.Table, seq: int, final_dir: str | None) -> PartEntry:
-        """Write a durable part under `_tmp/`; move it to `final_dir` if given (else it stays in `_tmp/`)."""
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
-        data = sink.getvalue().to_pybytes()
-        name = self.shard.part_name(seq)
-        tmp = self.storage.join(self.tmp_dir, name)
-        self.storage.write_durable(tmp, data)
-        if final_dir is not None:
-            self.storage.rename(tmp, self.storage.join(final_dir, name))
-        row_ids = table.column("row_id")
-        return PartEntry(
-            name=name,
-            rows=table.num_rows,
-            row_id_min=int(pc.min(row_ids).as_py()),
-            row_id_max=int(pc.max(row_ids).as_py()),
-            size=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-        )
-
     def rewrite_ordered(self, rows_per_part: int | None = None) -> None:
         """Rewrite this shard's parts so that reading them in name order yields rows in `row_id` order.
 
         Memory holds one output part (`rows_per_part`, default: the largest existing part) plus one input
-        part at a time. New parts are made durable under `_tmp/`, then one manifest line swaps old for new
-        (the commit point), then files are moved: a crash leaves either the old or the new set committed.
+        part at a time. New parts are made durable in the temp folder, then one rewrite record (the commit
+        point) names old and new parts, then old parts are deleted and new ones moved in: a crash leaves the
+        old set, or a record the next open finishes. While the files move, a reader of output.dir may miss
+        rows; a job is complete (its success marker written) only after the move.
         """
         self._require_open()
-        if not self._parts:
+        if not self.committed_rows:
             return
+        self._lock.ensure_held()
         rows_per_part = rows_per_part or max(p.rows for p in self._parts.values())
         ids = self.committed_row_ids()
         old = list(self._parts.values())
         new: list[PartEntry] = []
-        with self._writing():
+        with full_disk_reported(self.shard.dir), self._writing():
             for start in range(0, len(ids), rows_per_part):
                 lo, hi = int(ids[start]), int(ids[min(start + rows_per_part, len(ids)) - 1])
-                sources = [p.name for p in old if p.row_id_max >= lo and p.row_id_min <= hi]
+                sources = [p.name for p in old if p.rows and p.row_id_max >= lo and p.row_id_min <= hi]
                 in_range = (pads.field("row_id") >= lo) & (pads.field("row_id") <= hi)
                 chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
-                new.append(self._write_part(chunk, self._next_seq + len(new), final_dir=None))
-            manifest.append_replace(self.storage, self.manifest_path, [p.name for p in old], new)
-            for entry in new:
-                self.storage.rename(self.storage.join(self.tmp_dir, entry.name), self._file(entry.name))
-            for entry in old:
-                self.storage.remove(self._file(entry.name))
+                name = self.shard.part_name(self._next_seq + len(new))
+                data = _parquet_bytes(chunk)
+                self.storage.write_durable(self.storage.join(self.tmp_dir, name), data)
+                new.append(PartEntry.of_table(name, chunk, data))
+            rewrite = Rewrite(tuple(p.name for p in old), tuple(new))
+            manifest.write_rewrite(self.storage, self.files.manifest_dir, rewrite, self.tmp_dir)
+            recovery.roll_forward(self.files, rewrite)
         self._parts = {e.name: e for e in new}
         self._next_seq += len(new)
 
@@ -203,16 +244,19 @@ class OutputDataset:
         """`_report-sNNNNN.json`, and for single-shard jobs also the job-wide `_report.json`."""
         self._require_open()
         data = json.dumps(report, indent=2, default=_plain).encode()
-        self.storage.write_atomic(self._file(self.shard.report_name), data, self.tmp_dir)
-        if self.shard.shard_count == 1:
-            self.storage.write_atomic(self._file(REPORT_NAME), data, self.tmp_dir)
+        with full_disk_reported(self.bookkeeping_dir):
+            self.storage.write_atomic(self._meta(self.shard.report_name), data, self.tmp_dir)
+            if self.shard.shard_count == 1:
+                self.storage.write_atomic(self._meta(REPORT_NAME), data, self.tmp_dir)
 
     def mark_success(self) -> None:
         self._require_open()
-        self.storage.write_atomic(self._file(self.shard.success_name), b"", self.tmp_dir)
+        self._lock.ensure_held()
+        with full_disk_reported(self.bookkeeping_dir):
+            self.storage.write_atomic(self._meta(self.shard.success_name), b"", self.tmp_dir)
 
     def is_success(self) -> bool:
-        return self.storage.exists(self._file(self.shard.success_name))
+        return self.storage.exists(self._meta(self.shard.success_name))
 
     def close(self) -> None:
         self._lock.release()
@@ -225,18 +269,17 @@ class OutputDataset:
         self.close()
 
 
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
 def _plain(value: object) -> object:
     """JSON for numpy scalars and arrays, which reports naturally contain."""
     if isinstance(value, np.generic | np.ndarray):
         return value.tolist()
     raise TypeError(f"report value {value!r} of type {type(value).__name__} is not JSON-serialisable")
-
-
-def _seq(part_name: str) -> int:
-    match = PART_RE.match(part_name)
-    if match is None:
-        raise RuntimeError(f"manifest lists {part_name!r}, which is not a part file name")
-    return int(match.group(2))
 
 
 def _check_row_ids(table: pa.Table) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchjob.io.content_digest import parquet_footer_sha256, relative_names
@@ -63,6 +64,19 @@ def _list_parquet_files(storage: Storage, path: str, shown: str) -> list[str]:
     return sorted(found)
 
 
+def _footer(filesystem: pafs.FileSystem, file: str, name: str) -> tuple[pq.FileMetaData, dict[str, Any]]:
+    """The file's Parquet metadata and its identity for the fingerprint (name below the input's root, size,
+    footer hash)."""
+    try:
+        with filesystem.open_input_file(file) as f:
+            metadata = pq.ParquetFile(f).metadata
+            return metadata, {"name": name, "size": f.size(), "footer_sha256": parquet_footer_sha256(f)}
+    except (pa.ArrowException, OSError) as err:  # not Parquet, truncated, unreadable footer or file
+        raise InputError(
+            f"{file} is not a readable Parquet file ({err}): replace it with a good copy, or move it out of data.path"
+        ) from err
+
+
 def _is_hidden(relative: str) -> bool:
     return any(part.startswith(("_", ".")) for part in relative.split("/"))
 
@@ -77,15 +91,8 @@ class ParquetSource(InputSource):
         self._identities = []
         schemas = []
         for file, name in zip(files, relative_names(files), strict=True):
-            with self._pafs.open_input_file(file) as f:
-                try:
-                    metadata = pq.ParquetFile(f).metadata
-                except pa.ArrowInvalid as err:
-                    raise InputError(
-                        f"{file} is not a readable Parquet file ({err}): fix or remove it, or point data.path "
-                        "at the Parquet files only"
-                    ) from err
-                self._identities.append({"name": name, "size": f.size(), "footer_sha256": parquet_footer_sha256(f)})
+            metadata, identity = _footer(self._pafs, file, name)
+            self._identities.append(identity)
             schemas.append(metadata.schema.to_arrow_schema())
             for index in range(metadata.num_row_groups):
                 start = self.row_groups[-1].start + self.row_groups[-1].rows if self.row_groups else 0
@@ -122,6 +129,9 @@ class ParquetSource(InputSource):
                 for group in groups:
                     ids = reader.read_row_group(group.index, columns=[self.spec.id_column], use_threads=False)
                     yield ids.column(0).slice(0, self.limited_rows - group.start)
+
+    def column_types(self, columns: list[str]) -> pa.Schema:
+        return pa.schema([self.schema.field(c) for c in columns])
 
     def job_rows(self) -> int:
         return self.limited_rows

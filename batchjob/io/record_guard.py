@@ -11,13 +11,16 @@ mixes rows of two records. Given this shard's lock and the record it wants:
 - a different record with another shard's rows (or a live writer) behind it: refused, naming the shards and
   the fixes; `overwrite=True` instead takes every shard's lock and deletes every shard's output.
 
-Shards settle one at a time, under the directory's `_lock-job` (held for the seconds settling takes, not for
-the run): shards launched together with a new record (an array resubmitted after a failed start, or with
-`output.overwrite=true`) then see one replacement, not each other's half-made one.
+The record, locks, manifests and markers live in the bookkeeping folder beside output.dir
+(batchjob/io/layout.py); the parts in output.dir. Shards settle one at a time, under the folder's
+`locks/job.json` (held for the seconds settling takes, not for the run): shards launched together with a
+new record (an array resubmitted after a failed start, or with `output.overwrite=true`) then see one
+replacement, not each other's half-made one.
 
-Deletion runs success markers first (a crash must not leave a "complete" shard), then manifests (after which
-nothing is committed), then part files, and the new record is written last: a crash midway leaves the old
-record with fewer rows, which any rerun recomputes or deletes.
+Deletion runs success markers first (a crash must not leave a "complete" shard), then manifest objects,
+then parts, and the new record is written last: a crash midway leaves the old record with fewer rows (a
+part whose manifest object went first is re-recorded under it by recovery), which any rerun resumes or
+deletes.
 """
 
 from __future__ import annotations
@@ -30,24 +33,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchjob.io import job_record as job_records
+from batchjob.io import manifest
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import (
+    BOOKKEEPING_SUFFIX,
     JOB_RECORD_NAME,
-    LOCK_RE,
-    MANIFEST_RE,
-    PART_RE,
+    LOCKS_DIR_NAME,
     REPORT_NAME,
-    SHARD_SUCCESS_RE,
     SUCCESS_NAME,
     ShardOutput,
 )
 from batchjob.io.lock import LockError, ShardLock
-from batchjob.io.manifest import read_manifest
+from batchjob.io.recovery import ShardFiles
+from batchjob.io.status import shard_status
 from batchjob.io.storage import Storage
 
 log = logging.getLogger(__name__)
 _SHOWN_DIFFERENCES = 4
-JOB_LOCK_NAME = "_lock-job"
+JOB_LOCK_NAME = "job.json"  # in locks/, beside the shards' sNNNNN.json
 _JOB_LOCK_WAIT_S = 120.0
 
 
@@ -56,19 +59,29 @@ class RecordChange:
     """What this shard needs to settle the record: where, which shard, the record it runs under."""
 
     storage: Storage
-    path: str
+    out_dir: str  # output.dir as a storage path: the parts
+    meta: str  # the bookkeeping folder beside it
     tmp_dir: str
     shard: ShardOutput
     record: dict[str, Any]
+    lock_timeout_s: float
 
     def file(self, name: str) -> str:
-        return self.storage.join(self.path, name)
+        """A bookkeeping file by its layout name (`_job.json`, `locks/s00000.json`, ...)."""
+        return self.storage.join(self.meta, *name.split("/"))
+
+    def files(self, index: int, shard_count: int) -> ShardFiles:
+        shard = ShardOutput(self.shard.dir, index, max(shard_count, index + 1))
+        return ShardFiles(self.storage, shard, self.out_dir, self.file(shard.manifest_dir), self.tmp_dir)
+
+    def lock(self, name: str) -> ShardLock:
+        return ShardLock(self.storage, self.file(name), self.tmp_dir, self.lock_timeout_s)
 
 
 @contextlib.contextmanager
-def settling(storage: Storage, path: str, tmp_dir: str) -> Iterator[None]:
-    """Hold the directory's job lock while one shard settles the record; other shards wait their turn."""
-    lock = ShardLock(storage, storage.join(path, JOB_LOCK_NAME), tmp_dir)
+def settling(change: RecordChange) -> Iterator[None]:
+    """Hold the folder's job lock while one shard settles the record; other shards wait their turn."""
+    lock = change.lock(f"{LOCKS_DIR_NAME}/{JOB_LOCK_NAME}")
     deadline = time.monotonic() + _JOB_LOCK_WAIT_S
     while True:
         try:
@@ -90,29 +103,29 @@ def settle_job_record(change: RecordChange, resume: bool, overwrite: bool) -> No
     The caller holds this shard's lock."""
     record_path = change.file(JOB_RECORD_NAME)
     wanted = job_records.normalise(change.record)
+    me = change.shard.shard_index
     stored = job_records.read(change.storage, record_path)
     if stored is None:
         if change.storage.create_exclusive(record_path, job_records.encode(wanted), change.tmp_dir):
             if not resume:
-                delete_shard_outputs(change.storage, change.path, change.shard)
+                delete_shard_outputs(change.files(me, change.shard.shard_count), change.meta)
             return
         stored = job_records.read(change.storage, record_path)  # another shard created it first
     diff = job_records.differences(stored, wanted)
     if not diff:
         if not resume:
-            delete_shard_outputs(change.storage, change.path, change.shard)
+            delete_shard_outputs(change.files(me, change.shard.shard_count), change.meta)
         return
     old_count = stored.get("shard_count") if isinstance(stored.get("shard_count"), int) else 1
-    shards = _shards_in(change, old_count)
-    me = change.shard.shard_index
-    others = {i: why for i in shards if i != me and (why := _holds_output(change, i, old_count))}
-    mine = _holds_output(change, me, old_count, check_lock=False)
+    held = _outputs(change)
+    others = {i: why for i, why in held.items() if i != me and why is not None}
+    mine = held.get(me)
     changes = _describe(diff)
     if others and not overwrite:
         listed = ", ".join(f"shard {i} ({why})" for i, why in sorted(others.items()))
         raise JobRecordMismatch(
-            f"{change.path} holds the output of another job ({changes}): {listed}; mixing it with this run's "
-            "rows would give one dataset of two configurations. Use a new output.dir, or add "
+            f"{change.shard.dir} holds the output of another job ({changes}): {listed}; mixing it with this "
+            "run's rows would give one dataset of two configurations. Use a new output.dir, or add "
             "output.overwrite=true to delete every shard's output and start the whole job over"
         )
     if mine and resume and not overwrite:
@@ -122,11 +135,11 @@ def settle_job_record(change: RecordChange, resume: bool, overwrite: bool) -> No
             "output.overwrite=true) to delete that output and start over"
         )
     if overwrite:
-        _delete_every_shard(change, shards, old_count)
+        _delete_every_shard(change, sorted(held), old_count)
         log.warning("output.overwrite=true: deleted every shard's output of the previous job (%s)", changes)
     else:
-        delete_shard_outputs(change.storage, change.path, ShardOutput(change.path, me, old_count))
-        delete_shard_outputs(change.storage, change.path, change.shard)
+        delete_shard_outputs(change.files(me, old_count), change.meta)
+        delete_shard_outputs(change.files(me, change.shard.shard_count), change.meta)
         if not mine:
             log.warning("replacing %s: no row was committed under it (%s)", record_path, changes)
     for name in (SUCCESS_NAME, REPORT_NAME):  # job-wide markers of a single-shard job
@@ -139,21 +152,24 @@ def record_is_stored(output_dir: str, record: dict[str, Any]) -> bool:
     passed before that record was written need not run again."""
     storage, path = Storage.for_uri(output_dir)
     try:
-        stored = job_records.read(storage, storage.join(path, JOB_RECORD_NAME))
+        stored = job_records.read(storage, storage.join(path.rstrip("/") + BOOKKEEPING_SUFFIX, JOB_RECORD_NAME))
     except OSError:  # not readable as a directory: opening the output will say why
         return False
     return stored is not None and not job_records.differences(stored, job_records.normalise(record))
 
 
-def delete_shard_outputs(storage: Storage, path: str, shard: ShardOutput) -> None:
-    """Success marker, reports, manifest, then the part files of one shard (see the module docstring)."""
-    for name in (shard.success_name, shard.report_name, shard.manifest_name):
-        storage.remove(storage.join(path, name))
+def delete_shard_outputs(files: ShardFiles, meta: str) -> None:
+    """Success marker, reports, manifest objects, then the parts of one shard (see the module docstring)."""
+    storage, shard = files.storage, files.shard
+    for name in (shard.success_name, shard.report_name):
+        storage.remove(storage.join(meta, name))
     if shard.shard_count == 1:
-        storage.remove(storage.join(path, REPORT_NAME))
-    for name in storage.list_files(path):
-        if name.startswith(shard.part_prefix):
-            storage.remove(storage.join(path, name))
+        storage.remove(storage.join(meta, REPORT_NAME))
+    manifest.clear_rewrite(storage, files.manifest_dir)
+    for name in storage.list_files(files.manifest_dir):
+        storage.remove(storage.join(files.manifest_dir, name))
+    for name in files.visible_parts():
+        storage.remove(files.part_path(name))
 
 
 def _describe(diff: list[tuple[str, Any, Any]]) -> str:
@@ -162,30 +178,31 @@ def _describe(diff: list[tuple[str, Any, Any]]) -> str:
     return shown + (f"; and {more} more" if more > 0 else "")
 
 
-def _shards_in(change: RecordChange, shard_count: int) -> list[int]:
-    """Every shard index the directory's files name, and every index of the stored job's shard count."""
-    seen = set(range(shard_count))
-    for name in change.storage.list_files(change.path):
-        for pattern in (PART_RE, MANIFEST_RE, SHARD_SUCCESS_RE, LOCK_RE):
-            if match := pattern.match(name):
-                seen.add(int(match.group(1)))
-    return sorted(seen)
+def _outputs(change: RecordChange) -> dict[int, str | None]:
+    """Every shard the folders name or the stored record's shard count implies, with why it depends on the
+    stored record (committed rows or parts, a success marker, a live writer other than this process), or None
+    when it holds nothing."""
+    held: dict[int, str | None] = {}
+    for st in shard_status(change.shard.dir):
+        index = st["shard"]
+        if st["rows"]:
+            held[index] = f"{st['rows']} committed rows"
+        elif st["parts"]:
+            held[index] = "a committed part without rows"
+        elif st["success"]:
+            held[index] = "complete"
+        elif st["locked"] and index != change.shard.shard_index:
+            held[index] = _live_writer(change, ShardOutput(change.shard.dir, index, index + 1).lock_name)
+        else:
+            held[index] = None
+    return held
 
 
-def _holds_output(change: RecordChange, index: int, shard_count: int, check_lock: bool = True) -> str | None:
-    """Why shard `index` depends on the stored record (committed rows, a success marker, a live writer);
-    None when it holds nothing."""
-    layout = ShardOutput(change.path, index, max(shard_count, index + 1))
-    rows = read_manifest(change.storage, change.file(layout.manifest_name)).rows
-    if rows:
-        return f"{rows} committed rows"
-    if change.storage.exists(change.file(layout.success_name)):
-        return "complete"
-    if check_lock:
-        holder = ShardLock(change.storage, change.file(layout.lock_name), change.tmp_dir).read_holder()
-        if holder is not None and holder.stale_reason() is None:
-            return f"being written by pid {holder.pid} on {holder.host}"
-    return None
+def _live_writer(change: RecordChange, lock_name: str) -> str | None:
+    state = change.lock(lock_name).read()
+    if state is None or state.holder.stale_reason(state.age_s, change.lock_timeout_s) is not None:
+        return None
+    return f"being written by pid {state.holder.pid} on {state.holder.host}"
 
 
 def _delete_every_shard(change: RecordChange, shards: list[int], shard_count: int) -> None:
@@ -195,14 +212,12 @@ def _delete_every_shard(change: RecordChange, shards: list[int], shard_count: in
     try:
         for index in shards:
             if index != me:
-                layout = ShardOutput(change.path, index, max(shard_count, index + 1))
-                lock = ShardLock(change.storage, change.file(layout.lock_name), change.tmp_dir)
+                lock = change.lock(change.files(index, shard_count).shard.lock_name)
                 lock.acquire()
                 locks.append(lock)
         for index in shards:
-            layout = ShardOutput(change.path, index, max(shard_count, index + 1))
-            delete_shard_outputs(change.storage, change.path, layout)
-        delete_shard_outputs(change.storage, change.path, change.shard)
+            delete_shard_outputs(change.files(index, shard_count), change.meta)
+        delete_shard_outputs(change.files(me, change.shard.shard_count), change.meta)
     finally:
         for lock in locks:
             lock.release()

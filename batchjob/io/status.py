@@ -1,12 +1,27 @@
-"""Progress of every shard of an output directory, read from its manifests, reports and markers alone."""
+"""Progress of every shard of an output directory, read from its listing, manifests, reports and markers."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from batchjob.io.layout import JOB_RECORD_NAME, LOCK_RE, MANIFEST_RE, SHARD_SUCCESS_RE, ShardOutput
-from batchjob.io.manifest import read_manifest
+import pyarrow.parquet as pq
+
+from batchjob.io import manifest
+from batchjob.io.layout import (
+    BOOKKEEPING_SUFFIX,
+    JOB_RECORD_NAME,
+    LOCK_RE,
+    LOCKS_DIR_NAME,
+    MANIFESTS_DIR_NAME,
+    OLD_LAYOUT_RE,
+    PART_RE,
+    SHARD_DIR_RE,
+    SHARD_SUCCESS_RE,
+    OutputDirError,
+    ShardOutput,
+    old_layout_message,
+)
 from batchjob.io.storage import Storage
 
 
@@ -14,32 +29,47 @@ def shard_status(output_dir: str) -> list[dict[str, Any]]:
     """One dict per shard seen (started, or expected from the job record's shard_count), by shard index:
     `shard`, `parts`, `rows` (committed), `success`, `locked` (lock file present), `report` (or None).
 
-    Reads no part file and takes no lock, so it is safe to run while shards are writing.
+    Reads no part file (except a part committed just before a crash, whose row count is in its footer) and
+    takes no lock, so it is safe to run while shards are writing.
     """
     storage, path = Storage.for_uri(output_dir)
-    names = storage.list_files(path)
-    shard_count = _recorded_shard_count(storage, storage.join(path, JOB_RECORD_NAME))
-    seen = {int(m.group(1)) for n in names for rx in (MANIFEST_RE, SHARD_SUCCESS_RE, LOCK_RE) if (m := rx.match(n))}
+    parts = storage.list_files(path)
+    if any(OLD_LAYOUT_RE.match(name) for name in parts):
+        raise OutputDirError(old_layout_message(output_dir))
+    meta = path.rstrip("/") + BOOKKEEPING_SUFFIX
+    names = storage.list_files(meta)
+    locks = {int(m.group(1)) for n in storage.list_files(storage.join(meta, LOCKS_DIR_NAME)) if (m := LOCK_RE.match(n))}
+    manifests = storage.join(meta, MANIFESTS_DIR_NAME)
+    seen = {int(m.group(1)) for n in storage.list_dirs(manifests) if (m := SHARD_DIR_RE.match(n))}
+    seen |= {int(m.group(1)) for n in names if (m := SHARD_SUCCESS_RE.match(n))} | locks
+    seen |= {int(m.group(1)) for n in parts if (m := PART_RE.match(n))}
+    shard_count = _recorded_shard_count(storage, storage.join(meta, JOB_RECORD_NAME))
     if shard_count is None:
         shard_count = max(seen, default=0) + 1
     statuses = []
     for index in sorted(seen | set(range(shard_count))):
         shard = ShardOutput(output_dir, index, max(shard_count, index + 1))
-        state = read_manifest(storage, storage.join(path, shard.manifest_name))
+        entries, _ = manifest.read_entries(storage, storage.join(meta, *shard.manifest_dir.split("/")))
+        visible = [n for n in parts if shard.owns_part(n)]
+        rows = sum(entries[n].rows if n in entries else _footer_rows(storage, storage.join(path, n)) for n in visible)
         report_name = shard.report_name
         statuses.append(
             {
                 "shard": index,
-                "parts": len(state.parts),
-                "rows": state.rows,
+                "parts": len(visible),
+                "rows": rows,
                 "success": shard.success_name in names,
-                "locked": shard.lock_name in names,
-                "report": json.loads(storage.read_bytes(storage.join(path, report_name)))
+                "locked": index in locks,
+                "report": json.loads(storage.read_bytes(storage.join(meta, report_name)))
                 if report_name in names
                 else None,
             }
         )
     return statuses
+
+
+def _footer_rows(storage: Storage, part: str) -> int:
+    return pq.read_metadata(part, filesystem=storage.pyarrow_fs()).num_rows
 
 
 def _recorded_shard_count(storage: Storage, record_path: str) -> int | None:

@@ -1,20 +1,48 @@
 """Durable file operations on a local path or any fsspec URI (s3://, gs://, memory://, file://).
 
-Local paths get the full crash-safety kit: fsync of files and directories, atomic rename, create-exclusive.
-Object stores have no fsync, rename or append; there a closed write is durable and atomic, `rename` is a
-copy + delete and `append_line` rewrites the file, which is why the manifest (not the rename) is the commit
-point everywhere.
+Local paths get the full crash-safety kit: fsync of files and of the directories whose entries change,
+atomic rename, create-exclusive by hard link. Object stores have no fsync or rename; there a completed PUT
+is durable and atomic (an object appears whole or not at all), `rename` is a copy + delete, and
+create-exclusive is a conditional PUT (`If-None-Match: *`) where the backend supports it (s3fs on S3 and
+S3-compatible servers; elsewhere fsspec's `xb` mode, which some backends implement as check-then-write).
+Listings are never cached: other processes change the directories this one reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import posixpath
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import fsspec
 import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileSystem
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_READ_CONCURRENCY = 16  # objects fetched at once from an object store; a batch of parts stays small in memory
+
+
+class StorageFull(RuntimeError):
+    """A write failed because the device (or the user's quota) holding the output is full."""
+
+
+@contextlib.contextmanager
+def full_disk_reported(what: str) -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT while writing `what` into `StorageFull`, whose message names the fix."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in _FULL:
+            raise
+        raise StorageFull(
+            f"no space left on the device holding {what} ({os.strerror(err.errno)}). Rows committed so far "
+            "are kept: free some space (or raise the quota) and rerun the same command to resume"
+        ) from err
 
 
 class Storage:
@@ -27,11 +55,16 @@ class Storage:
     @classmethod
     def for_uri(cls, uri: str) -> tuple[Storage, str]:
         """The storage holding `uri` and the path of `uri` inside it."""
-        fs, path = fsspec.core.url_to_fs(uri)
+        fs, path = fsspec.core.url_to_fs(uri, use_listings_cache=False)
         is_local = isinstance(fs, LocalFileSystem)
         if is_local:
             path = os.path.abspath(path)
         return cls(fs, is_local), path
+
+    @property
+    def is_s3(self) -> bool:
+        """s3fs, whose PUTs take the If-Match / If-None-Match conditions S3 and S3-compatible servers honour."""
+        return hasattr(self.fs, "call_s3")
 
     def pyarrow_fs(self) -> pafs.FileSystem:
         if self.is_local:
@@ -48,93 +81,155 @@ class Storage:
         return self.fs.isdir(path)
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        """Create `path` and its missing parents; on local disks each new entry is fsynced into its parent."""
+        if not self.is_local:
+            self.fs.makedirs(path, exist_ok=True)
+            return
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            path = os.path.dirname(path)
+        for directory in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another shard created it meanwhile
+                os.mkdir(directory)
+            self.fsync_dir(os.path.dirname(directory))
 
-    def list_files(self, directory: str) -> dict[str, int]:
-        """Base name -> size of the files directly in `directory` (empty if it does not exist)."""
+    def same_device(self, a: str, b: str) -> bool:
+        """Whether a rename from directory `a` to directory `b` can be atomic (always true off local disks)."""
+        return not self.is_local or os.stat(a).st_dev == os.stat(b).st_dev
+
+    def _entries(self, directory: str) -> list[tuple[str, bool, int]]:
+        """(base name, is a directory, size) of what is directly in `directory` (empty if it does not exist)."""
         if self.is_local:
             try:
                 with os.scandir(directory) as entries:
-                    return {e.name: e.stat().st_size for e in entries if e.is_file()}
+                    return [(e.name, e.is_dir(), 0 if e.is_dir() else e.stat().st_size) for e in entries]
             except FileNotFoundError:
-                return {}
-        if not self.fs.exists(directory):
-            return {}
-        return {
-            posixpath.basename(info["name"].rstrip("/")): int(info["size"])
-            for info in self.fs.ls(directory, detail=True)
-            if info["type"] == "file"
-        }
+                return []
+        try:
+            infos = self.fs.ls(directory, detail=True)
+        except FileNotFoundError:
+            return []
+        return [
+            (posixpath.basename(i["name"].rstrip("/")), i["type"] == "directory", int(i.get("size") or 0))
+            for i in infos
+            if i["name"].rstrip("/") != directory.rstrip("/")
+        ]
 
-    def size(self, path: str) -> int:
-        return int(self.fs.size(path))
+    def list_files(self, directory: str) -> dict[str, int]:
+        """Base name -> size of the files directly in `directory` (empty if it does not exist)."""
+        return {name: size for name, is_dir, size in self._entries(directory) if not is_dir}
+
+    def list_dirs(self, directory: str) -> list[str]:
+        return sorted(name for name, is_dir, _ in self._entries(directory) if is_dir)
 
     def read_bytes(self, path: str) -> bytes:
         with self.fs.open(path, "rb") as f:
             return f.read()
 
+    def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+        """(path, content) of each path, in order; object stores fetch a few at a time concurrently (a
+        request's latency, not its bandwidth, is what a shard's thousands of small reads would wait on)."""
+        if self.is_local:
+            yield from ((p, self.read_bytes(p)) for p in paths)
+            return
+        with ThreadPoolExecutor(_READ_CONCURRENCY) as pool:
+            for start in range(0, len(paths), _READ_CONCURRENCY):
+                batch = paths[start : start + _READ_CONCURRENCY]
+                yield from zip(batch, pool.map(self.read_bytes, batch), strict=True)
+
+    def modified(self, path: str) -> float | None:
+        """When `path` was last written (seconds since the epoch, the storage's clock), or None if absent."""
+        if self.is_local:
+            try:
+                return os.stat(path).st_mtime
+            except FileNotFoundError:
+                return None
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
+        return stamp.timestamp() if isinstance(stamp, datetime) else float(stamp)
+
     def remove(self, path: str) -> None:
         """Delete a file; absent is fine (cleanup is re-run after crashes)."""
         if self.is_local:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-            except FileNotFoundError:
-                return
-        elif self.fs.exists(path):
+            return
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
     def write_durable(self, path: str, data: bytes) -> None:
-        """Write `data` to `path` (a name nobody reads yet) and make it durable before returning."""
-        if self.is_local:
+        """Write `data` to `path` and make it durable; on failure nothing is left. Local files are written in
+        place (give a name nobody reads yet); an object store's PUT is atomic, so any name will do."""
+        if not self.is_local:
+            self.fs.pipe_file(path, data)
+            return
+        try:
             with open(path, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        else:
-            with self.fs.open(path, "wb") as f:
-                f.write(data)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            raise
 
-    def rename(self, src: str, dst: str) -> None:
-        """Move `src` over `dst`; on local disks atomic and durable (the directory entry is fsynced)."""
+    def rename(self, src: str, dst: str, sync: bool = True) -> None:
+        """Move `src` over `dst`; on local disks atomic, and durable unless `sync=False` (then the caller
+        fsyncs `dst`'s directory)."""
         if self.is_local:
             os.replace(src, dst)
-            self.fsync_dir(os.path.dirname(dst))
+            if sync:
+                self.fsync_dir(os.path.dirname(dst))
         else:
             self.fs.mv(src, dst)
 
     def write_atomic(self, path: str, data: bytes, tmp_dir: str) -> None:
         """Readers of `path` see the old content or all of `data`, never a torn file."""
+        if not self.is_local:
+            self.write_durable(path, data)
+            return
         self.makedirs(tmp_dir)
         tmp = self.join(tmp_dir, f"{posixpath.basename(path)}.{uuid.uuid4().hex}")
         self.write_durable(tmp, data)
-        self.rename(tmp, path)
+        try:
+            self.rename(tmp, path)
+        except BaseException:
+            self.remove(tmp)
+            raise
 
-    def create_exclusive(self, path: str, data: bytes, tmp_dir: str) -> bool:
-        """Create `path` holding `data` unless it exists; False if it existed.
+    def create_exclusive(self, path: str, data: bytes, tmp_dir: str, sync: bool = True) -> bool:
+        """Create `path` holding `data` unless it exists; False if it existed. Durable when it returns True,
+        unless `sync=False` (then the caller fsyncs `path`'s directory).
 
         Local: atomic (a complete temp file is hard-linked into place, so no reader sees a half-written
-        file). Object stores: exclusive-create where the backend supports it, else check-then-write.
+        file). Object stores: a conditional PUT.
         """
-        if self.is_local:
-            self.makedirs(tmp_dir)
-            tmp = self.join(tmp_dir, f"{os.path.basename(path)}.{uuid.uuid4().hex}")
-            self.write_durable(tmp, data)
+        if not self.is_local:
             try:
-                os.link(tmp, path)
+                self.fs.pipe_file(path, data, mode="create")
             except FileExistsError:
                 return False
-            except OSError:
-                # No hard links here (some FUSE mounts): exclusive create, briefly visible half-written.
-                return self._create_exclusive_unlinked(path, data)
-            finally:
-                os.remove(tmp)
-            self.fsync_dir(os.path.dirname(path))
             return True
+        self.makedirs(tmp_dir)
+        tmp = self.join(tmp_dir, f"{os.path.basename(path)}.{uuid.uuid4().hex}")
+        self.write_durable(tmp, data)
         try:
-            with self.fs.open(path, "xb") as f:
-                f.write(data)
+            os.link(tmp, path)
         except FileExistsError:
             return False
+        except OSError as err:
+            if err.errno in _FULL:
+                raise
+            # No hard links here (some FUSE mounts): exclusive create, briefly visible half-written.
+            return self._create_exclusive_unlinked(path, data)
+        finally:
+            os.remove(tmp)
+        if sync:
+            self.fsync_dir(os.path.dirname(path))
         return True
 
     def _create_exclusive_unlinked(self, path: str, data: bytes) -> bool:
@@ -146,32 +241,11 @@ class Storage:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        self.fsync_dir(os.path.dirname(path))
         return True
 
-    def append_line(self, path: str, line: str) -> None:
-        """Append one text line durably (fsynced locally; a full rewrite on object stores)."""
-        encoded = (line.rstrip("\n") + "\n").encode()
-        if self.is_local:
-            with open(path, "ab") as f:
-                f.write(encoded)
-                f.flush()
-                os.fsync(f.fileno())
-            return
-        old = self.read_bytes(path) if self.fs.exists(path) else b""
-        with self.fs.open(path, "wb") as f:
-            f.write(old + encoded)
-
-    def truncate(self, path: str, size: int) -> None:
-        if self.is_local:
-            with open(path, "r+b") as f:
-                f.truncate(size)
-                os.fsync(f.fileno())
-            return
-        data = self.read_bytes(path)[:size]
-        with self.fs.open(path, "wb") as f:
-            f.write(data)
-
     def fsync_dir(self, directory: str) -> None:
+        """Make a directory's entries (a create, rename or delete in it) survive a power loss."""
         if not self.is_local:
             return
         fd = os.open(directory, os.O_RDONLY)

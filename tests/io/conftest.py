@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from s3_server import s3_endpoint, s3_output_dir  # noqa: F401  (fixtures)
+from small_tmpfs import small_tmpfs  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 PROCS = Path(__file__).with_name("procs.py")
@@ -44,9 +46,9 @@ def prompts_dir(tmp_path: Path) -> Path:
     return directory
 
 
-def run_proc(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_proc(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run tests/io/procs.py in a fresh interpreter (a real second process)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, str(PROCS), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -55,3 +57,8 @@ def start_proc(*args: str, env: dict[str, str] | None = None) -> subprocess.Pope
     return subprocess.Popen(
         [sys.executable, str(PROCS), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def bookkeeping(out: Path) -> Path:
+    """The folder beside an output directory that holds its job record, manifests, locks and reports."""
+    return out.with_name(out.name + ".batchjob")

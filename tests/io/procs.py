@@ -1,8 +1,10 @@
 """Second processes for the IO tests: `python procs.py COMMAND ARGS...` (PYTHONPATH = repo root).
 
 job OUT TOTAL BATCH     resume-aware commit loop over row ids 0..TOTAL-1; prints "commit" per part
-hold-lock OUT           open shard 0 of OUT, print "locked", then wait to be killed
-try-open OUT            open shard 0 of OUT; exit 3 printing the LockError if refused
+                        (OUT: a local path or any fsspec URI; BATCHJOB_CRASH_AT ends it at a commit step)
+hold-lock OUT [T]       open shard 0 of OUT (lock timeout T s), print "locked", then commit one row a second
+                        until killed, exiting 4 with the LockLost message once it may no longer commit
+try-open OUT [T]        open shard 0 of OUT (lock timeout T s); exit 3 printing the LockError if refused
 peak-rss PATH BATCH     stream a Parquet input's `prompt` column; print rows and peak RSS (MiB)
 """
 
@@ -16,7 +18,8 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from batchjob.io import InputSpec, LockError, OutputDataset, open_input
+from batchjob.io import InputSpec, LockError, LockLost, OutputDataset, open_input
+from batchjob.io.lock import DEFAULT_TIMEOUT_S
 
 JOB = {"model": "tiny", "sampling": {"max_new_tokens": 4}}
 
@@ -35,15 +38,22 @@ def job(out: str, total: int, batch: int) -> None:
     print("done", flush=True)
 
 
-def hold_lock(out: str) -> None:
-    OutputDataset(out).open(JOB)
+def hold_lock(out: str, timeout_s: float) -> None:
+    dataset = OutputDataset(out, lock_timeout_s=timeout_s)
+    dataset.open(JOB)
     print("locked", flush=True)
-    time.sleep(600)
+    for row in range(1_000_000, 1_000_600):
+        time.sleep(1)
+        try:
+            dataset.commit(pa.table({"row_id": pa.array([row], pa.int64())}))
+        except LockLost as exc:
+            print(exc, flush=True)
+            sys.exit(4)
 
 
-def try_open(out: str) -> None:
+def try_open(out: str, timeout_s: float) -> None:
     try:
-        OutputDataset(out).open(JOB)
+        OutputDataset(out, lock_timeout_s=timeout_s).open(JOB)
     except LockError as exc:
         print(exc, flush=True)
         sys.exit(3)
@@ -61,9 +71,9 @@ if __name__ == "__main__":
     if command == "job":
         job(args[0], int(args[1]), int(args[2]))
     elif command == "hold-lock":
-        hold_lock(args[0])
+        hold_lock(args[0], float(args[1]) if len(args) > 1 else DEFAULT_TIMEOUT_S)
     elif command == "try-open":
-        try_open(args[0])
+        try_open(args[0], float(args[1]) if len(args) > 1 else DEFAULT_TIMEOUT_S)
     elif command == "peak-rss":
         peak_rss(args[0], int(args[1]))
     else:

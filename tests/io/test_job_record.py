@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import bookkeeping
 
 from batchjob.io import JobRecordMismatch, LockError, OutputDataset
 
@@ -23,7 +24,7 @@ def commit_rows(directory: Path, ids: list[int], record: dict = JOB, **kwargs: i
 
 def test_first_open_writes_the_record(tmp_path: Path) -> None:
     commit_rows(tmp_path, [0])
-    assert json.loads((tmp_path / "_job.json").read_text()) == {**JOB, "shard_count": 1}
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text()) == {**JOB, "shard_count": 1}
 
 
 def test_same_record_resumes(tmp_path: Path) -> None:
@@ -49,7 +50,7 @@ def test_refusal_releases_the_lock(tmp_path: Path) -> None:
     commit_rows(tmp_path, [0])
     with pytest.raises(JobRecordMismatch):
         OutputDataset(str(tmp_path)).open({**JOB, "model": "other"})
-    assert not (tmp_path / "_lock-s00000").exists()
+    assert not (bookkeeping(tmp_path) / "locks" / "s00000.json").exists()
 
 
 def test_changing_the_shard_count_is_refused(tmp_path: Path) -> None:
@@ -66,7 +67,7 @@ def test_resume_false_starts_this_shard_over_with_the_new_record(tmp_path: Path)
         assert out.committed_row_ids().tolist() == []
         assert not out.is_success()
         assert not list(tmp_path.glob("part-*"))
-    assert json.loads((tmp_path / "_job.json").read_text())["model"] == "tiny-qwen3"
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text())["model"] == "tiny-qwen3"
 
 
 def test_resume_false_leaves_other_shards_alone(tmp_path: Path) -> None:
@@ -80,6 +81,16 @@ def test_resume_false_leaves_other_shards_alone(tmp_path: Path) -> None:
         assert out.is_success()
 
 
+def committed_files(out: Path) -> dict[str, bytes]:
+    """The parts, and the record, manifests and markers beside them (locks and temps aside)."""
+    found = {}
+    for root in (out, bookkeeping(out)):
+        for p in root.rglob("*"):
+            if p.is_file() and p.relative_to(root).parts[0] not in ("locks", "tmp"):
+                found[str(p.relative_to(out.parent))] = p.read_bytes()
+    return found
+
+
 def two_finished_shards(directory: Path) -> None:
     commit_rows(directory, [0], shard_index=0, shard_count=2)
     commit_rows(directory, [5], shard_index=1, shard_count=2)
@@ -87,14 +98,14 @@ def two_finished_shards(directory: Path) -> None:
 
 def test_resume_false_with_a_new_record_is_refused_while_another_shard_holds_rows(tmp_path: Path) -> None:
     two_finished_shards(tmp_path)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    before = committed_files(tmp_path)
     with pytest.raises(JobRecordMismatch) as refused:
         OutputDataset(str(tmp_path), shard_index=0, shard_count=2).open({**JOB, "model": "other"}, resume=False)
     message = str(refused.value)
     assert "model: 'tiny-llama' -> 'other'" in message
     assert "shard 1 (1 committed rows)" in message
     assert "new output.dir" in message and "output.overwrite=true" in message
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert committed_files(tmp_path) == before
 
 
 def test_overwrite_deletes_every_shard_and_writes_the_new_record(tmp_path: Path) -> None:
@@ -103,8 +114,8 @@ def test_overwrite_deletes_every_shard_and_writes_the_new_record(tmp_path: Path)
     with OutputDataset(str(tmp_path), shard_index=0, shard_count=2) as out:
         out.open(changed, overwrite=True)
         assert out.committed_row_ids().tolist() == []
-    assert not list(tmp_path.glob("part-*")) and not list(tmp_path.glob("_SUCCESS*"))
-    assert json.loads((tmp_path / "_job.json").read_text())["model"] == "other"
+    assert not list(tmp_path.glob("part-*")) and not list(bookkeeping(tmp_path).glob("_SUCCESS*"))
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text())["model"] == "other"
     with OutputDataset(str(tmp_path), shard_index=1, shard_count=2) as out:
         out.open(changed, overwrite=True)  # the same record now: the other shard starts normally
         assert out.committed_row_ids().tolist() == []
@@ -121,10 +132,10 @@ def test_overwrite_is_refused_while_another_shard_is_being_written(tmp_path: Pat
     two_finished_shards(tmp_path)
     with OutputDataset(str(tmp_path), shard_index=1, shard_count=2) as writer:
         writer.open(JOB)
-        with pytest.raises(LockError, match="_lock-s00001"):
+        with pytest.raises(LockError, match="locks/s00001.json"):
             OutputDataset(str(tmp_path), shard_index=0, shard_count=2).open({**JOB, "model": "other"}, overwrite=True)
         assert writer.committed_row_ids().tolist() == [5]
-    assert json.loads((tmp_path / "_job.json").read_text())["model"] == "tiny-llama"
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text())["model"] == "tiny-llama"
 
 
 def test_a_record_without_committed_rows_is_replaced(tmp_path: Path) -> None:
@@ -132,4 +143,12 @@ def test_a_record_without_committed_rows_is_replaced(tmp_path: Path) -> None:
         out.open(JOB)  # a start that failed before committing anything
     with OutputDataset(str(tmp_path)) as out:
         out.open({**JOB, "model": "fixed"})
-    assert json.loads((tmp_path / "_job.json").read_text())["model"] == "fixed"
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text())["model"] == "fixed"
+
+
+def test_a_record_is_not_replaced_while_another_shard_is_being_written(tmp_path: Path) -> None:
+    with OutputDataset(str(tmp_path), shard_index=1, shard_count=2) as writer:
+        writer.open(JOB)  # started, nothing committed yet
+        with pytest.raises(JobRecordMismatch, match=r"shard 1 \(being written by pid \d+ on "):
+            OutputDataset(str(tmp_path), shard_index=0, shard_count=2).open({**JOB, "model": "other"})
+    assert json.loads((bookkeeping(tmp_path) / "_job.json").read_text())["model"] == "tiny-llama"

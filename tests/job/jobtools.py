@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import batchjob
-from batchjob.io.layout import REPORT_NAME
+from batchjob.io.layout import BOOKKEEPING_SUFFIX, REPORT_NAME
 from batchjob.job import run_job
 from batchjob.slurm import register_resolvers
 from batchjob.tiny_model import SAMPLE_PROMPTS
@@ -44,10 +47,17 @@ def cli_command(*overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "batchjob", *flags, *FAST, *overrides]
 
 
-def run_cli(*overrides: str, flags: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(
+    *overrides: str,
+    flags: tuple[str, ...] = (),
+    timeout: float = 120,
+    prefix: tuple[str, ...] = (),
+    cwd: Path = REPO,
+) -> subprocess.CompletedProcess:
+    """`prefix`: a command the job runs under (see `read_only`)."""
     return subprocess.run(
-        cli_command(*overrides, flags=flags),
-        cwd=REPO,
+        [*prefix, *cli_command(*overrides, flags=flags)],
+        cwd=cwd,
         env=cli_env(),
         capture_output=True,
         text=True,
@@ -55,9 +65,35 @@ def run_cli(*overrides: str, flags: tuple[str, ...] = (), timeout: float = 120) 
     )
 
 
-def start_cli(*overrides: str) -> subprocess.Popen:
+def tree_bytes(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` with its content, to show a refused or idle run changed nothing."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[tuple[str, ...]]:
+    """A command prefix under which `directory` is read-only. Root ignores permission bits, so for root it
+    is a read-only bind mount in a private mount namespace (the test's own mounts are untouched); for
+    anyone else the tree's write bits are cleared for the duration."""
+    if os.geteuid() == 0:
+        if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+            pytest.skip("making a directory read-only as root needs `unshare -m` (mount namespaces)")
+        yield ("unshare", "-m", "sh", "-c", 'mount --bind -o ro "$1" "$1" && shift && exec "$@"', "sh", str(directory))
+        return
+    paths = [directory, *directory.rglob("*")]
+    modes = {p: p.stat().st_mode for p in paths}
+    for p in paths:
+        p.chmod(modes[p] & ~0o222)
+    try:
+        yield ()
+    finally:
+        for p in reversed(paths):
+            p.chmod(modes[p])
+
+
+def start_cli(*overrides: str, cwd: Path = REPO) -> subprocess.Popen:
     return subprocess.Popen(
-        cli_command(*overrides), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cli_command(*overrides), cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
@@ -66,10 +102,15 @@ def read_output(out_dir: Path) -> pa.Table:
     return pads.dataset(str(out_dir), format="parquet").to_table().sort_by("row_id")
 
 
+def bookkeeping(out_dir: Path) -> Path:
+    """The folder beside output.dir with the job record, manifests, locks, reports, markers and logs."""
+    return out_dir.with_name(out_dir.name + BOOKKEEPING_SUFFIX)
+
+
 def read_report(out_dir: Path) -> dict:
     import json
 
-    return json.loads((out_dir / REPORT_NAME).read_text())
+    return json.loads((bookkeeping(out_dir) / REPORT_NAME).read_text())
 
 
 def write_prompts(path: Path, rows: int, **extra_columns: list) -> Path:

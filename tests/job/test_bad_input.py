@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from jobtools import read_output, read_report, run_in_process, write_prompts, write_table
+from jobtools import bookkeeping, read_output, read_report, run_in_process, write_prompts, write_table
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(1500))  # far more tokens than the tiny model's 1024 context
 
@@ -79,7 +79,7 @@ def test_fail_policy_stops_non_zero_after_committing_finished_rows(tmp_path: Pat
     assert "row 12: prompt is null (on_error=fail)" in message
     committed = read_output(tmp_path / "o").column("row_id").to_pylist()
     assert committed == list(range(12))
-    assert not (tmp_path / "o" / "_SUCCESS").exists()
+    assert not (bookkeeping(tmp_path / "o") / "_SUCCESS").exists()
     assert run_in_process(*overrides) == 1
     assert read_output(tmp_path / "o").column("row_id").to_pylist() == committed
 
@@ -102,9 +102,10 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("sampling.max_new_tokens=0", "max_new_tokens must be >= 1"),
         ("on_error=ignore", "on_error='ignore': choose one of record, skip, fail"),
         ("engine.max_batch_size=0", "engine.max_batch_size must be a positive integer"),
-        ("+engine.flash=true", "unknown hf engine option(s) ['flash']"),
+        ("+engine.max_batch_siz=4", "engine.max_batch_siz (did you mean engine.max_batch_size?)"),
         ("data.passthrough_columns=[nope]", "passthrough_columns names nope, not in the input"),
         ("shard.index=3", "shard.index=3 must be below shard.count=1"),
+        ("output.lock_timeout_s=0", "output.lock_timeout_s=0: must be a number of seconds > 0"),
     ],
 )
 def test_bad_config_fails_before_model_load_naming_the_problem(
@@ -121,3 +122,18 @@ def test_bad_config_fails_before_model_load_naming_the_problem(
 def test_missing_model_path_is_a_config_error(tmp_path: Path, capsys) -> None:
     assert run_in_process("model.path=/no/such/model", f"output.dir={tmp_path / 'o'}") == 2
     assert "model.path=/no/such/model does not exist" in capsys.readouterr().err
+
+
+def test_a_bucket_root_as_output_dir_is_a_config_error(capsys) -> None:
+    assert run_in_process("output.dir=s3://bucket") == 2
+    assert "output.dir='s3://bucket' is a bucket's root" in capsys.readouterr().err
+
+
+def test_an_output_dir_of_the_older_layout_is_refused_before_the_model_loads(
+    tmp_path: Path, unloadable_model: Path, capsys
+) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "_job.json").write_text("{}")
+    assert run_in_process(f"model.path={unloadable_model}", f"output.dir={out}") == 2
+    assert "written by an older batchjob" in capsys.readouterr().err

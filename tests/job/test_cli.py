@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from jobtools import REPO, cli_env, read_output, read_report, run_cli
+from jobtools import REPO, bookkeeping, cli_env, read_output, read_report, run_cli
 
 from batchjob.tiny_model import SAMPLE_PROMPTS
 
@@ -33,7 +33,7 @@ def test_default_job_runs_end_to_end_and_marks_the_shard_complete(tmp_path: Path
     assert table.column("id").to_pylist() == bundled.column("id").to_pylist()
     assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
     assert all(0 < n <= 4 for n in table.column("completion_tokens").to_pylist())
-    assert (out / "_SUCCESS").exists()
+    assert (bookkeeping(out) / "_SUCCESS").exists()
     report = read_report(out)
     assert report["rows"] == report["ok"] == bundled.num_rows
     assert report["errors"] == 0
@@ -73,7 +73,7 @@ def test_cfg_job_prints_the_resolved_config_without_running(tmp_path: Path) -> N
     assert shown.returncode == 0, shown.stderr
     assert "max_new_tokens: 4" in shown.stdout
     assert "prompt_column: prompt" in shown.stdout
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
 
 
 def test_help_lists_the_config_groups() -> None:

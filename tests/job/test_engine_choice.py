@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from jobtools import CONF_DIR, REPO, cli_env, read_output, read_report, write_prompts
+from jobtools import CONF_DIR, REPO, bookkeeping, cli_env, read_output, read_report, write_prompts
 
 from batchjob.job import run_job
 from batchjob.slurm import register_resolvers
@@ -100,8 +100,8 @@ def test_explicit_native_engine_on_an_unsupported_architecture_exits_2_before_lo
     assert "architecture GPT2LMHeadModel is not supported by the native engine" in done.stderr
     assert "run it with engine=hf" in done.stderr
     assert "Traceback" not in done.stderr
-    # Hydra's log folder (output.dir/_hydra) exists; nothing of the output dataset does, not even its lock.
-    assert [p.name for p in out.iterdir()] == ["_hydra"]
+    # A refused run writes nothing: no output dataset, no lock, not even Hydra's files.
+    assert not out.exists() and not bookkeeping(out).exists()
 
 
 def test_a_job_auto_ran_natively_resumes_under_an_explicit_engine_native(tmp_path: Path, model_dir: str) -> None:

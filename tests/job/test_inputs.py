@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from jobtools import read_output, read_report, run_in_process, write_prompts, write_table
+from jobtools import bookkeeping, read_output, read_report, run_cli, run_in_process, write_prompts, write_table
 from transformers import AutoTokenizer
 
 from batchjob.tiny_model import SAMPLE_PROMPTS
@@ -112,3 +112,42 @@ def test_n_samples_add_a_generations_list_and_ordered_output_sorts_parts(tmp_pat
     assert read_report(tmp_path / "o")["completion_tokens"] == sum(table.column("completion_tokens").to_pylist())
     unsorted_read = pq.ParquetDataset(str(tmp_path / "o")).read().column("row_id").to_pylist()
     assert unsorted_read == sorted(unsorted_read)
+
+
+def test_an_empty_input_commits_a_zero_row_part_with_the_output_columns(tmp_path: Path) -> None:
+    empty = write_table(
+        tmp_path / "empty.parquet", {"prompt": pa.array([], pa.string()), "k": pa.array([], pa.int32())}
+    )
+    done = run_cli(f"data.path={empty}", f"output.dir={tmp_path / 'out'}")
+    assert done.returncode == 0, done.stderr
+    assert "no rows to write" in done.stderr
+    assert (bookkeeping(tmp_path / "out") / "_SUCCESS").exists()
+    table = read_output(tmp_path / "out")
+    assert table.num_rows == 0
+    assert table.schema.field("k").type == pa.int32()
+    assert table.column_names[:6] == [
+        "row_id",
+        "generation",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "error",
+    ]
+
+
+def test_a_shard_without_rows_commits_a_part_typed_like_the_others(tmp_path: Path) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 1)
+    for shard in (0, 1):
+        assert (
+            run_in_process(
+                f"data.path={data}", f"output.dir={tmp_path / 'out'}", "shard.count=2", f"shard.index={shard}"
+            )
+            == 0
+        )
+    # Shard 0 owns no row of one, and its part is the first a reader opens: it must not hide any column.
+    empty_part = pq.read_table(tmp_path / "out" / "part-s00000-000000.parquet")
+    assert empty_part.num_rows == 0
+    assert empty_part.schema.equals(pq.read_table(tmp_path / "out" / "part-s00001-000000.parquet").schema)
+    table = read_output(tmp_path / "out")
+    assert table.column("row_id").to_pylist() == [0]
+    assert table.column("topic").to_pylist() == pq.read_table(data).column("topic").to_pylist()

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
-from jobtools import read_output, run_cli, run_in_process, write_prompts, write_table
+from jobtools import bookkeeping, read_output, run_cli, run_in_process, write_prompts, write_table
 
 from batchjob.io import InputSpec
 from batchjob.status import job_status
@@ -16,12 +16,14 @@ from batchjob.tiny_model import default_tiny_model
 
 
 def snapshot(out: Path) -> dict[str, bytes]:
-    """Every file a run may commit or mark (its logs under `_hydra/` aside)."""
-    return {
-        str(p.relative_to(out)): p.read_bytes()
-        for p in out.rglob("*")
-        if p.is_file() and p.relative_to(out).parts[0] not in ("_hydra", "_tmp")
-    }
+    """Every file a run may commit or mark: the parts, and the bookkeeping beside them (logs, temps and
+    locks aside)."""
+    files = {}
+    for root in (out, bookkeeping(out)):
+        for p in root.rglob("*"):
+            if p.is_file() and p.relative_to(root).parts[0] not in ("_hydra", "tmp", "locks"):
+                files[str(p.relative_to(out.parent))] = p.read_bytes()
+    return files
 
 
 def two_finished_shards(prompts: Path, out: Path, *extra: str) -> tuple[str, ...]:
@@ -48,7 +50,7 @@ def test_overwrite_starts_the_whole_job_over_under_the_new_record(tmp_path: Path
     out = tmp_path / "out"
     base = two_finished_shards(write_prompts(tmp_path / "p.parquet", 6), out)
     assert run_in_process(*base, "shard.index=0", "output.overwrite=true", "sampling.max_new_tokens=2") == 0
-    assert not list(out.glob("part-s00001-*")) and not (out / "_SUCCESS-s00001").exists()
+    assert not list(out.glob("part-s00001-*")) and not (bookkeeping(out) / "_SUCCESS-s00001").exists()
     assert not job_status(str(out)).complete
     # Every task of the array may carry the option: the record is the new one now, so shard 1 just runs.
     assert run_in_process(*base, "shard.index=1", "output.overwrite=true", "sampling.max_new_tokens=2") == 0
@@ -69,7 +71,7 @@ def test_duplicate_ids_are_refused_before_anything_is_written(tmp_path: Path, ca
     path = write_table(tmp_path / "p.parquet", {"uid": [7, 8, 7, 9], "prompt": ["a", "b", "c", "d"]})
     assert run_in_process(f"data.path={path}", "data.id_column=uid", f"output.dir={tmp_path / 'o'}") == 2
     assert "data.id_column='uid' repeats values (7)" in capsys.readouterr().err
-    assert not (tmp_path / "o" / "_job.json").exists()
+    assert not (bookkeeping(tmp_path / "o") / "_job.json").exists()
 
 
 def test_string_ids_reach_the_output_and_status_checks_them(tmp_path: Path) -> None:

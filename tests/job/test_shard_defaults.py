@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from jobtools import REPO, cli_command, cli_env, read_output, write_prompts
+from jobtools import REPO, bookkeeping, cli_command, cli_env, read_output, write_prompts
 
 from batchjob.status import job_status
 
@@ -35,7 +35,7 @@ def test_an_array_task_runs_its_own_shard_by_default(tmp_path: Path) -> None:
     done = run_with_env(f"output.dir={out}", "data.limit=6", env=array_task(1, 0, 1))
     assert done.returncode == 0, done.stderr
     assert read_output(out).column("row_id").to_pylist() == [3, 4, 5]
-    assert (out / "_SUCCESS-s00001").exists()
+    assert (bookkeeping(out) / "_SUCCESS-s00001").exists()
     assert [(s.index, s.complete) for s in job_status(str(out)).shards] == [(0, False), (1, True)]
 
 
@@ -44,7 +44,8 @@ def test_an_array_not_numbered_from_zero_needs_an_explicit_shard_count(tmp_path:
     assert failed.returncode == 2
     assert "shard.count: this Slurm array has 1 task(s) with ids 2..2" in failed.stderr
     assert "Traceback" not in failed.stderr
-    assert (tmp_path / "out" / "_hydra" / "shard-2-of-unknown").is_dir()
+    # A refused run writes nothing, not even Hydra's files.
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
 
 
 def test_data_parallel_children_write_every_row_of_the_shard_once(tmp_path: Path) -> None:
@@ -63,16 +64,16 @@ def test_bad_data_parallel_fails_fast_naming_the_key(tmp_path: Path) -> None:
     assert failed.returncode == 2
     assert "engine.data_parallel=0: must be an integer >= 1" in failed.stderr
     assert "Traceback" not in failed.stderr
-    assert not os.path.exists(tmp_path / "out" / "_job.json")
+    assert not os.path.exists(bookkeeping(tmp_path / "out") / "_job.json")
 
 
 def test_data_parallel_parent_and_children_keep_separate_hydra_folders(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = run_with_env(f"output.dir={out}", "data.limit=2", "engine.data_parallel=2", env={})
     assert done.returncode == 0, done.stderr
-    folders = sorted(p.name for p in (out / "_hydra").iterdir())
+    folders = sorted(p.name for p in (bookkeeping(out) / "_hydra").iterdir())
     assert folders == ["shard-0-of-1", "shard-0-of-2", "shard-1-of-2"]
-    parent = (out / "_hydra" / "shard-0-of-1" / ".hydra" / "overrides.yaml").read_text()
-    child = (out / "_hydra" / "shard-0-of-2" / ".hydra" / "overrides.yaml").read_text()
+    parent = (bookkeeping(out) / "_hydra" / "shard-0-of-1" / ".hydra" / "overrides.yaml").read_text()
+    child = (bookkeeping(out) / "_hydra" / "shard-0-of-2" / ".hydra" / "overrides.yaml").read_text()
     assert "engine.data_parallel=2" in parent
     assert "shard.count=2" in child and "engine.data_parallel=2" not in child

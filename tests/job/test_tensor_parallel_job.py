@@ -14,7 +14,7 @@ import pytest
 from jobtools import REPO, cli_env, read_output, write_prompts
 
 from batchjob.errors import ConfigError
-from batchjob.job import EXIT_ENGINE_FAILED, EXIT_USAGE
+from batchjob.job import EXIT_RESUMABLE, EXIT_USAGE
 from batchjob.launch import plan_children
 
 ROWS = 48
@@ -74,7 +74,7 @@ def test_a_killed_rank_ends_the_job_resumably_and_a_rerun_completes_every_row_on
     os.kill(ranks[1], signal.SIGKILL)
     _, stderr = job.communicate(timeout=120)
 
-    assert job.returncode == EXIT_ENGINE_FAILED, stderr[-3000:]
+    assert job.returncode == EXIT_RESUMABLE, stderr[-3000:]
     assert "tensor-parallel rank 1" in stderr and "resumable: rerun the same command" in stderr
     kept = committed_rows(out)
     assert 4 <= kept < ROWS and not (out / "_SUCCESS").exists()

@@ -78,13 +78,12 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 
 
 def committed_parts(out: Path, shard: int) -> int:
-    manifest = out / f"_manifest-s{shard:05d}.jsonl"
-    return len(manifest.read_text().splitlines()) if manifest.exists() else 0
+    return len(list(out.glob(f"part-s{shard:05d}-*.parquet")))
 
 
 def lock_holder_pid(out: Path, shard: int) -> int | None:
     try:
-        return json.loads((out / f"_lock-s{shard:05d}").read_text())["pid"]
+        return json.loads((out.with_name(out.name + ".batchjob") / "locks" / f"s{shard:05d}.json").read_text())["pid"]
     except (FileNotFoundError, ValueError):
         return None
 

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from batchjob.errors import did_you_mean
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 _TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
@@ -52,9 +54,8 @@ class NativeOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(
-                f"unknown native engine option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
-            )
+            named = ", ".join(f"engine.{key}{did_you_mean(key, known, prefix='engine.')}" for key in unknown)
+            raise ValueError(f"unknown native engine option(s) {named}; known options: {', '.join(sorted(known))}")
         opts = cls(**dict(options))
         opts.validate()
         return opts

@@ -1,0 +1,106 @@
+"""Which config keys exist, so that a misspelt one is refused (naming the closest) instead of ignored.
+
+The packaged `conf/config.yaml` holds every key with its default; a preset or a `+key=value` override
+that adds any other key is a typo. `engine.*` keys are the exception: they are the chosen backend's
+options, which the backend checks itself (batchjob/engine). Hydra refuses a misspelt override without
+`+` while composing, before batchjob runs; `composition_error` turns its exception into the same
+one-line message.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from batchjob.errors import ConfigError
+
+CONF_DIR = Path(__file__).parent / "conf"
+# Free-form subtrees: the backend's own options, checked by the backend.
+_OPEN = frozenset({"engine"})
+_HELP = "`python -m batchjob --help` lists every key"
+
+
+@functools.cache
+def packaged_defaults() -> dict[str, Any]:
+    """conf/config.yaml without its defaults list and Hydra's settings: every job key and its default."""
+    raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"), resolve=False)
+    return {k: v for k, v in raw.items() if k not in ("defaults", "hydra")}
+
+
+def dotted_keys(tree: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    """Every leaf key of a nested dict as `a.b.c`."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            yield from dotted_keys(value, f"{name}.")
+        else:
+            yield name
+
+
+def closest_key(key: str, valid: list[str]) -> str:
+    """` (did you mean X?)` for the valid key whose last part is closest to `key`'s (its siblings first, so
+    a shared `engine.` prefix is no likeness), or an empty string."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = [v for v in valid if v.rpartition(".")[0] == parent]
+    for pool in (siblings, valid):
+        by_leaf: dict[str, str] = {}
+        for name in pool:
+            by_leaf.setdefault(name.rpartition(".")[2], name)
+        close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {by_leaf[close[0]]}?)"
+    return ""
+
+
+def _unknown(given: dict[str, Any], known: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, value in given.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            yield name
+        elif isinstance(known[key], dict) and isinstance(value, dict) and key not in _OPEN:
+            yield from _unknown(value, known[key], f"{name}.")
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse every key of `cfg` that the packaged config does not have, naming the closest valid key."""
+    given = OmegaConf.to_container(cfg, resolve=False)
+    unknown = list(_unknown(given, packaged_defaults()))
+    if unknown:
+        valid = list(dotted_keys(packaged_defaults()))
+        named = ", ".join(f"{key}{closest_key(key, valid)}" for key in unknown)
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {named}: {_HELP}")
+
+
+def composition_error(err: Exception) -> str:
+    """One line for an error Hydra raised while composing the config (before batchjob's code runs)."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
+        group, _, option = err.missing_cfg_file.rpartition("/")
+        return (
+            f"{group}={option}: no such preset; choose one of {', '.join(err.options)}, or put {option}.yaml "
+            f"in DIR/{group}/ and add --config-dir DIR"
+        )
+    cause = err.__cause__
+    if isinstance(cause, ConfigKeyError | ConfigAttributeError) and cause.full_key:
+        # `sampling.max_new_token=8`: Hydra suggests adding `+`, which would only add the typo as a new key.
+        key = cause.full_key
+        siblings = cause.parent_node.keys() if isinstance(cause.parent_node, DictConfig) else ()
+        parent = key.rpartition(".")[0]
+        valid = [f"{parent}.{name}" if parent else str(name) for name in siblings]
+        suggestion = closest_key(key, valid or list(dotted_keys(packaged_defaults())))
+        if parent in _OPEN and not suggestion:
+            # A preset that sets only some of its backend's options leaves the others out of the config.
+            return (
+                f"{key} is not in this engine preset: if it is an option of the backend, add it with "
+                f"+{key}=VALUE (the backend checks it)"
+            )
+        return f"unknown key {key}{suggestion}: {_HELP}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return "; ".join(lines)

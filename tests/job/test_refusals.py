@@ -1,0 +1,115 @@
+"""A run that cannot go ahead says why in one line and exits 2 before any model load, changing nothing."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from jobtools import bookkeeping, read_only, run_cli, tree_bytes, write_prompts
+
+
+def assert_refused(done, *words: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = done.stderr[done.stderr.index("error: ") :]
+    for word in words:
+        assert word in error
+
+
+@pytest.fixture
+def finished_job(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
+    """A complete job's output directory and the overrides that made it; its folder holds nothing else but
+    the job's bookkeeping beside it."""
+    out = tmp_path / "job" / "out"
+    args = (f"data.path={write_prompts(tmp_path / 'p.parquet', 3)}", f"output.dir={out}")
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    return out, args
+
+
+def test_a_corrupt_parquet_file_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "prompts.parquet"
+    bad.write_bytes(b"this is not parquet")
+    done = run_cli(f"data.path={bad}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, str(bad), "is not a readable Parquet file", "replace it")
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+def test_pickle_only_weights_are_refused_by_the_native_engine_before_loading(tmp_path: Path, model_dir: str) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    pickled = tmp_path / "pickled-model"
+    shutil.copytree(model_dir, pickled)
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    done = run_cli("engine=native", f"model.path={pickled}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, "pickle weights", "Convert it once", "save_pretrained")
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+def test_a_model_without_tokenizer_files_says_so(tmp_path: Path, model_dir: str) -> None:
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(model_dir, bare)
+    for file in bare.glob("tokenizer*"):
+        file.unlink()
+    done = run_cli(f"model.path={bare}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, f"model.path={bare} has no tokenizer files", "tokenizer.json")
+    assert "sentencepiece" not in done.stderr
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    file = tmp_path / "results"
+    file.write_text("not a directory")
+    done = run_cli(f"output.dir={file}")
+    assert_refused(done, f"output.dir={file} is a file")
+    assert file.read_text() == "not a directory"
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    done = run_cli(f"output.dir={tmp_path / 'file' / 'out'}")
+    assert_refused(done, "cannot be written", "set output.dir to a writable directory")
+
+
+def test_an_output_dir_on_a_read_only_mount_is_refused(tmp_path: Path) -> None:
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    with read_only(mount) as prefix:
+        done = run_cli(f"output.dir={mount / 'out'}", prefix=prefix)
+    assert_refused(done, "cannot be written", "set output.dir to a writable directory")
+    assert not (mount / "out").exists()
+
+
+def test_rerunning_a_finished_job_in_a_read_only_directory_reports_it_complete(finished_job) -> None:
+    out, args = finished_job
+    before = tree_bytes(out.parent)
+    with read_only(out.parent) as prefix:
+        done = run_cli(*args, prefix=prefix)
+    assert done.returncode == 0, done.stderr
+    assert "already complete" in done.stderr
+    assert tree_bytes(out.parent) == before
+
+
+def test_a_refused_rerun_keeps_the_saved_config_and_log_of_the_job_it_refused(finished_job) -> None:
+    out, args = finished_job
+    saved = bookkeeping(out) / "_hydra" / "shard-0-of-1"
+    assert "max_new_tokens: 4" in (saved / ".hydra" / "config.yaml").read_text()
+    assert "done: 3 rows" in (saved / "batchjob.log").read_text()
+    before = tree_bytes(out.parent)
+    done = run_cli(*args, "sampling.max_new_tokens=5")
+    assert_refused(done, "records a different job")
+    assert tree_bytes(out.parent) == before
+
+
+def test_a_multirun_over_output_dirs_leaves_no_folder_named_after_the_default(tmp_path: Path) -> None:
+    prompts = write_prompts(tmp_path / "p.parquet", 2)
+    done = run_cli(f"data.path={prompts}", f"output.dir={tmp_path / 'a'},{tmp_path / 'b'}", flags=("-m",), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for out in (tmp_path / "a", tmp_path / "b"):
+        assert (bookkeeping(out) / "_SUCCESS").exists()
+        assert (bookkeeping(out) / "_hydra" / "shard-0-of-1" / ".hydra" / "config.yaml").exists()
+    assert not (tmp_path / "outputs").exists()
+    # Hydra's record of the sweep as a whole goes where Hydra puts it when there is no single output.dir.
+    assert len(list((tmp_path / "multirun").glob("*/multirun.yaml"))) == 1
