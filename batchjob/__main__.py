@@ -1,7 +1,8 @@
 """`python -m batchjob [key=value ...]`: run one shard of a batch generation job (Hydra app).
 
-The config lives inside the package (batchjob/conf), so an installed batchjob finds it; add your own
-presets with `--config-dir DIR` or `hydra.searchpath=[file://DIR]` (e.g. DIR/model/my_model.yaml).
+The config tree (conf/ in the repository) ships inside the package as batchjob.conf, so an installed
+batchjob finds it; add your own presets with `--config-dir DIR` or `hydra.searchpath=[file://DIR]`
+(e.g. DIR/model/my_model.yaml).
 With `engine.data_parallel=N` this process only launches N children, one GPU and one sub-shard each.
 """
 
@@ -34,7 +35,7 @@ register_sweep_dir_resolver()
 register_help_resolver()
 
 
-@hydra.main(config_path="conf", config_name="config", version_base=None)
+@hydra.main(config_path="pkg://batchjob.conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from batchjob.config import data_parallel, load_settings
     from batchjob.job import run_job

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from batchjob.errors import ConfigError
 
-CONF_DIR = Path(__file__).parent / "conf"
+CONF_DIR = Path(importlib.import_module("batchjob.conf").__file__).parent
 # Free-form subtrees: the backend's own options, checked by the backend.
 _OPEN = frozenset({"engine"})
 _HELP = "`python -m batchjob --help` lists every key"

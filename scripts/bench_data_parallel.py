@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per row (EOS ignored)")
     parser.add_argument("--prompt-tokens", default="64,512", help="LOW,HIGH: prompt lengths drawn uniformly")
     parser.add_argument("--max-model-len", type=int, default=None, help="engine.max_model_len (2048; --tiny 1024)")
-    parser.add_argument("--engine", default="native", help="engine preset (batchjob/conf/engine)")
+    parser.add_argument("--engine", default="native", help="engine preset (conf/engine)")
     parser.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="extra batchjob override (repeatable)"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -16,14 +17,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import batchjob
 from batchjob.io.layout import BOOKKEEPING_SUFFIX, REPORT_NAME
 from batchjob.job import run_job
 from batchjob.slurm import register_resolvers
 from batchjob.tiny_model import SAMPLE_PROMPTS
 
 REPO = Path(__file__).resolve().parents[2]
-CONF_DIR = Path(batchjob.__file__).resolve().parent / "conf"
+CONF_DIR = Path(importlib.import_module("batchjob.conf").__file__).resolve().parent
 # Small and greedy everywhere: the suite runs on two shared CPU cores.
 FAST = ("engine=hf", "sampling.max_new_tokens=4")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from batchjob.pipelines.prompts import PromptBuilder
 
 from batchjob.io.inputs import INPUT_ERROR_COLUMN
-from batchjob.pipelines.prompts import PromptBuilder
 
 _END = object()
 
