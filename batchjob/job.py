@@ -6,6 +6,7 @@ loaded (`prepare`), so a typo costs seconds, not a model load or a queue wait.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,9 +25,9 @@ from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.lock import LockError
 from batchjob.io.output import OutputDataset
-from batchjob.io.readers import InputError, InputSpec, open_input
+from batchjob.io.readers import InputError, InputSpec, open_input, resolve_format
 from batchjob.pipelines.feeder import PromptFeeder
-from batchjob.pipelines.prompts import PromptBuilder
+from batchjob.pipelines.pipeline import Builder, for_openai_batch, make_builder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
 from batchjob.shard_run import ShardRun
 from batchjob.signals import Interrupted, exit_code_for
@@ -55,14 +56,14 @@ class PreparedJob:
     settings: JobSettings
     model_path: str
     source: Any
-    builder: PromptBuilder
+    builder: Builder
     passthrough: list[str]
     output: OutputDataset
 
 
 def passthrough_columns(settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...]) -> list[str]:
-    """The input columns copied to the output. Default: every column except the prompt source, the id
-    column (it is the row_id) and names the output already uses."""
+    """The input columns copied to the output. Default: every column except the prompt source
+    (`prompt_columns`), the id column (it is the row_id) and names the output already uses."""
     wanted = settings.data.passthrough_columns
     if wanted is None:
         skip = set(prompt_columns) | {settings.data.id_column} | RESERVED_COLUMNS
@@ -88,28 +89,29 @@ def prepare(settings: JobSettings) -> PreparedJob:
 
     model_path = resolve_model_path(settings.model_path)
     data = settings.data
-    source = open_input(
-        InputSpec(
-            path=data.path,
-            format=data.format,
-            split=data.split,
-            name=data.dataset_config,
-            data_files=data.data_files,
-            streaming=data.streaming,
-            id_column=data.id_column,
-            limit=data.limit,
-            shard_index=settings.shard_index,
-            shard_count=settings.shard_count,
-            batch_rows=data.batch_rows,
-        )
+    spec = InputSpec(
+        path=data.path,
+        format=data.format,
+        split=data.split,
+        name=data.dataset_config,
+        data_files=data.data_files,
+        streaming=data.streaming,
+        id_column=data.id_column,
+        limit=data.limit,
+        shard_index=settings.shard_index,
+        shard_count=settings.shard_count,
+        batch_rows=data.batch_rows,
     )
+    if resolve_format(spec) == "openai_batch":
+        settings = dataclasses.replace(settings, prompt=for_openai_batch(settings.prompt))
+    source = open_input(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
-    builder = PromptBuilder(settings.prompt, tokenizer)
+    builder = make_builder(settings.prompt, tokenizer, settings.sampling)
     builder.check(list(source.columns))
-    passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
+    passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.consumed_columns)
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
     output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
     output.open(record, resume=settings.resume)
@@ -191,6 +193,7 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
             queue_batches=settings.queue_batches,
             tokenize_batch_rows=settings.tokenize_batch_rows,
         )
-        return ShardRun(settings, engine, output, feeder, committed, remaining, startup=phases).run()
+        layout = job.builder.layout(settings.output.token_ids)
+        return ShardRun(settings, engine, output, feeder, layout, committed, remaining, startup=phases).run()
     finally:
         engine.close()
