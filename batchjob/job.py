@@ -122,14 +122,19 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     """Run this process's shard of the job; returns the exit status: 0 when the shard is complete,
     2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N.
     `started`: the process's `time.perf_counter()` at start, for the start-up breakdown (default: now)."""
-    startup = StartupClock(time.perf_counter() if started is None else started)
-    quiet_libraries()
-    startup.lap("imports_config_s")
     try:
-        job = prepare(load_settings(cfg))
+        return run_shard(cfg, started)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def run_shard(cfg: DictConfig, started: float | None = None) -> int:
+    """`run_job`, but a bad config or input raises (one of `USER_ERRORS`) instead of returning 2."""
+    startup = StartupClock(time.perf_counter() if started is None else started)
+    quiet_libraries()
+    startup.lap("imports_config_s")
+    job = prepare(load_settings(cfg))
     startup.lap("checks_s")
     try:
         return _generate(job, startup)
