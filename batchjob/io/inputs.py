@@ -18,15 +18,12 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.io.sharding import keep_mask
-from batchjob.io.storage import Storage
 
 FORMATS = ("auto", "parquet", "openai_batch", "hf_disk", "hf_hub")
 PATH_HELP = (
     "data.path must be a Parquet file, directory or glob, an OpenAI batch .jsonl file, a directory written by "
     "datasets' save_to_disk, or a dataset name for datasets.load_dataset"
 )
-# File metadata that changes when a file is rewritten, by filesystem: S3, GCS/Azure, local, memory.
-_VERSION_KEYS = ("ETag", "etag", "mtime", "LastModified", "updated", "created")
 
 
 class InputError(ValueError):
@@ -145,13 +142,3 @@ def _chunked_to_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(values, pa.ChunkedArray):
         return values.combine_chunks()
     return values
-
-
-def file_versions(storage: Storage, files: list[str]) -> list[dict[str, Any]]:
-    """Path, size and version (mtime, ETag...) of each input file: a rewritten file changes its fingerprint."""
-    versions = []
-    for file in files:
-        info = storage.fs.info(file)
-        version = next((info[k] for k in _VERSION_KEYS if k in info), None)
-        versions.append({"path": file, "size": int(info["size"]), "version": str(version)})
-    return versions

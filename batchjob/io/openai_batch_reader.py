@@ -6,13 +6,15 @@ order). This reader checks only the envelope: a line that is not a JSON object, 
 `custom_id`, `method`, `url` or an object `body`, still becomes a row, with `line_error` saying why, so one
 bad line costs one error row, not the job. What the body asks for is the prompt pipeline's business.
 
-Memory is bounded by one batch of lines: opening the input reads it once to count its lines, keeping a
-byte offset every `_CHECKPOINT_LINES` lines, so a shard (or a resume) seeks straight to its rows and
-skips whole finished stretches unread.
+Memory is bounded by one batch of lines: opening the input reads it once to count its lines (and hash its
+bytes: the job record's identity of the input, so a changed file is never resumed, while a copy is),
+keeping a byte offset every `_CHECKPOINT_LINES` lines, so a shard (or a resume) seeks straight to its
+rows and skips whole finished stretches unread.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from batchjob.io.inputs import InputError, InputSource, InputSpec, file_versions
+from batchjob.io.inputs import InputError, InputSource, InputSpec
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
@@ -111,26 +113,35 @@ class OpenAIBatchSource(InputSource):
             )
         self.storage = storage
         self.files = files
-        self.checkpoints, self.total_rows = self._index()
+        self.checkpoints: list[Checkpoint] = []
+        self.identities: list[dict[str, Any]] = []
+        self.total_rows = self._index()
         self.limited_rows = self.total_rows if spec.limit is None else min(spec.limit, self.total_rows)
         self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
-    def _index(self) -> tuple[list[Checkpoint], int]:
-        checkpoints: list[Checkpoint] = []
+    def _index(self) -> int:
+        """Count the rows, note checkpoints and hash each file; returns the row count."""
+        checkpoints = self.checkpoints
         position = 0
+        root = posixpath.dirname(self.files[0]) if len(self.files) == 1 else posixpath.commonpath(self.files)
         for file in self.files:
+            digest = hashlib.sha256()
             with self.storage.fs.open(file, "rb") as f:
                 offset = 0
                 for line in f:
+                    digest.update(line)
                     if line.strip():
                         if position % _CHECKPOINT_LINES == 0 or not checkpoints or checkpoints[-1].file != file:
                             checkpoints.append(Checkpoint(file, offset, position))
                         position += 1
                     offset += len(line)
-        return checkpoints, position
+            # Names below the input's root, not absolute paths: a staged copy of the input still resumes.
+            name = posixpath.relpath(file, root)
+            self.identities.append({"name": name, "size": offset, "sha256": digest.hexdigest()})
+        return position
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"format": "openai_batch", "rows": self.total_rows, "files": file_versions(self.storage, self.files)}
+        return {"format": "openai_batch", "rows": self.total_rows, "files": self.identities}
 
     def num_rows(self) -> int:
         return self.stop - self.start

@@ -16,12 +16,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec, file_versions
+from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
 # Read column chunks through a buffer instead of whole: bounds memory for inputs with huge row groups.
 _READ_BUFFER_BYTES = 1 << 20
+# File metadata that changes when a file is rewritten, by filesystem: S3, GCS/Azure, local, memory.
+_VERSION_KEYS = ("ETag", "etag", "mtime", "LastModified", "updated", "created")
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,12 @@ class ParquetSource(InputSource):
         self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"format": "parquet", "rows": self.total_rows, "files": file_versions(self.storage, self.files)}
+        files = []
+        for file in self.files:
+            info = self.storage.fs.info(file)
+            version = next((info[k] for k in _VERSION_KEYS if k in info), None)
+            files.append({"path": file, "size": int(info["size"]), "version": str(version)})
+        return {"format": "parquet", "rows": self.total_rows, "files": files}
 
     def num_rows(self) -> int:
         return self.stop - self.start

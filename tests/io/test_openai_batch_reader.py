@@ -116,11 +116,15 @@ def test_auto_format_recognises_an_openai_batch_file(tmp_path: Path) -> None:
         resolve_format(InputSpec(str(other)))
 
 
-def test_a_changed_file_changes_the_fingerprint(tmp_path: Path) -> None:
-    path = write_batch(tmp_path / "in.jsonl", [request(i) for i in range(3)])
-    before = open_input(InputSpec(str(path), format="openai_batch")).fingerprint()
-    write_batch(path, [request(i) for i in range(4)])
-    assert open_input(InputSpec(str(path), format="openai_batch")).fingerprint() != before
+def test_the_fingerprint_is_the_content_a_copy_keeps_and_an_edit_changes(tmp_path: Path) -> None:
+    def fingerprint(path: Path) -> dict:
+        return open_input(InputSpec(str(path), format="openai_batch")).fingerprint()
+
+    lines = [request(i) for i in range(3)]
+    original = fingerprint(write_batch(tmp_path / "a" / "in.jsonl", lines))
+    assert fingerprint(write_batch(tmp_path / "copy" / "in.jsonl", lines)) == original
+    lines[1]["body"]["max_tokens"] = 4
+    assert fingerprint(write_batch(tmp_path / "a" / "in.jsonl", lines)) != original
 
 
 def test_an_id_column_is_refused_with_the_fix(tmp_path: Path) -> None:
