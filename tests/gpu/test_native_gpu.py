@@ -2,7 +2,7 @@
 async equals sync, graph replay equals eager for every captured bucket, poisoned slots change nothing (the
 slot-race test), and bf16 logits agree with transformers' within bf16 tolerance.
 
-Run on the GPU machine:  python -m pytest tests/gpu -q
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q
 """
 
 from __future__ import annotations
