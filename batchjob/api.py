@@ -16,11 +16,21 @@ that did not complete raises `JobIncomplete`; otherwise the run's report is retu
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from omegaconf import DictConfig
+
+from batchjob.config import data_parallel, load_settings
+from batchjob.io.layout import ShardOutput
+from batchjob.io.storage import Storage
+from batchjob.job import run_shard
+from batchjob.launch import plan_children, run_data_parallel
+from batchjob.slurm import register_resolvers
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -81,11 +91,6 @@ def _value(value: Any) -> str:
 
 def compose(*args: str | Mapping[str, Any], **kwargs: Any) -> DictConfig:
     """The job config `python -m batchjob` would run with these overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from batchjob.slurm import register_resolvers
-
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=overrides(*args, **kwargs))
@@ -94,14 +99,6 @@ def compose(*args: str | Mapping[str, Any], **kwargs: Any) -> DictConfig:
 def run(*args: str | Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:
     """Run a job to the end and return its report (`_report.json`'s content; with `engine.data_parallel=N`,
     `{"shards": [one report per GPU process]}`). Resumes like the command line does when rerun."""
-    import time
-
-    from batchjob.config import data_parallel, load_settings
-    from batchjob.io.layout import ShardOutput
-    from batchjob.io.storage import Storage
-    from batchjob.job import run_shard
-    from batchjob.launch import plan_children, run_data_parallel
-
     started = time.perf_counter()
     cfg = compose(*args, **kwargs)
     processes = data_parallel(cfg)
