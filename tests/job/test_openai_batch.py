@@ -15,6 +15,8 @@ from jobtools import REPO, cli_env, read_output, run_cli, run_in_process, start_
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
+from batchjob.status import job_status
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -200,6 +202,11 @@ def test_sigkill_then_rerun_gives_every_custom_id_exactly_once(tmp_path: Path) -
     job.kill()
     job.wait()
     assert job.returncode == -signal.SIGKILL
+    partial = export(out, "openai_batch", tmp_path / "partial.jsonl")
+    assert partial.returncode == 0 and "not complete" in partial.stderr
+    committed = job_status(str(out)).validation.rows_committed
+    assert 0 < committed < len(lines)
+    assert len((tmp_path / "partial.jsonl").read_text().splitlines()) == committed
     finished = run_cli(*settings, f"output.dir={out}")
     assert finished.returncode == 0, finished.stderr
     assert "resuming:" in finished.stderr
