@@ -42,6 +42,7 @@ class OutputSettings:
     commit_every_s: float
     ordered: bool
     token_ids: bool
+    overwrite: bool
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ class JobSettings:
 def _positive_int(value: Any, key: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{key}={value!r}: must be an integer >= {minimum}")
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: must be true or false")
     return value
 
 
@@ -179,6 +186,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             commit_every_s=float(out.commit_every_s),
             ordered=bool(out.ordered),
             token_ids=bool(out.token_ids),
+            overwrite=_flag(out.overwrite, "output.overwrite"),
         ),
         shard_index=shard_index,
         shard_count=shard_count,

@@ -72,8 +72,10 @@ def job_record(
     input_fingerprint: dict[str, Any],
     passthrough: list[str],
     job_rows: int | None,
+    string_ids: bool = False,
 ) -> dict[str, Any]:
-    """`job_rows`: rows of all shards together after `data.limit` (None when unknown, streaming)."""
+    """`job_rows`: rows of all shards together after `data.limit` (None when unknown, streaming);
+    `string_ids`: the id column holds strings, so row ids are input positions and the ids a column."""
     sampling = dataclasses.asdict(settings.sampling)
     return {
         "batchjob_version": batchjob_version(),
@@ -89,5 +91,5 @@ def job_record(
         "input": input_fingerprint,
         # What `python -m batchjob.status` checks the output against. Also guards resume: a new
         # data.limit moves the shard boundaries, and a new id column renames every row.
-        "rows": {"count": job_rows, "id_column": settings.data.id_column},
+        "rows": {"count": job_rows, "id_column": settings.data.id_column, "string_ids": string_ids},
     }

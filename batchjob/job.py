@@ -24,8 +24,11 @@ from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.lock import LockError
+from batchjob.io.openai_batch_reader import ID_COLUMN as OPENAI_BATCH_ID
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import InputError, InputSpec, open_input, resolve_format
+from batchjob.io.record_guard import record_is_stored
+from batchjob.io.unique_ids import check_unique_ids
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.pipeline import Builder, for_openai_batch, make_builder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
@@ -61,12 +64,24 @@ class PreparedJob:
     output: OutputDataset
 
 
-def passthrough_columns(settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...]) -> list[str]:
-    """The input columns copied to the output. Default: every column except the prompt source
-    (`prompt_columns`), the id column (it is the row_id) and names the output already uses."""
+def passthrough_columns(
+    settings: JobSettings, columns: list[str], prompt_columns: tuple[str, ...], string_ids: bool = False
+) -> list[str]:
+    """The input columns copied to the output. Default: every column except the prompt source, an integer
+    id column (it is the row_id) and names the output already uses. A string id column is always copied,
+    first, under its own name: it is how output rows are matched to input rows."""
+    id_column = settings.data.id_column
+    if string_ids:
+        if id_column in RESERVED_COLUMNS:
+            raise ConfigError(
+                f"data.id_column={id_column!r} is a string column named like one of batchjob's output columns: "
+                "rename it in the input"
+            )
+        wanted = passthrough_columns(settings, columns, prompt_columns)
+        return [id_column, *(c for c in wanted if c != id_column)]
     wanted = settings.data.passthrough_columns
     if wanted is None:
-        skip = set(prompt_columns) | {settings.data.id_column} | RESERVED_COLUMNS
+        skip = set(prompt_columns) | {id_column} | RESERVED_COLUMNS
         return [c for c in columns if c not in skip]
     missing = [c for c in wanted if c not in columns]
     if missing:
@@ -103,7 +118,11 @@ def prepare(settings: JobSettings) -> PreparedJob:
         batch_rows=data.batch_rows,
     )
     if resolve_format(spec) == "openai_batch":
-        settings = dataclasses.replace(settings, prompt=for_openai_batch(settings.prompt))
+        # Each line brings its prompt, and its custom_id is its identity (unique, and in the output).
+        id_column = data.id_column or OPENAI_BATCH_ID
+        data = dataclasses.replace(data, id_column=id_column)
+        settings = dataclasses.replace(settings, data=data, prompt=for_openai_batch(settings.prompt))
+        spec = dataclasses.replace(spec, id_column=id_column)
     source = open_input(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -111,10 +130,16 @@ def prepare(settings: JobSettings) -> PreparedJob:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
     builder = make_builder(settings.prompt, tokenizer, settings.sampling)
     builder.check(list(source.columns))
-    passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.consumed_columns)
-    record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
+    passthrough = passthrough_columns(
+        settings, list(source.columns), settings.prompt.consumed_columns, string_ids=source.string_ids
+    )
+    record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)
+    # The record is written only once every check has passed, so a stored, identical record means the
+    # ids were found unique already (by this shard earlier, or another): a restart skips the full read.
+    if not record_is_stored(settings.output.dir, {"shard_count": settings.shard_count, **record}):
+        check_unique_ids(source)
     output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
-    output.open(record, resume=settings.resume)
+    output.open(record, resume=settings.resume, overwrite=settings.output.overwrite)
     return PreparedJob(settings, model_path, source, builder, passthrough, output)
 
 

@@ -4,7 +4,8 @@ Prints one line per shard (rows done/total, output tokens, tokens/s, complete) a
 committed rows of all shards together are the input exactly once: row ids committed twice, missing, or
 not in the input are listed. With `data.path` (and the same `data.*` keys the job ran with) the check is
 against the input's own row ids; without, against the job record's row count (after `data.limit`) and,
-unless the job took its ids from `data.id_column`, ids 0..N-1.
+unless the job took its ids from an integer `data.id_column`, ids 0..N-1. A string id column's values in the
+output are checked to be unique too.
 Reads manifests, reports and the `row_id`/`completion_tokens` columns of committed parts; takes no lock,
 so it is safe while shards are still writing. Exit status: 0 when complete and exactly once, 1 otherwise,
 2 for bad arguments.
@@ -26,6 +27,7 @@ from batchjob.io.readers import open_input
 from batchjob.io.sharding import shard_range
 from batchjob.io.status import shard_status
 from batchjob.io.storage import Storage
+from batchjob.io.unique_ids import PARTITION_ROWS, find_duplicates
 
 USAGE = (
     "usage: python -m batchjob.status output.dir=DIR [data.path=PATH data.id_column=COL data.limit=N "
@@ -66,10 +68,12 @@ class Validation:
     duplicates: RowIds  # committed more than once (by one shard or several)
     missing: RowIds  # in the input, committed by no shard
     unexpected: RowIds  # committed but not in the input
+    id_column: str | None = None  # a string id column carried by the output rows
+    repeated_ids: tuple = ()  # a few of its values found in more than one output row
 
     @property
     def exactly_once(self) -> bool:
-        return not (self.duplicates.count or self.missing.count or self.unexpected.count)
+        return not (self.duplicates.count or self.missing.count or self.unexpected.count or self.repeated_ids)
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
         rows = record.get("rows") or {}
         total = rows.get("count")
         # Without the input, the ids are known only when they are the rows' positions.
-        by_position = total is not None and rows.get("id_column") is None
+        by_position = total is not None and (rows.get("id_column") is None or bool(rows.get("string_ids")))
         expected = np.arange(total, dtype=np.int64) if by_position else None
     shards, all_ids = [], []
     for st in statuses:
@@ -154,6 +158,7 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
         expected = np.unique(expected)
         missing = np.setdiff1d(expected, unique, assume_unique=True)
         unexpected = np.setdiff1d(unique, expected, assume_unique=True)
+    id_column = (record.get("rows") or {}).get("id_column") if (record.get("rows") or {}).get("string_ids") else None
     validation = Validation(
         total,
         len(committed),
@@ -161,8 +166,26 @@ def job_status(output_dir: str, input_spec: InputSpec | None = None) -> JobStatu
         RowIds.of(duplicates),
         RowIds.of(missing),
         RowIds.of(unexpected),
+        id_column,
+        _repeated_string_ids(storage, path, [st["shard"] for st in statuses], count, id_column),
     )
     return JobStatus(tuple(shards), validation)
+
+
+def _repeated_string_ids(storage: Storage, path: str, shards: list[int], count: int, column: str | None) -> tuple:
+    """A few values of the string id column held by more than one committed row (error rows hold none)."""
+    if column is None:
+        return ()
+    files = []
+    for shard in shards:
+        manifest = storage.join(path, ShardOutput(path, shard, count).manifest_name)
+        files += [storage.join(path, name) for name in read_manifest(storage, manifest).parts]
+    if not files:
+        return ()
+    dataset = pads.dataset(files, format="parquet", filesystem=storage.pyarrow_fs())
+    chunks = (batch.column(0) for batch in dataset.to_batches(columns=[column]))
+    _, repeated = find_duplicates(chunks, dataset.count_rows(), PARTITION_ROWS)
+    return tuple(repeated)
 
 
 def format_status(status: JobStatus) -> str:
@@ -179,6 +202,8 @@ def format_status(status: JobStatus) -> str:
         if ids.count:
             more = ", ..." if ids.count > len(ids.first) else ""
             lines.append(f"{ids.count} row ids {name}: {', '.join(map(str, ids.first))}{more}")
+    if v.repeated_ids:
+        lines.append(f"{v.id_column} values in more than one row: {', '.join(map(repr, v.repeated_ids))}")
     if v.exactly_once and v.ids_checked:
         lines.append("every row exactly once")
     elif v.exactly_once:

@@ -1,14 +1,18 @@
 """Hugging Face `datasets` input: `save_to_disk` directories and `load_dataset` names.
 
 A map-style `Dataset` is memory-mapped Arrow: a shard slices its contiguous row range in `batch_rows`
-pieces as Arrow tables, never building Python objects per row. A streaming `IterableDataset` has no
-known length, so shard i of k keeps the rows whose index is i modulo k (every shard reads the whole
-stream) and its fingerprint can only name the dataset, not detect changes to its content.
+pieces as Arrow tables, never building Python objects per row.
+
+Streaming (`data.streaming=true`): the dataset's data files are resolved first (on the hub, at one commit,
+whose sha goes into the fingerprint: a resume against another commit is refused). When they are all Parquet
+(what the hub serves for most datasets), they are read as a Parquet input pinned to that commit: each shard
+reads only its own row groups, with the same row numbers as a non-streaming run. Other files go through an
+`IterableDataset`, whose length is unknown, so shard i of k keeps the rows whose index is i modulo k.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,17 +20,27 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
+from batchjob.io.content_digest import relative_names, sampled_sha256
+from batchjob.io.inputs import INPUT_ERROR_COLUMN, PATH_HELP, InputError, InputSource, InputSpec
+from batchjob.io.parquet_reader import open_parquet_files
 from batchjob.io.sharding import all_skipped, shard_range
+from batchjob.io.storage import Storage
 
 # A batch job's log gets no per-file progress bars or advisory messages from `datasets`.
 datasets.utils.logging.disable_progress_bar()
 datasets.utils.logging.set_verbosity_error()
+_ID_BATCH_ROWS = 1 << 20
+log = logging.getLogger(__name__)
 
 
 def open_hf_dataset(spec: InputSpec, fmt: str) -> InputSource:
     if fmt == "hf_disk":
         return ArrowDatasetSource(spec, _pick_split(_load_from_disk(spec), spec))
+    if spec.streaming:
+        files, revision = _resolve_data_files(spec)
+        if files and all(f.endswith(".parquet") for f in files):
+            return open_parquet_files(spec, files, revision)
+        return StreamingDatasetSource(spec, _load_dataset(spec), files, revision)
     loaded = _load_dataset(spec)
     if isinstance(loaded, datasets.IterableDataset):
         return StreamingDatasetSource(spec, loaded)
@@ -61,8 +75,36 @@ def _load_dataset(spec: InputSpec) -> datasets.Dataset | datasets.IterableDatase
         ) from exc
 
 
-def _is_integer(feature: Any) -> bool:
-    return isinstance(feature, datasets.Value) and pa.types.is_integer(feature.pa_type)
+def _resolve_data_files(spec: InputSpec) -> tuple[list[str], str | None]:
+    """The split's data files (local paths or URLs, in the dataset's order) and the hub commit they were
+    resolved at (None off the hub); no files when the dataset is built by code rather than from files."""
+    try:
+        builder = datasets.load_dataset_builder(spec.path, name=spec.name, data_files=spec.data_files)
+    except Exception as exc:  # datasets raises many types here; the user needs one clear message
+        raise InputError(f"datasets.load_dataset_builder({spec.path!r}) failed: {exc}; {PATH_HELP}") from exc
+    data_files = builder.config.data_files
+    if not data_files or spec.split not in data_files:
+        return [], None
+    files = data_files[spec.split]
+    # Hub files carry (repo id, commit sha); local and object-store files an mtime or ETag, not used here.
+    commits = {meta[1] for meta in getattr(files, "origin_metadata", []) if len(meta) == 2}
+    if len(commits) > 1:
+        raise InputError(f"{spec.path} resolved its data files at several commits ({sorted(commits)}); rerun")
+    return list(files), next(iter(commits), None)
+
+
+def _file_identities(uris: list[str]) -> list[dict[str, Any]]:
+    """Names, sizes and sampled content hashes: no mtimes, so a copied input keeps its identity."""
+    identities = []
+    for uri, name in zip(uris, relative_names(uris), strict=True):
+        storage, path = Storage.for_uri(uri)
+        with storage.pyarrow_fs().open_input_file(path) as f:
+            identities.append({"name": name, "size": f.size(), "sampled_sha256": sampled_sha256(f)})
+    return identities
+
+
+def _arrow_type(feature: Any) -> pa.DataType | None:
+    return feature.pa_type if isinstance(feature, datasets.Value) else None
 
 
 class ArrowDatasetSource(InputSource):
@@ -70,22 +112,14 @@ class ArrowDatasetSource(InputSource):
         super().__init__(spec, list(dataset.column_names))
         self.dataset = dataset
         feature = dataset.features.get(spec.id_column) if spec.id_column else None
-        self._check_id_column(_is_integer(feature), str(feature))
+        self._check_id_column(_arrow_type(feature), str(feature))
         self.limited_rows = len(dataset) if spec.limit is None else min(spec.limit, len(dataset))
         self.start, self.stop = shard_range(self.limited_rows, spec.shard_index, spec.shard_count)
 
     def fingerprint(self) -> dict[str, Any]:
-        files = []
-        for cache in self.dataset.cache_files:
-            stat = os.stat(cache["filename"])
-            files.append({"path": cache["filename"], "size": stat.st_size, "version": str(stat.st_mtime)})
-        # `_fingerprint` is datasets' own content identity (hash of its source and transforms).
-        return {
-            "format": "hf_dataset",
-            "fingerprint": self.dataset._fingerprint,
-            "rows": len(self.dataset),
-            "files": files,
-        }
+        # Not datasets' own `_fingerprint`: for local data files it hashes their mtimes.
+        files = _file_identities([cache["filename"] for cache in self.dataset.cache_files])
+        return {"format": "hf_dataset", "rows": len(self.dataset), "files": files}
 
     def num_rows(self) -> int:
         return self.stop - self.start
@@ -93,11 +127,16 @@ class ArrowDatasetSource(InputSource):
     def job_rows(self) -> int:
         return self.limited_rows
 
+    def id_chunks(self) -> Iterator[pa.ChunkedArray]:
+        ids = self.dataset.select_columns([self.spec.id_column]).with_format("arrow")
+        for first in range(0, self.limited_rows, _ID_BATCH_ROWS):
+            yield ids[first : min(first + _ID_BATCH_ROWS, self.limited_rows)].column(0)
+
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         arrow = self.dataset.select_columns(self._columns_to_read(columns)).with_format("arrow")
         for first in range(self.start, self.stop, self.spec.batch_rows):
             last = min(first + self.spec.batch_rows, self.stop)
-            if self.spec.id_column is None and all_skipped(skip_row_ids, first, last):
+            if self.ids_are_positions and all_skipped(skip_row_ids, first, last):
                 continue
             made = self._make_batch(arrow[first:last], np.arange(first, last), columns, skip_row_ids)
             if made is not None:
@@ -105,25 +144,27 @@ class ArrowDatasetSource(InputSource):
 
 
 class StreamingDatasetSource(InputSource):
-    def __init__(self, spec: InputSpec, dataset: datasets.IterableDataset) -> None:
-        names = dataset.column_names
-        if names is None:  # features unknown until the first row is read
-            names = list(next(iter(dataset.take(1)), {}).keys())
-        super().__init__(spec, list(names))
+    def __init__(
+        self, spec: InputSpec, dataset: datasets.IterableDataset, files: list[str], revision: str | None
+    ) -> None:
+        if dataset.features is not None:
+            schema = dataset.features.arrow_schema
+        else:  # features unknown until the first row is read
+            first = next(iter(dataset.with_format("arrow").iter(batch_size=1)), None)
+            schema = pa.schema([]) if first is None else first.schema
+        super().__init__(spec, list(schema.names))
         self.dataset = dataset
-        features = dataset.features or {}
-        feature = features.get(spec.id_column) if spec.id_column else None
-        self._check_id_column(feature is None or _is_integer(feature), str(feature))
+        self.files = files
+        self.revision = revision
+        id_type = schema.field(spec.id_column).type if spec.id_column in schema.names else None
+        self._check_id_column(id_type, str(id_type))
 
     def fingerprint(self) -> dict[str, Any]:
         spec = self.spec
-        return {
-            "format": "hf_streaming",
-            "path": spec.path,
-            "name": spec.name,
-            "data_files": spec.data_files,
-            "split": spec.split,
-        }
+        identity: dict[str, Any] = {"format": "hf_streaming", "path": spec.path, "name": spec.name, "split": spec.split}
+        if self.revision is not None:  # a hub commit is immutable: its files need no reading
+            return {**identity, "revision": self.revision, "files": relative_names(self.files) if self.files else []}
+        return {**identity, "files": _file_identities(self.files) if self.files else []}
 
     def num_rows(self) -> None:
         return None
@@ -138,11 +179,49 @@ class StreamingDatasetSource(InputSource):
             stream = stream.select_columns(read_columns)
         stream = stream.with_format("arrow")
         position = 0
+        # Every shard reads the whole stream, so each sees every id: the later occurrence of an id is the
+        # duplicate, in every shard and on every rerun alike.
+        seen: set = set()
         for table in stream.iter(batch_size=self.spec.batch_rows):
             positions = np.arange(position, position + table.num_rows)
             position += table.num_rows
             mine = positions % self.spec.shard_count == self.spec.shard_index
+            if self.spec.id_column is not None:
+                table = self._flag_duplicates(table, positions, mine, seen)
             if mine.any():
                 made = self._make_batch(table.filter(pa.array(mine)), positions[mine], columns, skip_row_ids)
                 if made is not None:
                     yield made
+
+    def _flag_duplicates(self, table: pa.Table, positions: np.ndarray, mine: np.ndarray, seen: set) -> pa.Table:
+        """Mark rows whose id appeared earlier in the stream: a string id's row becomes an error row (its id
+        nulled, so the output never holds the id twice); an integer id is the row_id of the earlier row, so
+        the later one is dropped (`mine` cleared) and logged."""
+        id_column = self.spec.id_column
+        ids = table.column(id_column).to_pylist()
+        repeated = []
+        for index, value in enumerate(ids):
+            if value in seen:
+                repeated.append(index)
+            elif value is not None:
+                seen.add(value)
+        if not repeated:
+            return table
+        if not self.string_ids:
+            for index in repeated:
+                if mine[index]:
+                    log.warning(
+                        "input row %d dropped: its data.id_column=%r value %r belongs to an earlier row",
+                        positions[index],
+                        id_column,
+                        ids[index],
+                    )
+            mine[repeated] = False
+            return table
+        errors: list[str | None] = [None] * len(ids)
+        for index in repeated:
+            errors[index] = f"duplicate id: data.id_column={id_column!r} value {ids[index]!r} belongs to an earlier row"
+            ids[index] = None
+        column = table.schema.get_field_index(id_column)
+        table = table.set_column(column, id_column, pa.array(ids, table.schema.field(id_column).type))
+        return table.append_column(INPUT_ERROR_COLUMN, pa.array(errors, pa.string()))

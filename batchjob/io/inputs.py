@@ -3,8 +3,11 @@
 Readers (`parquet_reader`, `hf_reader`) subclass `InputSource`; `readers.open_input(spec)` picks one and
 validates the spec before any data is read, so a bad `data.*` setting fails before the model loads.
 
-Row ids: the `id_column` value when given (the user guarantees uniqueness: duplicate ids make resume skip
-rows wrongly), else the row's index in the input's deterministic order (sorted file paths, then file order).
+Row ids (`row_id`, int64): an integer `id_column`'s value when given, else the row's index in the input's
+deterministic order (sorted file paths, then file order). A string `id_column` (UUIDs, URLs, `custom_id`s)
+keeps `row_id` the row's index and rides along in every batch under its own name, so it reaches the output.
+Either way ids must be unique: readers that can read the id column up front offer it (`id_chunks`) for
+`unique_ids.check_unique_ids`; a streaming reader finds duplicates as it goes (`INPUT_ERROR_COLUMN`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchjob.io.sharding import keep_mask
 
 FORMATS = ("auto", "parquet", "openai_batch", "hf_disk", "hf_hub")
+# A batch column a reader may add: why a row cannot be generated (e.g. a duplicate id found while
+# streaming), or null. The feeder turns it into an error row.
+INPUT_ERROR_COLUMN = "__batchjob_input_error"
 PATH_HELP = (
     "data.path must be a Parquet file, directory or glob, an OpenAI batch .jsonl file, a directory written by "
     "datasets' save_to_disk, or a dataset name for datasets.load_dataset"
@@ -64,6 +71,17 @@ class InputSource(ABC):
     def __init__(self, spec: InputSpec, columns: list[str]) -> None:
         self.spec = spec
         self.columns = columns
+        self.string_ids = False  # set by _check_id_column
+
+    @property
+    def ids_are_positions(self) -> bool:
+        """Whether `row_id` is the row's index in the input (no id column, or a string one)."""
+        return self.spec.id_column is None or self.string_ids
+
+    def id_chunks(self) -> Iterator[pa.Array | pa.ChunkedArray] | None:
+        """The id column of every row of the job (all shards, after `limit`) in bounded pieces, for the
+        uniqueness check before the run; None when it cannot be read up front (streaming)."""
+        return None
 
     @abstractmethod
     def fingerprint(self) -> dict[str, Any]:
@@ -84,7 +102,8 @@ class InputSource(ABC):
         `skip_row_ids` must be sorted and unique (e.g. `OutputDataset.committed_row_ids()`).
         """
 
-    def _check_id_column(self, is_integer: bool, type_name: str) -> None:
+    def _check_id_column(self, id_type: pa.DataType | None, type_name: str) -> None:
+        """`id_type`: the id column's Arrow type (None: not a plain column type)."""
         id_column = self.spec.id_column
         if id_column is None:
             return
@@ -94,10 +113,11 @@ class InputSource(ABC):
                 f"columns are: {', '.join(self.columns)}. Set data.id_column to one of them, or null to "
                 "number rows by position"
             )
-        if not is_integer:
+        self.string_ids = id_type is not None and (pa.types.is_string(id_type) or pa.types.is_large_string(id_type))
+        if not (self.string_ids or (id_type is not None and pa.types.is_integer(id_type))):
             raise InputError(
-                f"data.id_column={id_column!r} has type {type_name}, but row ids must be integers: "
-                "choose an integer column, or null to number rows by position"
+                f"data.id_column={id_column!r} has type {type_name}, but ids must be integers or strings: "
+                "choose such a column, or null to number rows by position"
             )
 
     def _columns_to_read(self, columns: list[str]) -> list[str]:
@@ -115,23 +135,36 @@ class InputSource(ABC):
         id_column = self.spec.id_column
         return wanted + [id_column] if id_column and id_column not in wanted else wanted
 
+    def _batch_columns(self, columns: list[str]) -> list[str]:
+        """The columns a batch carries after `row_id`: the requested ones, plus a string id column."""
+        wanted = [c for c in columns if c != "row_id"]
+        id_column = self.spec.id_column
+        return wanted + [id_column] if self.string_ids and id_column not in wanted else wanted
+
     def _make_batch(
         self, data: pa.Table | pa.RecordBatch, positions: np.ndarray, columns: list[str], skip: np.ndarray | None
     ) -> pa.RecordBatch | None:
-        """`row_id` + `columns` of `data`, whose rows sit at `positions` in the input; None if all skipped."""
-        if self.spec.id_column is None:
-            row_ids = positions.astype(np.int64, copy=False)
-        else:
+        """`row_id` + `columns` (+ a string id column) of `data`, whose rows sit at `positions` in the input;
+        None if all skipped. `data` may carry an `INPUT_ERROR_COLUMN`, which is kept."""
+        if self.spec.id_column is not None:
             id_values = data.column(self.spec.id_column)
+            if INPUT_ERROR_COLUMN in data.schema.names:
+                # A streaming duplicate's id is nulled on purpose: it gets an error row, not a second id.
+                id_values = id_values.filter(pc.is_null(data.column(INPUT_ERROR_COLUMN)))
             if id_values.null_count:
                 raise InputError(
                     f"data.id_column={self.spec.id_column!r} has null values near input row "
                     f"{int(positions[0])}: every row needs an id; fill them or set data.id_column=null"
                 )
-            row_ids = np.asarray(id_values.to_numpy(), dtype=np.int64)
+        if self.ids_are_positions:
+            row_ids = positions.astype(np.int64, copy=False)
+        else:
+            row_ids = np.asarray(data.column(self.spec.id_column).to_numpy(), dtype=np.int64)
         keep = keep_mask(row_ids, skip)
-        arrays = [pa.array(row_ids, type=pa.int64())] + [data.column(c) for c in columns if c != "row_id"]
-        names = ["row_id"] + [c for c in columns if c != "row_id"]
+        names = ["row_id", *self._batch_columns(columns)]
+        if INPUT_ERROR_COLUMN in data.schema.names:
+            names.append(INPUT_ERROR_COLUMN)
+        arrays = [pa.array(row_ids, type=pa.int64())] + [data.column(c) for c in names[1:]]
         batch = pa.RecordBatch.from_arrays([_chunked_to_array(a) for a in arrays], names=names)
         if keep is not None:
             batch = batch.filter(pa.array(keep))

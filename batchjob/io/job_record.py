@@ -1,7 +1,7 @@
 """The job record: what produced an output directory, so a rerun never mixes outputs of different jobs.
 
 The caller decides what goes in (model, sampling, prompt settings, input fingerprint, version...); this
-module only stores it once per output directory and compares it on every open.
+module stores, reads and compares records; `record_guard` decides when one may be replaced.
 """
 
 from __future__ import annotations
@@ -41,20 +41,12 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, An
     return [] if old == new else [(prefix or "<record>", old, new)]
 
 
-def check_or_create(storage: Storage, path: str, record: dict[str, Any], tmp_dir: str) -> None:
-    """Write the record if the directory has none; else refuse unless it is identical."""
-    wanted = normalise(record)
-    if storage.create_exclusive(path, encode(wanted), tmp_dir):
-        return
-    existing = json.loads(storage.read_bytes(path))
-    diff = differences(existing, wanted)
-    if diff:
-        lines = "\n".join(f"  {key}: {old!r} -> {new!r}" for key, old, new in diff)
-        raise JobRecordMismatch(
-            f"{path} records a different job than this run:\n{lines}\n"
-            "Resuming would mix outputs of two configurations. Restore the old settings to resume, "
-            "use another output.dir, or rerun with resume=false to start over (deletes this shard's outputs)."
-        )
+def read(storage: Storage, path: str) -> dict[str, Any] | None:
+    """The stored record, or None when the directory has none yet."""
+    try:
+        return json.loads(storage.read_bytes(path))
+    except FileNotFoundError:
+        return None
 
 
 def overwrite(storage: Storage, path: str, record: dict[str, Any], tmp_dir: str) -> None:

@@ -2,9 +2,10 @@
 
 The format of OpenAI's and most hosted batch services' `.jsonl` input, and of vLLM's `run-batch`. Each
 non-blank line is one row, numbered from 0 in file order (files of a directory or glob in sorted path
-order). This reader checks only the envelope: a line that is not a JSON object, or lacks a string
-`custom_id`, `method`, `url` or an object `body`, still becomes a row, with `line_error` saying why, so one
-bad line costs one error row, not the job. What the body asks for is the prompt pipeline's business.
+order); with `id_column="custom_id"` the custom ids are the rows' string ids (unique, checked up front).
+This reader checks only the envelope: a line that is not a JSON object, or lacks a string `custom_id`,
+`method`, `url` or an object `body`, still becomes a row, its `INPUT_ERROR_COLUMN` saying why, so one bad
+line costs one error row, not the job. What the body asks for is the prompt pipeline's business.
 
 Memory is bounded by one batch of lines: opening the input reads it once to count its lines (and hash its
 bytes: the job record's identity of the input, so a changed file is never resumed, while a copy is),
@@ -24,12 +25,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from batchjob.io.inputs import InputError, InputSource, InputSpec
+from batchjob.io.inputs import INPUT_ERROR_COLUMN, InputError, InputSource, InputSpec
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
-COLUMNS = ("custom_id", "method", "url", "body", "line_error")
-SCHEMA = pa.schema([pa.field(name, pa.string()) for name in COLUMNS])
+COLUMNS = ("custom_id", "method", "url", "body")
+ID_COLUMN = "custom_id"
+SCHEMA = pa.schema([pa.field(name, pa.string()) for name in (*COLUMNS, INPUT_ERROR_COLUMN)])
 _CHECKPOINT_LINES = 4096
 FILE_HELP = "data.format=openai_batch needs a .jsonl file (or a directory or glob of them) of OpenAI batch requests"
 
@@ -82,7 +84,8 @@ def _is_hidden(relative: str) -> bool:
 
 
 def parse_line(line: bytes) -> tuple[str | None, str | None, str | None, str | None, str | None]:
-    """(custom_id, method, url, body as JSON text, line_error) of one line; what could be read is kept."""
+    """(custom_id, method, url, body as JSON text, what is wrong or None) of one line; what could be read is
+    kept."""
     try:
         request = json.loads(line)
     except ValueError as err:  # also UnicodeDecodeError: not UTF-8
@@ -106,11 +109,12 @@ def _text(value: Any) -> bool:
 class OpenAIBatchSource(InputSource):
     def __init__(self, spec: InputSpec, storage: Storage, files: list[str]) -> None:
         super().__init__(spec, list(COLUMNS))
-        if spec.id_column is not None:
+        if spec.id_column not in (None, ID_COLUMN):
             raise InputError(
-                f"data.id_column={spec.id_column!r}: the rows of an OpenAI batch file are numbered by line, and "
-                "each line's custom_id is kept in the output; set data.id_column=null"
+                f"data.id_column={spec.id_column!r}: the lines of an OpenAI batch file are identified by their "
+                f"{ID_COLUMN}; leave data.id_column unset"
             )
+        self._check_id_column(pa.string(), "string")
         self.storage = storage
         self.files = files
         self.checkpoints: list[Checkpoint] = []
@@ -149,11 +153,24 @@ class OpenAIBatchSource(InputSource):
     def job_rows(self) -> int:
         return self.limited_rows
 
+    def id_chunks(self) -> Iterator[pa.Array]:
+        """The custom ids of every well-formed line of the job (a malformed line's row is an error row)."""
+        ids: list[str] = []
+        for _, line in self._lines(None, 0, self.limited_rows):
+            custom_id, *_, problem = parse_line(line)
+            if problem is None:
+                ids.append(custom_id)
+            if len(ids) == self.spec.batch_rows:
+                yield pa.array(ids, pa.string())
+                ids = []
+        if ids:
+            yield pa.array(ids, pa.string())
+
     def iter_batches(self, columns: list[str], skip_row_ids: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
         read_columns = self._columns_to_read(columns)
         rows: list[tuple] = []
         positions: list[int] = []
-        for position, line in self._lines(skip_row_ids):
+        for position, line in self._lines(skip_row_ids, self.start, self.stop):
             rows.append(parse_line(line))
             positions.append(position)
             if len(rows) == self.spec.batch_rows:
@@ -171,12 +188,12 @@ class OpenAIBatchSource(InputSource):
         if batch is not None:
             yield batch
 
-    def _lines(self, skip_row_ids: np.ndarray | None) -> Iterator[tuple[int, bytes]]:
-        """(row position, line) of this shard's rows, minus stretches between checkpoints already finished
+    def _lines(self, skip_row_ids: np.ndarray | None, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
+        """(row position, line) of rows [start, stop), minus stretches between checkpoints already finished
         (single finished rows of an unfinished stretch are dropped by `_make_batch`)."""
         bounds = [c.position for c in self.checkpoints[1:]] + [self.total_rows]
         for checkpoint, end in zip(self.checkpoints, bounds, strict=True):
-            first, last = max(checkpoint.position, self.start), min(end, self.stop)
+            first, last = max(checkpoint.position, start), min(end, stop)
             if first >= last or all_skipped(skip_row_ids, first, last):
                 continue
             position = checkpoint.position

@@ -25,11 +25,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from batchjob.io import job_record as job_records
 from batchjob.io import manifest
-from batchjob.io.layout import JOB_RECORD_NAME, PART_RE, REPORT_NAME, TMP_DIR_NAME, ShardOutput
+from batchjob.io.layout import PART_RE, REPORT_NAME, TMP_DIR_NAME, ShardOutput
 from batchjob.io.lock import ShardLock
 from batchjob.io.manifest import PartEntry
+from batchjob.io.record_guard import RecordChange, settle_job_record, settling
 from batchjob.io.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -49,42 +49,34 @@ class OutputDataset:
     def _file(self, name: str) -> str:
         return self.storage.join(self.path, name)
 
-    def open(self, job_record: dict[str, Any], resume: bool = True) -> None:
-        """Lock the shard, check the job record, and recover from any crash of a previous run.
+    def open(self, job_record: dict[str, Any], resume: bool = True, overwrite: bool = False) -> None:
+        """Lock the shard, settle the job record (batchjob/io/record_guard.py), and recover from any crash
+        of a previous run.
 
         The stored record is `job_record` plus `shard_count` (unless given): changing the shard
         count moves shard boundaries, so outputs of different shard counts must never be mixed.
-        With `resume=False` this shard's parts, manifest, reports and success marker are deleted first and
-        the record is replaced; other shards' outputs are left alone.
+        With `resume=False` this shard's parts, manifest, reports and success marker are deleted first;
+        other shards' outputs are left alone, and a different record is refused while they hold rows of
+        it, unless `overwrite=True`, which deletes every shard's output under their locks.
         """
         record = {"shard_count": self.shard.shard_count, **job_record}
         self.storage.makedirs(self.path)
         self.storage.makedirs(self.tmp_dir)
-        if self._lock.holder is None:  # reopening after a failed write keeps the lock it holds
-            self._lock.acquire()
+        with settling(self.storage, self.path, self.tmp_dir):
+            if self._lock.holder is None:  # reopening after a failed write keeps the lock it holds
+                self._lock.acquire()
+            try:
+                change = RecordChange(self.storage, self.path, self.tmp_dir, self.shard, record)
+                settle_job_record(change, resume=resume, overwrite=overwrite)
+            except BaseException:
+                self._lock.release()
+                raise
         try:
-            record_path = self._file(JOB_RECORD_NAME)
-            if resume:
-                job_records.check_or_create(self.storage, record_path, record, self.tmp_dir)
-            else:
-                self._delete_shard_outputs()
-                job_records.overwrite(self.storage, record_path, record, self.tmp_dir)
             self._recover()
         except BaseException:
             self._lock.release()
             raise
         self._is_open = True
-
-    def _delete_shard_outputs(self) -> None:
-        # Success marker first (a crash mid-reset must not leave a "complete" shard), then the manifest
-        # (after which nothing is committed), then the now-orphaned files.
-        for name in (self.shard.success_name, self.shard.report_name, self.shard.manifest_name):
-            self.storage.remove(self._file(name))
-        if self.shard.shard_count == 1:
-            self.storage.remove(self._file(REPORT_NAME))
-        for name in self.storage.list_files(self.path):
-            if name.startswith(self.shard.part_prefix):
-                self.storage.remove(self._file(name))
 
     def _recover(self) -> None:
         state = manifest.read_manifest(self.storage, self.manifest_path)

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchjob.engine.api import SamplingParams
+from batchjob.io.inputs import INPUT_ERROR_COLUMN
 from batchjob.pipelines.pipeline import Builder
 
 _END = object()
@@ -110,11 +111,16 @@ class PromptFeeder:
     def _prepare(self, batch: pa.RecordBatch) -> PreparedBatch:
         t0 = time.perf_counter()
         encoded = self._builder.encode(batch)
+        ids, errors = encoded.prompt_ids, encoded.errors
+        if INPUT_ERROR_COLUMN in batch.schema.names:  # the reader already knows these rows cannot run
+            for i, problem in enumerate(batch.column(INPUT_ERROR_COLUMN).to_pylist()):
+                if problem is not None:
+                    ids[i], errors[i] = None, problem
         passthrough = batch.select(self._passthrough).to_pylist() if self._passthrough else [{}] * batch.num_rows
         prepared = PreparedBatch(
             row_ids=batch.column("row_id").to_pylist(),
-            prompt_ids=encoded.prompt_ids,
-            errors=encoded.errors,
+            prompt_ids=ids,
+            errors=errors,
             sampling=encoded.sampling,
             passthrough=passthrough,
         )

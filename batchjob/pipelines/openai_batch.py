@@ -40,7 +40,8 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 class OpenAIBatchBuilder:
-    """Rows of an OpenAI batch file (`url`, `body`, `line_error` from batchjob.io's reader)."""
+    """Rows of an OpenAI batch file (`method`, `url`, `body` from batchjob.io's reader; a line the reader found
+    malformed is already an error row, whatever this builder makes of it)."""
 
     def __init__(self, tokenizer: Any, sampling: SamplingParams, add_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -81,8 +82,8 @@ class OpenAIBatchBuilder:
 
     def _request(self, row: dict[str, Any]) -> tuple[str | list[int], bool, dict[str, Any]]:
         """(prompt text or token ids, whether the tokenizer adds special tokens, sampling overrides)."""
-        if row["line_error"] is not None:
-            raise BadRow(row["line_error"])
+        if row["body"] is None:
+            raise BadRow("the line has no request body")
         if row["method"] != "POST":
             raise BadRow(f"method {row['method']!r} is not supported: batch requests are POST")
         body = json.loads(row["body"])

@@ -74,8 +74,8 @@ def _template_fields(template: str) -> tuple[str, ...]:
 
 
 # What batchjob.io's OpenAI batch reader gives; `url` is read to build the prompt and also kept in the output.
-OPENAI_BATCH_INPUT = ("method", "url", "body", "line_error")
-OPENAI_BATCH_CONSUMED = ("method", "body", "line_error")
+OPENAI_BATCH_INPUT = ("method", "url", "body")
+OPENAI_BATCH_CONSUMED = ("method", "body")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import datasets
@@ -45,3 +46,24 @@ def test_streaming_id_column_must_exist(tmp_path: Path) -> None:
     path = write_prompts(tmp_path / "p.parquet", 0, 5, row_group_rows=5)
     with pytest.raises(InputError, match="columns are: id, prompt, topic"):
         open_input(InputSpec("parquet", data_files=str(path), streaming=True, id_column="uid"))
+
+
+def test_streaming_parquet_shard_reads_only_its_own_files(tmp_path: Path) -> None:
+    first = write_prompts(tmp_path / "a.parquet", 0, 10, row_group_rows=5)
+    write_prompts(tmp_path / "b.parquet", 10, 20, row_group_rows=5)
+    spec = InputSpec("parquet", data_files=str(tmp_path / "*.parquet"), streaming=True, shard_index=1, shard_count=2)
+    source = open_input(spec)
+    first.unlink()  # opening read the footers; iterating shard 1 must never touch the other shard's file
+    ids = [i for b in source.iter_batches(["prompt"]) for i in b.column("row_id").to_pylist()]
+    assert ids == list(range(10, 20))
+
+
+def test_streaming_fingerprint_follows_content_not_file_times(tmp_path: Path) -> None:
+    jsonl = tmp_path / "p.jsonl"
+    prompts_table(0, 5).to_pandas().to_json(jsonl, orient="records", lines=True)
+    spec = InputSpec("json", data_files=str(jsonl), streaming=True)
+    before = open_input(spec).fingerprint()
+    os.utime(jsonl, (1, 1))
+    assert open_input(spec).fingerprint() == before
+    jsonl.write_text(jsonl.read_text().replace("prompt 3", "prompt 9"))
+    assert open_input(spec).fingerprint() != before

@@ -13,7 +13,9 @@ from conftest import run_proc
 
 from batchjob.io import InputError, InputSpec, open_input
 from batchjob.io import openai_batch_reader as reader
+from batchjob.io.inputs import INPUT_ERROR_COLUMN
 from batchjob.io.readers import resolve_format
+from batchjob.io.unique_ids import check_unique_ids
 
 
 def request(i: int) -> dict:
@@ -31,7 +33,7 @@ def write_batch(path: Path, lines: list[dict | str]) -> Path:
 
 def read_all(spec: InputSpec, skip: np.ndarray | None = None) -> pa.Table:
     source = open_input(spec)
-    return pa.Table.from_batches(list(source.iter_batches(["custom_id", "body", "line_error"], skip)))
+    return pa.Table.from_batches(list(source.iter_batches(["custom_id", "body"], skip)))
 
 
 def test_each_line_is_a_row_numbered_in_file_order(tmp_path: Path) -> None:
@@ -40,7 +42,7 @@ def test_each_line_is_a_row_numbered_in_file_order(tmp_path: Path) -> None:
     assert table.column("row_id").to_pylist() == list(range(10))
     assert table.column("custom_id").to_pylist() == [f"req-{i}" for i in range(10)]
     assert json.loads(table.column("body")[4].as_py())["messages"][0]["content"] == "question 4"
-    assert table.column("line_error").null_count == 10
+    assert table.column(INPUT_ERROR_COLUMN).null_count == 10
 
 
 def test_blank_lines_are_not_rows(tmp_path: Path) -> None:
@@ -65,15 +67,15 @@ def test_a_malformed_line_is_a_row_saying_why(tmp_path: Path, line, custom_id, e
     table = read_all(InputSpec(str(path), format="openai_batch"))
     assert table.column("row_id").to_pylist() == [0, 1, 2]
     assert table.column("custom_id")[1].as_py() == custom_id
-    assert error in table.column("line_error")[1].as_py()
-    assert table.column("line_error")[2].as_py() is None
+    assert error in table.column(INPUT_ERROR_COLUMN)[1].as_py()
+    assert table.column(INPUT_ERROR_COLUMN)[2].as_py() is None
 
 
 def test_a_line_that_is_not_utf8_is_a_row_saying_why(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_bytes(json.dumps(request(0)).encode() + b'\n{"custom_id": "\xff"}\n')
     table = read_all(InputSpec(str(path), format="openai_batch"))
-    assert "not valid JSON" in table.column("line_error")[1].as_py()
+    assert "not valid JSON" in table.column(INPUT_ERROR_COLUMN)[1].as_py()
 
 
 def test_shards_tile_the_lines_exactly_once_across_checkpoints(tmp_path: Path, monkeypatch) -> None:
@@ -127,10 +129,28 @@ def test_the_fingerprint_is_the_content_a_copy_keeps_and_an_edit_changes(tmp_pat
     assert fingerprint(write_batch(tmp_path / "a" / "in.jsonl", lines)) != original
 
 
-def test_an_id_column_is_refused_with_the_fix(tmp_path: Path) -> None:
+def test_custom_ids_are_string_ids_carried_by_every_batch(tmp_path: Path) -> None:
+    path = write_batch(tmp_path / "in.jsonl", [request(i) for i in range(4)])
+    spec = InputSpec(str(path), format="openai_batch", id_column="custom_id")
+    assert open_input(spec).string_ids
+    table = pa.Table.from_batches(list(open_input(spec).iter_batches(["body"])))
+    assert table.column("row_id").to_pylist() == [0, 1, 2, 3]
+    assert table.column("custom_id").to_pylist() == [f"req-{i}" for i in range(4)]
+
+
+def test_repeated_custom_ids_are_refused_and_malformed_lines_are_not_counted(tmp_path: Path) -> None:
+    lines = [request(0), "{broken", "{also broken", request(1)]
+    spec = InputSpec(str(write_batch(tmp_path / "ok.jsonl", lines)), format="openai_batch", id_column="custom_id")
+    check_unique_ids(open_input(spec))
+    repeated = write_batch(tmp_path / "twice.jsonl", [*lines, request(1)])
+    with pytest.raises(InputError, match="repeats values \\('req-1'\\)"):
+        check_unique_ids(open_input(InputSpec(str(repeated), format="openai_batch", id_column="custom_id")))
+
+
+def test_another_id_column_is_refused_with_the_fix(tmp_path: Path) -> None:
     path = write_batch(tmp_path / "in.jsonl", [request(0)])
-    with pytest.raises(InputError, match="data.id_column=null"):
-        open_input(InputSpec(str(path), format="openai_batch", id_column="custom_id"))
+    with pytest.raises(InputError, match="leave data.id_column unset"):
+        open_input(InputSpec(str(path), format="openai_batch", id_column="url"))
 
 
 def test_peak_memory_does_not_grow_with_input_lines(tmp_path: Path) -> None:

@@ -108,9 +108,20 @@ def test_missing_id_column_lists_the_columns(prompts_dir: Path) -> None:
         open_input(InputSpec(str(prompts_dir), id_column="uid"))
 
 
-def test_non_integer_id_column_is_refused(prompts_dir: Path) -> None:
-    with pytest.raises(InputError, match="row ids must be integers"):
-        open_input(InputSpec(str(prompts_dir), id_column="prompt"))
+def test_id_column_of_another_type_is_refused(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"score": [0.5, 1.5], "prompt": ["a", "b"]}), tmp_path / "p.parquet")
+    with pytest.raises(InputError, match="has type double, but ids must be integers or strings"):
+        open_input(InputSpec(str(tmp_path / "p.parquet"), id_column="score"))
+
+
+def test_string_id_column_rides_along_and_row_ids_stay_positions(prompts_dir: Path) -> None:
+    source = open_input(InputSpec(str(prompts_dir), id_column="topic", shard_index=1, shard_count=2))
+    assert source.ids_are_positions
+    skip = np.arange(50, 57, dtype=np.int64)  # a whole row group of this shard, finished earlier
+    table = pa.Table.from_batches(list(source.iter_batches(["prompt"], skip)))
+    assert table.column_names == ["row_id", "prompt", "topic"]
+    assert table.column("row_id").to_pylist() == list(range(57, 100))
+    assert table.column("topic").to_pylist()[:2] == ["topic 1", "topic 2"]
 
 
 def test_requesting_a_missing_column_lists_the_columns(prompts_dir: Path) -> None:

@@ -97,12 +97,26 @@ def test_streaming_shards_partition_the_input(parquet_for_load_dataset: str, cou
     assert_partition(shard_ids(spec, count), np.arange(40))
 
 
-def test_streaming_limit_and_id_column(parquet_for_load_dataset: str) -> None:
+def test_streaming_parquet_files_have_known_counts_limit_and_id_column(parquet_for_load_dataset: str) -> None:
     spec = InputSpec("parquet", data_files=parquet_for_load_dataset, streaming=True, id_column="id", limit=5)
     source = open_input(spec)
-    assert (source.num_rows(), source.job_rows()) == (None, None)
+    assert (source.num_rows(), source.job_rows()) == (5, 5)
     ids = [i for b in source.iter_batches(["prompt"]) for i in b.column("row_id").to_pylist()]
     assert ids == [10_000 + 3 * i for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def jsonl_files(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("jsonl")
+    for part, (start, stop) in enumerate(((0, 17), (17, 40))):
+        prompts_table(start, stop).to_pandas().to_json(directory / f"part{part}.jsonl", orient="records", lines=True)
+    return str(directory / "*.jsonl")
+
+
+@pytest.mark.parametrize("count", SHARD_COUNTS)
+def test_streaming_non_parquet_files_shard_by_row_index(jsonl_files: str, count: int) -> None:
+    spec = {"path": "json", "data_files": jsonl_files, "streaming": True}
+    assert_partition(shard_ids(spec, count), np.arange(40))
 
 
 def test_load_dataset_without_streaming_shards_by_range(parquet_for_load_dataset: str) -> None:

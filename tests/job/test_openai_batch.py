@@ -177,6 +177,20 @@ def test_a_prompt_template_with_an_openai_batch_input_is_refused(tmp_path: Path)
     assert "Traceback" not in refused.stderr
 
 
+def test_a_repeated_custom_id_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    batch = write_batch(tmp_path / "in.jsonl", [LINES[0], LINES[2], LINES[0]])
+    refused = run_cli(f"data.path={batch}", f"output.dir={tmp_path / 'out'}")
+    assert refused.returncode == 2
+    assert "repeats values ('chat-short')" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_status_checks_the_output_once_per_line_and_custom_id(finished: Path) -> None:
+    status = job_status(str(finished))
+    assert status.complete and status.validation.ids_checked
+    assert status.validation.id_column == "custom_id"
+
+
 def test_sigkill_then_rerun_gives_every_custom_id_exactly_once(tmp_path: Path) -> None:
     lines = []
     for i in range(36):

@@ -14,15 +14,14 @@ from batchjob.io.output import OutputDataset
 from batchjob.status import job_status
 
 ROWS = 100
-# One row per micro-batch makes every generation bit-identical however rows are grouped across
-# restarts (padding a batch changes float rounding, which can flip a greedy choice); what is under
-# test here is the checkpoint, not the engine's batching.
-CRASHABLE = (
-    "engine.max_batch_size=1",
-    "output.commit_every_rows=8",
-    "output.commit_every_s=1000",
-    "sampling.max_new_tokens=6",
-)
+# One row at a time makes every generation bit-identical however rows are grouped across restarts
+# (padding a batch changes float rounding, which can flip a greedy choice); what is under test here is
+# the checkpoint, not the engine's batching. Both engines: the default one and the transformers one.
+ENGINES = {
+    "native": ("engine=native", "engine.max_num_seqs=1"),
+    "hf": ("engine=hf", "engine.max_batch_size=1"),
+}
+CHECKPOINTED = ("output.commit_every_rows=8", "output.commit_every_s=1000", "sampling.max_new_tokens=6")
 
 
 def committed_parts(out: Path) -> int:
@@ -43,10 +42,16 @@ def prompts(tmp_path_factory) -> Path:
     return write_prompts(tmp_path_factory.mktemp("data") / "prompts.parquet", ROWS)
 
 
+@pytest.fixture(scope="module", params=ENGINES)
+def crashable(request) -> tuple[str, ...]:
+    """The job settings of the crash tests, for one engine."""
+    return (*ENGINES[request.param], *CHECKPOINTED)
+
+
 @pytest.fixture(scope="module")
-def reference(prompts: Path, tmp_path_factory) -> dict[int, str]:
+def reference(prompts: Path, crashable: tuple[str, ...], tmp_path_factory) -> dict[int, str]:
     out = tmp_path_factory.mktemp("reference") / "out"
-    assert run_in_process(f"data.path={prompts}", f"output.dir={out}", *CRASHABLE) == 0
+    assert run_in_process(f"data.path={prompts}", f"output.dir={out}", *crashable) == 0
     table = read_output(out)
     return dict(zip(table.column("row_id").to_pylist(), table.column("generation").to_pylist(), strict=True))
 
@@ -60,10 +65,10 @@ def assert_exactly_once(out: Path, reference: dict[int, str]) -> None:
 
 
 def test_sigkill_at_random_points_then_rerun_yields_every_row_once_identically(
-    prompts: Path, reference: dict[int, str], tmp_path: Path
+    prompts: Path, crashable: tuple[str, ...], reference: dict[int, str], tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    args = (f"data.path={prompts}", f"output.dir={out}", *CRASHABLE)
+    args = (f"data.path={prompts}", f"output.dir={out}", *crashable)
     rng = random.Random(7)
     for _ in range(3):
         before = committed_parts(out)
@@ -82,7 +87,7 @@ def test_sigkill_at_random_points_then_rerun_yields_every_row_once_identically(
 
 
 def test_sigterm_commits_finished_rows_and_exits_resumable(
-    prompts: Path, reference: dict[int, str], tmp_path: Path
+    prompts: Path, crashable: tuple[str, ...], reference: dict[int, str], tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     # Nothing is committed by size or time, and every finished row logs a progress line, so any
@@ -90,7 +95,7 @@ def test_sigterm_commits_finished_rows_and_exits_resumable(
     args = (
         f"data.path={prompts}",
         f"output.dir={out}",
-        *CRASHABLE,
+        *crashable,
         "output.commit_every_rows=100000",
         "progress.log_every_s=0",
     )

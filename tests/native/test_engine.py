@@ -80,6 +80,15 @@ def test_shared_prompt_prefix_is_computed_once_and_output_unchanged(llama_case):
     assert eng.stats_seen["tokens_fed"] == unshared - 5 * 64
 
 
+def test_prefix_hash_collisions_never_change_output(llama_case, monkeypatch):
+    model_dir, _, _ = llama_case
+    # Every prompt block hashes alike: only the kept token ids can tell the cached blocks apart.
+    monkeypatch.setattr("batchjob.engine.native.sequence.block_hash", lambda previous, tokens: 0)
+    reqs = [Request(i, tuple(range(10 + 40 * i, 50 + 40 * i)), SamplingParams(max_new_tokens=4)) for i in range(3)]
+    got, _ = _run(model_dir, reqs, max_num_seqs=1)
+    assert {i: c.token_ids for i, c in got.items()} == _hf_greedy(model_dir, reqs)
+
+
 def _sampled(model_dir, reqs, **options):
     got, _ = _run(model_dir, reqs, **options)
     return {i: c.token_ids for i, c in got.items()}

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from slurm_cluster import JOB_OVERRIDES, REPO, cluster_answers, job_env
+from slurm_cluster import ENGINES, JOB_OVERRIDES, REPO, cluster_answers, job_env
 
 from batchjob.tiny_model import make_tiny_model
 
@@ -18,14 +18,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def workload(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def workload(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Overrides for an 80-row job (20 rows a shard) on a tiny model; the files live where every Slurm
-    task can read them."""
+    task can read them. The engine is `hf` unless a test parametrises `workload` (indirectly) by name."""
+    engine = getattr(request, "param", "hf")
     root = tmp_path_factory.mktemp("slurm_workload")
     model = make_tiny_model(root / "model")
     prompts = pq.read_table(REPO / "batchjob" / "data" / "sample_prompts.parquet").slice(0, 80)
     pq.write_table(prompts, root / "prompts.parquet", row_group_size=10)
-    return [f"model.path={model}", f"data.path={root / 'prompts.parquet'}", *JOB_OVERRIDES]
+    return [f"model.path={model}", f"data.path={root / 'prompts.parquet'}", *ENGINES[engine], *JOB_OVERRIDES]
 
 
 @pytest.fixture(scope="session")

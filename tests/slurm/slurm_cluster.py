@@ -19,9 +19,11 @@ TEMPLATE = REPO / "scripts" / "slurm" / "batchjob.sbatch"
 # Slow enough that a test can catch a task mid-run: one row at a time, every row forced to 512 tokens
 # (~0.2 s a row even with one uncontended thread) and committed on its own, so a task of 20 rows is
 # still generating for seconds after its first commits. Identical for every run: outputs compare row by row.
+ENGINES = {
+    "native": ["engine=native", "engine.max_num_seqs=1"],
+    "hf": ["engine=hf", "engine.max_batch_size=1"],
+}
 JOB_OVERRIDES = [
-    "engine=hf",
-    "engine.max_batch_size=1",
     "sampling.max_new_tokens=512",
     "sampling.ignore_eos=true",
     "output.commit_every_rows=1",

@@ -25,6 +25,9 @@ from slurm_cluster import (
 from batchjob.status import job_status
 
 pytestmark = pytest.mark.slurm
+# The requeue is tested on both engines, the default (native) one and the transformers one; the other
+# interruptions (each minutes of CI on two cores) on the transformers one.
+ON_BOTH_ENGINES = pytest.mark.parametrize("workload", ["native", "hf"], indirect=True)
 
 
 def assert_exactly_once_as(out: Path, reference: Path) -> None:
@@ -70,6 +73,7 @@ def test_submitit_launcher_submits_the_array(workload, reference, tmp_path: Path
     assert_exactly_once_as(out, reference)
 
 
+@ON_BOTH_ENGINES
 def test_task_requeued_mid_run_resumes_from_its_manifest(workload, reference, tmp_path: Path) -> None:
     out = tmp_path / "out"
     job = sbatch(tmp_path, ["--array=0-3"], [*workload, f"output.dir={out}"])

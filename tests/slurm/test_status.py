@@ -79,3 +79,19 @@ def test_bad_arguments_print_usage(capsys: pytest.CaptureFixture) -> None:
 def test_a_directory_without_a_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([f"output.dir={tmp_path / 'typo'}"]) == 2
     assert "holds no batchjob output (no _job.json)" in capsys.readouterr().err
+
+
+def test_a_string_id_held_by_two_rows_is_reported(tmp_path: Path, capsys) -> None:
+    record = {"rows": {"count": 4, "id_column": "custom_id", "string_ids": True}}
+    for shard, row_ids, ids in ((0, [0, 1], ["a", "b"]), (1, [2, 3], ["c", "a"])):
+        dataset = OutputDataset(str(tmp_path), shard, 2)
+        dataset.open(record)
+        dataset.commit(pa.table({"row_id": pa.array(row_ids, pa.int64()), "custom_id": ids}))
+        dataset.mark_success()
+        dataset.close()
+    status = job_status(str(tmp_path))
+    assert status.validation.ids_checked  # string ids keep row_id the position: 0..3 are checked too
+    assert status.validation.repeated_ids == ("a",)
+    assert not status.complete
+    assert main([f"output.dir={tmp_path}"]) == 1
+    assert "custom_id values in more than one row: 'a'" in capsys.readouterr().out

@@ -4,12 +4,17 @@ Block 0 is reserved as a scratch block: padding tokens of CUDA-graph batches wri
 never handed to a sequence. A full block is registered under the hash of its tokens (chained with the hash of
 the block before it); a later sequence whose prompt starts with the same tokens shares it instead of
 recomputing it. That gives `n > 1` samples and shared-prefix workloads one prefill of the common part.
+
+A hash alone never decides a hit: a block's K/V depend on every token before it, so each cached block keeps
+its own token ids and the identity of the block before it (its number and the epoch at which that block got
+its content), and a hit must match both. Two prompts whose hashes collide therefore never share a block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 
 class KVCacheExhausted(RuntimeError):
@@ -18,6 +23,14 @@ class KVCacheExhausted(RuntimeError):
 
 def block_hash(previous: int, tokens: Sequence[int]) -> int:
     return hash((previous, tuple(tokens)))
+
+
+class CachedContent(NamedTuple):
+    """What a registered block holds: checked in full on every hit."""
+
+    hash: int
+    parent: tuple[int, int] | None  # (block, epoch) of the block before it; None for a prompt's first block
+    tokens: bytes  # the block's token ids, as the sequence's int64 array bytes
 
 
 class KVBlockManager:
@@ -30,10 +43,12 @@ class KVBlockManager:
         self.ref_counts = [0] * num_blocks
         self.ref_counts[0] = 1
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        # hash -> block and block -> hash for full blocks whose content is known; a cached block with
+        # hash -> block and block -> content for full blocks whose content is known; a cached block with
         # ref count 0 stays in `_free` (reused last) until it is needed for something else.
         self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._content: dict[int, CachedContent] = {}
+        # Bumped whenever a block is handed out anew, so a child block's parent reference goes stale with it.
+        self._epoch = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -44,29 +59,38 @@ class KVBlockManager:
             raise KVCacheExhausted("no free KV block")
         block, _ = self._free.popitem(last=False)
         self._forget(block)
+        self._epoch[block] += 1
         self.ref_counts[block] = 1
         return block
 
     def _forget(self, block: int) -> None:
-        old = self._hash_of.pop(block, None)
-        if old is not None and self._by_hash.get(old) == block:
-            del self._by_hash[old]
+        old = self._content.pop(block, None)
+        if old is not None and self._by_hash.get(old.hash) == block:
+            del self._by_hash[old.hash]
+
+    def parent_ref(self, block: int | None) -> tuple[int, int] | None:
+        return None if block is None else (block, self._epoch[block])
 
     def _share(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self._free[block]
         self.ref_counts[block] += 1
 
-    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
-        """Blocks already holding the leading full blocks whose hashes are given (longest match)."""
+    def match_prefix(self, hashes: Sequence[int], token_blocks: Sequence[bytes]) -> list[int]:
+        """Blocks already holding the leading full blocks with these hashes and token ids (longest match)."""
         if not self.enable_prefix_caching:
             return []
-        blocks = []
-        for h in hashes:
+        blocks: list[int] = []
+        parent = None
+        for h, tokens in zip(hashes, token_blocks, strict=True):
             block = self._by_hash.get(h)
             if block is None:
                 break
+            content = self._content[block]
+            if content.tokens != tokens or content.parent != parent:
+                break  # a hash collision, or the same tokens after another prefix
             blocks.append(block)
+            parent = self.parent_ref(block)
         return blocks
 
     def blocks_needed(self, cached_blocks: int, total_tokens: int) -> int:
@@ -87,13 +111,19 @@ class KVBlockManager:
     def append_block(self) -> int:
         return self._take_free()
 
-    def register(self, block: int, h: int) -> None:
-        """Record that `block` now holds a full block of tokens with hash `h`."""
-        if not self.enable_prefix_caching or block in self._hash_of:
+    def register(self, block: int, h: int, tokens: bytes, parent: int | None) -> None:
+        """Record that `block` now holds a full block of `tokens` (hash `h`) following block `parent`."""
+        if not self.enable_prefix_caching or block in self._content:
             return
-        if h not in self._by_hash:
-            self._by_hash[h] = block
-            self._hash_of[block] = h
+        content = CachedContent(h, self.parent_ref(parent), tokens)
+        holder = self._by_hash.get(h)
+        if holder is not None:
+            if self._content[holder] == content:
+                return  # the same content is cached already
+            # A collision, or an entry whose parent was reused since: the newer content takes the hash.
+            del self._content[holder]
+        self._by_hash[h] = block
+        self._content[block] = content
 
     def free(self, blocks: Sequence[int]) -> None:
         # Blocks go back newest-first at the end of the free list so that the oldest cached content is
@@ -105,7 +135,7 @@ class KVBlockManager:
             self.ref_counts[block] = count
             if count == 0:
                 self._free[block] = None
-                if block not in self._hash_of:
+                if block not in self._content:
                     self._free.move_to_end(block, last=False)
 
     def check_invariants(self) -> None:
@@ -114,5 +144,8 @@ class KVBlockManager:
             if in_free != (self.ref_counts[block] == 0):
                 raise AssertionError(f"block {block}: ref count {self.ref_counts[block]} but in free list = {in_free}")
         for h, block in self._by_hash.items():
-            if self._hash_of.get(block) != h:
+            content = self._content.get(block)
+            if content is None or content.hash != h:
                 raise AssertionError(f"hash index out of sync for block {block}")
+        if len(self._content) != len(self._by_hash):
+            raise AssertionError(f"{len(self._content)} cached blocks but {len(self._by_hash)} indexed hashes")

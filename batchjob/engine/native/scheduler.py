@@ -94,7 +94,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.ready_for_prefill:
                 break
-            shared = self.blocks.match_prefix(seq.prompt_hashes)
+            shared = self.blocks.match_prefix(seq.prompt_hashes, seq.prompt_blocks)
             # Keep at least one token to compute: its logits give the next token.
             shared = shared[: (seq.num_tokens - 1) // self.blocks.block_size]
             cached_tokens = len(shared) * self.blocks.block_size
@@ -172,7 +172,8 @@ class Scheduler:
     def _register_full_prompt_blocks(self, seq: Sequence) -> None:
         full = min(seq.num_computed, seq.prompt_len) // self.blocks.block_size
         for index in range(seq.num_registered, full):
-            self.blocks.register(seq.block_table[index], seq.prompt_hashes[index])
+            parent = seq.block_table[index - 1] if index else None
+            self.blocks.register(seq.block_table[index], seq.prompt_hashes[index], seq.prompt_blocks[index], parent)
         seq.num_registered = max(seq.num_registered, full)
 
     def finish(self, seq: Sequence, reason: str) -> None:

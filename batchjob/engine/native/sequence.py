@@ -52,6 +52,7 @@ class Sequence:
     finish_reason: str | None = None
     block_table: list[int] = field(default_factory=list)
     prompt_hashes: list[int] = field(default_factory=list)
+    prompt_blocks: list[bytes] = field(default_factory=list)  # each full prompt block's token ids
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_text: str | None = None
@@ -67,10 +68,12 @@ class Sequence:
         sp = group.request.sampling
         tokens = np.zeros(max_len + 1, dtype=np.int64)
         tokens[: len(prompt)] = prompt
-        hashes, h = [], 0
+        hashes, blocks, h = [], [], 0
         for start in range(0, len(prompt) - block_size + 1, block_size):
-            h = block_hash(h, prompt[start : start + block_size].tolist())
+            block = prompt[start : start + block_size]
+            h = block_hash(h, block.tolist())
             hashes.append(h)
+            blocks.append(block.tobytes())
         return cls(
             seq_id=seq_id,
             group=group,
@@ -81,6 +84,7 @@ class Sequence:
             seed=seed,
             num_tokens=len(prompt),
             prompt_hashes=hashes,
+            prompt_blocks=blocks,
             sampler_row=(sp.top_k, sp.temperature, sp.top_p, sp.min_p),
         )
 

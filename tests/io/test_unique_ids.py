@@ -1,0 +1,56 @@
+"""Duplicate ids are found before the run, in bounded memory, for every input that can be read up front."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob.io import InputError, InputSpec, open_input
+from batchjob.io.unique_ids import check_unique_ids
+
+
+def write_ids(path: Path, ids: list, row_group_rows: int = 7) -> Path:
+    table = pa.table({"uid": ids, "prompt": [f"p{i}" for i in range(len(ids))]})
+    pq.write_table(table, path, row_group_size=row_group_rows)
+    return path
+
+
+# 1 partition checks in memory; 30 rows in 4-row partitions go through the temporary partition files.
+@pytest.mark.parametrize("partition_rows", [1_000_000, 4])
+def test_repeated_integer_ids_are_named(tmp_path: Path, partition_rows: int) -> None:
+    path = write_ids(tmp_path / "p.parquet", [*range(30)][:-2] + [3, 17])
+    with pytest.raises(InputError, match=r"data.id_column='uid' repeats values \((3, 17|17, 3)\)"):
+        check_unique_ids(open_input(InputSpec(str(path), id_column="uid")), partition_rows=partition_rows)
+
+
+@pytest.mark.parametrize("partition_rows", [1_000_000, 4])
+def test_unique_string_ids_pass(tmp_path: Path, partition_rows: int) -> None:
+    path = write_ids(tmp_path / "p.parquet", [f"req-{i}" for i in range(30)])
+    check_unique_ids(open_input(InputSpec(str(path), id_column="uid")), partition_rows=partition_rows)
+
+
+def test_repeated_string_ids_are_named(tmp_path: Path) -> None:
+    path = write_ids(tmp_path / "p.parquet", [f"req-{i % 20}" for i in range(22)])
+    with pytest.raises(InputError, match=r"repeats values \('req-0', 'req-1'\)"):
+        check_unique_ids(open_input(InputSpec(str(path), id_column="uid")), partition_rows=5)
+
+
+def test_null_ids_are_refused(tmp_path: Path) -> None:
+    path = write_ids(tmp_path / "p.parquet", ["a", None, "c"])
+    with pytest.raises(InputError, match="1 null values"):
+        check_unique_ids(open_input(InputSpec(str(path), id_column="uid")))
+
+
+def test_rows_beyond_the_limit_are_not_the_jobs(tmp_path: Path) -> None:
+    path = write_ids(tmp_path / "p.parquet", [0, 1, 2, 3, 0])
+    check_unique_ids(open_input(InputSpec(str(path), id_column="uid", limit=4)))
+
+
+def test_saved_dataset_duplicates_are_refused(tmp_path: Path) -> None:
+    datasets.Dataset.from_dict({"uid": [5, 6, 5], "prompt": ["a", "b", "c"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(InputError, match=r"repeats values \(5\)"):
+        check_unique_ids(open_input(InputSpec(str(tmp_path / "ds"), id_column="uid")))
