@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from batchjob.io.content_digest import relative_names
 from batchjob.io.inputs import INPUT_ERROR_COLUMN, InputError, InputSource, InputSpec
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
@@ -127,8 +128,8 @@ class OpenAIBatchSource(InputSource):
         """Count the rows, note checkpoints and hash each file; returns the row count."""
         checkpoints = self.checkpoints
         position = 0
-        root = posixpath.dirname(self.files[0]) if len(self.files) == 1 else posixpath.commonpath(self.files)
-        for file in self.files:
+        # Names below the input's root, not absolute paths: a staged copy of the input still resumes.
+        for file, name in zip(self.files, relative_names(self.files), strict=True):
             digest = hashlib.sha256()
             with self.storage.fs.open(file, "rb") as f:
                 offset = 0
@@ -139,8 +140,6 @@ class OpenAIBatchSource(InputSource):
                             checkpoints.append(Checkpoint(file, offset, position))
                         position += 1
                     offset += len(line)
-            # Names below the input's root, not absolute paths: a staged copy of the input still resumes.
-            name = posixpath.relpath(file, root)
             self.identities.append({"name": name, "size": offset, "sha256": digest.hexdigest()})
         return position
 
