@@ -24,12 +24,13 @@ from batchjob.errors import ConfigError
 from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.lock import LockError
+from batchjob.io.openai_batch_reader import ID_COLUMN as OPENAI_BATCH_ID
 from batchjob.io.output import OutputDataset
-from batchjob.io.readers import InputError, InputSpec, open_input
+from batchjob.io.readers import InputError, InputSpec, open_input, resolve_format
 from batchjob.io.record_guard import record_is_stored
 from batchjob.io.unique_ids import check_unique_ids
 from batchjob.pipelines.feeder import PromptFeeder
-from batchjob.pipelines.prompts import PromptBuilder
+from batchjob.pipelines.pipeline import Builder, for_openai_batch, make_builder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
 from batchjob.shard_run import ShardRun
 from batchjob.signals import Interrupted, exit_code_for
@@ -58,7 +59,7 @@ class PreparedJob:
     settings: JobSettings
     model_path: str
     source: Any
-    builder: PromptBuilder
+    builder: Builder
     passthrough: list[str]
     output: OutputDataset
 
@@ -117,29 +118,34 @@ def prepare(settings: JobSettings) -> PreparedJob:
     model_path = resolve_model_path(settings.model_path)
     settings = choose_engine(settings, model_path)
     data = settings.data
-    source = open_input(
-        InputSpec(
-            path=data.path,
-            format=data.format,
-            split=data.split,
-            name=data.dataset_config,
-            data_files=data.data_files,
-            streaming=data.streaming,
-            id_column=data.id_column,
-            limit=data.limit,
-            shard_index=settings.shard_index,
-            shard_count=settings.shard_count,
-            batch_rows=data.batch_rows,
-        )
+    spec = InputSpec(
+        path=data.path,
+        format=data.format,
+        split=data.split,
+        name=data.dataset_config,
+        data_files=data.data_files,
+        streaming=data.streaming,
+        id_column=data.id_column,
+        limit=data.limit,
+        shard_index=settings.shard_index,
+        shard_count=settings.shard_count,
+        batch_rows=data.batch_rows,
     )
+    if resolve_format(spec) == "openai_batch":
+        # Each line brings its prompt, and its custom_id is its identity (unique, and in the output).
+        id_column = data.id_column or OPENAI_BATCH_ID
+        data = dataclasses.replace(data, id_column=id_column)
+        settings = dataclasses.replace(settings, data=data, prompt=for_openai_batch(settings.prompt))
+        spec = dataclasses.replace(spec, id_column=id_column)
+    source = open_input(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
-    builder = PromptBuilder(settings.prompt, tokenizer)
+    builder = make_builder(settings.prompt, tokenizer, settings.sampling)
     builder.check(list(source.columns))
     passthrough = passthrough_columns(
-        settings, list(source.columns), settings.prompt.input_columns, string_ids=source.string_ids
+        settings, list(source.columns), settings.prompt.consumed_columns, string_ids=source.string_ids
     )
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)
     # The record is written only once every check has passed, so a stored, identical record means the
@@ -155,14 +161,19 @@ def run_job(cfg: DictConfig, started: float | None = None) -> int:
     """Run this process's shard of the job; returns the exit status: 0 when the shard is complete,
     2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N.
     `started`: the process's `time.perf_counter()` at start, for the start-up breakdown (default: now)."""
-    startup = StartupClock(time.perf_counter() if started is None else started)
-    quiet_libraries()
-    startup.lap("imports_config_s")
     try:
-        job = prepare(load_settings(cfg))
+        return run_shard(cfg, started)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def run_shard(cfg: DictConfig, started: float | None = None) -> int:
+    """`run_job`, but a bad config or input raises (one of `USER_ERRORS`) instead of returning 2."""
+    startup = StartupClock(time.perf_counter() if started is None else started)
+    quiet_libraries()
+    startup.lap("imports_config_s")
+    job = prepare(load_settings(cfg))
     startup.lap("checks_s")
     try:
         return _generate(job, startup)
@@ -226,6 +237,7 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
             queue_batches=settings.queue_batches,
             tokenize_batch_rows=settings.tokenize_batch_rows,
         )
-        return ShardRun(settings, engine, output, feeder, committed, remaining, startup=phases).run()
+        layout = job.builder.layout(settings.output.token_ids)
+        return ShardRun(settings, engine, output, feeder, layout, committed, remaining, startup=phases).run()
     finally:
         engine.close()

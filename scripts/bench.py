@@ -1,6 +1,6 @@
 """Benchmark batchjob's engine against transformers and against the hardware's roofline, in one process.
 
-    python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (DESIGN.md "Benchmarks")
+    python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (docs/benchmarks.md)
     python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model
 
 For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random

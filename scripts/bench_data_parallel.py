@@ -1,4 +1,4 @@
-"""Multi-GPU scaling on one node (issue 5): the whole `python -m batchjob engine.data_parallel=N` job, per N.
+"""Multi-GPU scaling on one node: the whole `python -m batchjob engine.data_parallel=N` job, per N.
 
     python scripts/bench_data_parallel.py --gpus 1,2 --out bench-dp        # on a 2-GPU machine
     python scripts/bench_data_parallel.py --tiny --gpus 1,2 --rows 24 --max-new-tokens 8 --out /tmp/dp   # CPU

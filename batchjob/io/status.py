@@ -42,6 +42,18 @@ def shard_status(output_dir: str) -> list[dict[str, Any]]:
     return statuses
 
 
+def committed_parts(output_dir: str) -> list[str]:
+    """Paths of the committed part files of every shard, by shard then commit order: what the manifests
+    commit, not what the directory holds (a crashed run may have left a part it never committed)."""
+    storage, path = Storage.for_uri(output_dir)
+    manifests = sorted(name for name in storage.list_files(path) if MANIFEST_RE.match(name))
+    return [
+        storage.join(path, part)
+        for manifest in manifests
+        for part in read_manifest(storage, storage.join(path, manifest)).parts
+    ]
+
+
 def _recorded_shard_count(storage: Storage, record_path: str) -> int | None:
     if not storage.exists(record_path):
         return None

@@ -18,9 +18,14 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchjob.engine.api import SamplingParams
 from batchjob.errors import ConfigError
+from batchjob.pipelines.rows import RowLayout
+from batchjob.pipelines.sampling import row_sampling
 
 PROMPT_KINDS = ("raw", "template", "chat")
+# Not chosen by pipeline.kind: an OpenAI batch input file (data.format=openai_batch) brings its own prompts.
+OPENAI_BATCH = "openai_batch"
 
 
 @dataclass(frozen=True)
@@ -34,11 +39,21 @@ class PromptSpec:
 
     @property
     def input_columns(self) -> tuple[str, ...]:
+        """The input columns prompts are built from."""
+        if self.kind == OPENAI_BATCH:
+            return OPENAI_BATCH_INPUT
         if self.kind == "template":
             return _template_fields(self.template or "")
         if self.kind == "chat" and self.messages_column:
             return (self.messages_column,)
         return (self.prompt_column,) if self.prompt_column else ()
+
+    @property
+    def consumed_columns(self) -> tuple[str, ...]:
+        """The input columns not passed through to the output by default: what the prompt is made of."""
+        if self.kind == OPENAI_BATCH:
+            return OPENAI_BATCH_CONSUMED
+        return self.input_columns
 
 
 def _template_fields(template: str) -> tuple[str, ...]:
@@ -58,10 +73,32 @@ def _template_fields(template: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+# What batchjob.io's OpenAI batch reader gives; `url` is read to build the prompt and also kept in the output.
+OPENAI_BATCH_INPUT = ("method", "url", "body")
+OPENAI_BATCH_CONSUMED = ("method", "body")
+
+
+@dataclass(frozen=True)
+class EncodedRows:
+    """A batch of rows as the engine takes them: `prompt_ids[i]` is None exactly when `errors[i]` says why;
+    `sampling[i]` is row i's settings (seeded for that row)."""
+
+    prompt_ids: list[list[int] | None]
+    errors: list[str | None]
+    sampling: list[SamplingParams]
+
+
 class PromptBuilder:
-    def __init__(self, spec: PromptSpec, tokenizer: Any) -> None:
+    """Rows of a Parquet or Hugging Face input (kinds raw, template, chat); every row samples with the job's
+    settings and its own seed."""
+
+    def __init__(self, spec: PromptSpec, tokenizer: Any, sampling: SamplingParams) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
+        self.sampling = sampling
+
+    def layout(self, token_ids: bool) -> RowLayout:
+        return RowLayout(n=self.sampling.n, token_ids=token_ids, logprobs=self.sampling.logprobs is not None)
 
     def check(self, columns: list[str]) -> None:
         """Raise `ConfigError` if the input lacks a needed column or the tokenizer cannot render chats."""
@@ -79,8 +116,9 @@ class PromptBuilder:
                 "or pipeline.kind=raw / template"
             )
 
-    def encode(self, batch: pa.RecordBatch) -> tuple[list[list[int] | None], list[str | None]]:
-        """Token ids (or None) and an error message (or None) for every row of `batch`."""
+    def encode(self, batch: pa.RecordBatch) -> EncodedRows:
+        """Token ids (or None), an error message (or None) and sampling settings for every row of `batch`
+        (which holds `row_id` and the input columns)."""
         texts: list[str | None] = []
         errors: list[str | None] = []
         for row in batch.select(list(self.spec.input_columns)).to_pylist():
@@ -98,7 +136,8 @@ class PromptBuilder:
             encoded = self.tokenizer([texts[i] for i in good], add_special_tokens=special)["input_ids"]
             for i, row_ids in zip(good, encoded, strict=True):
                 ids[i] = row_ids
-        return ids, errors
+        sampling = [row_sampling(self.sampling, row_id) for row_id in batch.column("row_id").to_pylist()]
+        return EncodedRows(ids, errors, sampling)
 
     def _text(self, row: dict[str, Any]) -> str:
         spec = self.spec
@@ -117,15 +156,20 @@ class PromptBuilder:
                 messages = [{"role": "user", "content": prompt}]
                 if spec.system_prompt:
                     messages.insert(0, {"role": "system", "content": spec.system_prompt})
-            try:
-                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as err:  # a template raising on this row's content is this row's problem
-                raise BadRow(f"chat template failed on this row: {err}") from err
+            return render_chat(self.tokenizer, messages)
         return _non_empty(_as_text(row[spec.prompt_column], spec.prompt_column), spec.prompt_column)
 
 
 class BadRow(ValueError):
     """This row cannot become a prompt."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The prompt text of a conversation, through the model's chat template, ending where the reply begins."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # a template raising on this row's content is this row's problem
+        raise BadRow(f"chat template failed on this row: {err}") from err
 
 
 def _as_text(value: Any, column: str) -> str:

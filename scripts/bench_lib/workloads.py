@@ -1,4 +1,4 @@
-"""DESIGN.md's benchmark workloads: which architecture, how many requests, which lengths.
+"""The benchmark workloads (docs/benchmarks.md): which architecture, how many requests, which lengths.
 
 Every length and token id is drawn from a numpy generator seeded with 1234 per workload, so every system in
 every run sees the same requests; EOS is ignored, so every system does the same work.
