@@ -4,6 +4,10 @@ The asynchronous loop has two slots: the CPU fills one while the GPU computes fr
 packed into a few buffers so a step needs four host-to-device copies. Inside a packed buffer, fields sit at
 offsets that depend only on the step's token and row counts, so a decode step of a given batch-size bucket
 always uses the same device addresses, which is what a CUDA graph of that bucket was captured with.
+
+A step with constrained rows (structured outputs) also has a token bitmask: one row per constrained sampled row,
+packed at the front of a fixed-size buffer, written by the host once the tokens its constraint depends on are
+back, and copied separately from the other inputs (see model_runner.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from batchjob.engine.native.sampler import SamplingTensors
 from batchjob.engine.native.scheduler import StepPlan
 
 INT_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "carry_idx", "carry_mask")
-INT_ROW_FIELDS = ("logits_indices", "seeds", "out_positions", "top_k")
+INT_ROW_FIELDS = ("logits_indices", "seeds", "out_positions", "top_k", "mask_rows")
 FLOAT_ROW_FIELDS = ("temperature", "top_p", "min_p")
 
 
@@ -28,6 +32,7 @@ class SlotLimits:
     max_rows: int
     max_blocks_per_seq: int
     max_top_logprobs: int
+    bitmask_words: int  # int32 words of one token bitmask row: ceil(vocab / 32)
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class StepShape:
 
     @property
     def int_size(self) -> int:
-        return 5 * self.tokens + 4 * self.rows
+        return len(INT_TOKEN_FIELDS) * self.tokens + len(INT_ROW_FIELDS) * self.rows
 
     @property
     def meta_size(self) -> int:
@@ -67,7 +72,7 @@ class IOSlot:
         self.limits = limits
         pin = device.type == "cuda"
         t, b = limits.max_tokens, limits.max_rows
-        int_size, meta_size = 5 * t + 4 * b, 2 * b + 1
+        int_size, meta_size = StepShape(t, b, b).int_size, 2 * b + 1
         self.host_int = _pinned(int_size, torch.int64, pin)
         self.host_meta = _pinned(meta_size, torch.int32, pin)
         self.host_tables = _pinned((b, limits.max_blocks_per_seq), torch.int32, pin)
@@ -85,16 +90,19 @@ class IOSlot:
         self.host_logprobs = _pinned(b, torch.float32, pin)
         self.host_top_ids = _pinned((b, k), torch.int64, pin)
         self.host_top_logprobs = _pinned((b, k), torch.float32, pin)
-        self.events = None  # set by the runner on CUDA: h2d_done, compute_done, d2h_done
+        self.host_bitmask = _pinned((b, limits.bitmask_words), torch.int32, pin)
+        self.dev_bitmask = torch.full((b, limits.bitmask_words), -1, dtype=torch.int32, device=device)
+        self.events = None  # set by the runner on CUDA: h2d_done, compute_done, d2h_done, bitmask_done
 
     @property
     def device_bytes(self) -> int:
         tensors = (self.dev_int, self.dev_meta, self.dev_tables, self.dev_float, self.dev_tokens, self.dev_logprobs)
-        tensors += (self.dev_top_ids, self.dev_top_logprobs)
+        tensors += (self.dev_top_ids, self.dev_top_logprobs, self.dev_bitmask)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def fill(self, plan: StepPlan, shape: StepShape, block_size: int) -> None:
-        """Write `plan` into the host buffers, padded to `shape` (padding: scratch block 0, no carry-over)."""
+    def fill(self, plan: StepPlan, shape: StepShape, block_size: int) -> int:
+        """Write `plan` into the host buffers, padded to `shape` (padding: scratch block 0, no carry-over).
+        Returns how many sampled rows are constrained (the bitmask rows the step needs)."""
         n, t, rows = len(plan.seqs), plan.num_tokens, int(plan.samples.sum())
         counts, starts = plan.counts, plan.starts
         cu = np.zeros(n + 1, dtype=np.int64)
@@ -134,6 +142,10 @@ class IOSlot:
         view["top_k"][:rows] = sampler_rows[:, 0]
         for name in ("seeds", "out_positions", "top_k"):
             view[name][rows:] = 0
+        constrained = np.fromiter((s.matcher is not None for s in sampled), dtype=bool, count=rows)
+        masked = int(constrained.sum())
+        view["mask_rows"][:] = -1
+        view["mask_rows"][:rows][constrained] = np.arange(masked)
 
         meta = self.host_meta.numpy()
         meta[: n + 1] = cu
@@ -146,6 +158,7 @@ class IOSlot:
         temperature, top_p, min_p = (floats[i * shape.rows : (i + 1) * shape.rows] for i in range(3))
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
         temperature[rows:], top_p[rows:], min_p[rows:] = 0.0, 1.0, 0.0
+        return masked
 
     def copy_inputs(self, shape: StepShape) -> None:
         """Host -> device copy of exactly what `shape` uses (non-blocking: the caller orders it by events)."""
@@ -154,9 +167,27 @@ class IOSlot:
         self.dev_tables[: shape.seqs].copy_(self.host_tables[: shape.seqs], non_blocking=True)
         self.dev_float[: 3 * shape.rows].copy_(self.host_float[: 3 * shape.rows], non_blocking=True)
 
+    def copy_bitmask(self, rows: int) -> None:
+        """Host -> device copy of the first `rows` bitmask rows (non-blocking, ordered by events)."""
+        self.dev_bitmask[:rows].copy_(self.host_bitmask[:rows], non_blocking=True)
+
+    def int_views(self, shape: StepShape) -> dict[str, torch.Tensor]:
+        return {name: self.dev_int[o : o + size] for name, (o, size) in shape.int_fields().items()}
+
+    def sampling_tensors(self, shape: StepShape) -> SamplingTensors:
+        ints, r = self.int_views(shape), shape.rows
+        return SamplingTensors(
+            temperature=self.dev_float[:r],
+            top_k=ints["top_k"],
+            top_p=self.dev_float[r : 2 * r],
+            min_p=self.dev_float[2 * r : 3 * r],
+            seeds=ints["seeds"],
+            positions=ints["out_positions"],
+        )
+
     def device_views(self, shape: StepShape, max_query_len: int, max_seq_len: int):
         """The device tensors of a step of `shape`: (ints by name, attention metadata, sampling tensors)."""
-        ints = {name: self.dev_int[o : o + size] for name, (o, size) in shape.int_fields().items()}
+        ints = self.int_views(shape)
         meta = AttentionMetadata(
             cu_query_lens=self.dev_meta[: shape.seqs + 1],
             seq_lens=self.dev_meta[shape.seqs + 1 : 2 * shape.seqs + 1],
@@ -165,19 +196,11 @@ class IOSlot:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        r = shape.rows
-        params = SamplingTensors(
-            temperature=self.dev_float[:r],
-            top_k=ints["top_k"],
-            top_p=self.dev_float[r : 2 * r],
-            min_p=self.dev_float[2 * r : 3 * r],
-            seeds=ints["seeds"],
-            positions=ints["out_positions"],
-        )
-        return ints, meta, params
+        return ints, meta, self.sampling_tensors(shape)
 
     def poison_host_inputs(self) -> None:
         """Debug mode: garbage in every host input buffer, so a copy still reading them would corrupt a step."""
         for buf in (self.host_int, self.host_meta, self.host_tables):
             buf.fill_(-7777)
         self.host_float.fill_(float("nan"))
+        self.host_bitmask.fill_(0)  # a constrained row left unfilled would allow no token at all

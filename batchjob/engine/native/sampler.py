@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchjob.engine.native.token_mask import TokenMask
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -98,8 +100,16 @@ def _filtered_probs(scaled: torch.Tensor, params: SamplingTensors) -> tuple[torc
     return probs.masked_fill(drop, 0.0), order
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode) -> SamplerOutput:
-    """Sample one token per row of float32 `logits` [S, V]."""
+def sample(
+    logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode, mask: TokenMask | None = None
+) -> SamplerOutput:
+    """Sample one token per row of float32 `logits` [S, V]. With `mask` (structured outputs), tokens a row's
+    constraint forbids are never chosen; log-probabilities stay those of the model's own distribution."""
+    raw = logits
+    # ---- stage 0, structured outputs: forbidden tokens get -inf before greedy choice and any filtering ----
+    if mask is not None:
+        logits = mask.apply_(logits.clone() if mode.logprobs is not None else logits)
+    # ---- end of stage 0 ----
     greedy_tokens = logits.argmax(dim=-1)
     tokens = greedy_tokens
     if mode.sampling:
@@ -116,7 +126,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode) -> 
         tokens = torch.where(params.temperature > 0, drawn, greedy_tokens)
     out = SamplerOutput(tokens=tokens)
     if mode.logprobs is not None:
-        logprobs = logits.log_softmax(dim=-1)
+        logprobs = raw.log_softmax(dim=-1)
         out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
         if mode.logprobs > 0:
             out.top_logprobs, out.top_ids = logprobs.topk(mode.logprobs, dim=-1)
