@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -228,7 +229,7 @@ class ModelRunner:
             prev = self.slots[1 - slot.index]
             self._prepare_dummy(slot, shape)
             self.graphs[(slot.index, bucket, mode)] = self._record(
-                pool, lambda: self._forward(slot, prev, shape, 1, self.max_model_len, mode)
+                pool, partial(self._forward, slot, prev, shape, 1, self.max_model_len, mode)
             )
 
     def _capture_split(self, bucket: int, mode: SamplerMode, pool) -> None:
@@ -238,10 +239,10 @@ class ModelRunner:
             self._prepare_dummy(slot, shape)
             if (slot.index, bucket) not in self.forward_graphs:
                 self.forward_graphs[(slot.index, bucket)] = self._record(
-                    pool, lambda: self._split_forward(slot, prev, shape, 1, self.max_model_len)
+                    pool, partial(self._split_forward, slot, prev, shape, 1, self.max_model_len)
                 )
             self.masked_graphs[(slot.index, bucket, mode)] = self._record(
-                pool, lambda: self._masked_sample(slot, shape, mode)
+                pool, partial(self._masked_sample, slot, shape, mode)
             )
 
     def _prepare_dummy(self, slot: IOSlot, shape: StepShape) -> None:
