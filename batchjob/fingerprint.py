@@ -75,6 +75,9 @@ def job_record(
 ) -> dict[str, Any]:
     """`job_rows`: rows of all shards together after `data.limit` (None when unknown, streaming)."""
     sampling = dataclasses.asdict(settings.sampling)
+    if settings.data.json_schema_column is not None:
+        # Per-row schemas change every output; recorded only when used, so older records still match.
+        sampling["json_schema_column"] = settings.data.json_schema_column
     return {
         "batchjob_version": batchjob_version(),
         "model": model_fingerprint(model_path),

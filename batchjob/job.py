@@ -109,6 +109,12 @@ def prepare(settings: JobSettings) -> PreparedJob:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
     builder = PromptBuilder(settings.prompt, tokenizer)
     builder.check(list(source.columns))
+    schema_column = settings.data.json_schema_column
+    if schema_column is not None and schema_column not in source.columns:
+        raise ConfigError(
+            f"data.json_schema_column={schema_column!r} is not in the input; its columns are "
+            f"{', '.join(source.columns)}"
+        )
     passthrough = passthrough_columns(settings, list(source.columns), settings.prompt.input_columns)
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows())
     output = OutputDataset(settings.output.dir, settings.shard_index, settings.shard_count)
@@ -183,13 +189,15 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
         phases["engine_s"],
     )
     try:
-        columns = list(dict.fromkeys([*settings.prompt.input_columns, *job.passthrough]))
+        schema_column = settings.data.json_schema_column
+        columns = [*settings.prompt.input_columns, *job.passthrough, *([schema_column] if schema_column else [])]
         feeder = PromptFeeder(
-            job.source.iter_batches(columns, skip_row_ids=committed),
+            job.source.iter_batches(list(dict.fromkeys(columns)), skip_row_ids=committed),
             job.builder,
             job.passthrough,
             queue_batches=settings.queue_batches,
             tokenize_batch_rows=settings.tokenize_batch_rows,
+            schema_column=schema_column,
         )
         return ShardRun(settings, engine, output, feeder, committed, remaining, startup=phases).run()
     finally:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from batchjob.engine.api import Constraint
+
+if TYPE_CHECKING:
+    import torch
 
 # Distinct compiled constraints kept (per-row schemas can all differ; each entry is a matcher in its start state).
 CACHE_ENTRIES = 256

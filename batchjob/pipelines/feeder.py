@@ -24,12 +24,14 @@ _END = object()
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """Rows ready for the engine: `prompt_ids[i]` is None exactly when `errors[i]` says why."""
+    """Rows ready for the engine: `prompt_ids[i]` is None exactly when `errors[i]` says why. `schemas[i]` is row
+    i's JSON schema (from `data.json_schema_column`; None: the job's sampling settings)."""
 
     row_ids: list[int]
     prompt_ids: list[list[int] | None]
     errors: list[str | None]
     passthrough: list[dict[str, Any]]
+    schemas: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class PromptFeeder:
         passthrough: list[str],
         queue_batches: int,
         tokenize_batch_rows: int,
+        schema_column: str | None = None,
     ) -> None:
         self.read_s = 0.0
         self.tokenize_s = 0.0
@@ -54,6 +57,7 @@ class PromptFeeder:
         self._batches = batches
         self._builder = builder
         self._passthrough = passthrough
+        self._schema_column = schema_column
         self._slice = tokenize_batch_rows
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._stop = threading.Event()
@@ -109,7 +113,11 @@ class PromptFeeder:
         ids, errors = self._builder.encode(batch)
         passthrough = batch.select(self._passthrough).to_pylist() if self._passthrough else [{}] * batch.num_rows
         prepared = PreparedBatch(
-            row_ids=batch.column("row_id").to_pylist(), prompt_ids=ids, errors=errors, passthrough=passthrough
+            row_ids=batch.column("row_id").to_pylist(),
+            prompt_ids=ids,
+            errors=errors,
+            passthrough=passthrough,
+            schemas=batch.column(self._schema_column).to_pylist() if self._schema_column else None,
         )
         self.tokenize_s += time.perf_counter() - t0
         return prepared
