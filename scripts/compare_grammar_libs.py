@@ -107,7 +107,8 @@ def _llguidance(tokenizer, schema: dict):
 
     class M:
         def __init__(self) -> None:
-            self.m = llguidance.LLMatcher(lltok, grammar)
+            # As batchjob does: each sample copies the compiled matcher (its lexer is built once, lazily).
+            self.m = proto.deep_copy()
 
         def mask_into(self, row) -> None:
             self.m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
