@@ -97,3 +97,17 @@ def test_tied_lm_head_changes_the_weight_bytes_but_not_the_compute(bench_lib):
     assert untied.weight_bytes - tied.weight_bytes == 800 * 2
     assert roofline.prefill_floor(tied, prompts, 0, 1.0) == roofline.prefill_floor(untied, prompts, 0, 1.0)
     assert tied.matmul_parameters_per_token == untied.matmul_parameters_per_token == 5800
+
+
+def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--constrained", "--systems", "native_json"]
+    run = subprocess.run(
+        [*command, "--out", str(out), "--model-cache", str(tmp_path)], capture_output=True, text=True, timeout=110
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (workload,) = json.loads((out / "bench.json").read_text())["workloads"]
+    result = workload["systems"]["native_json"]
+    # The schema's minItems cannot be met in 16 tokens: every request runs to its length, as unconstrained ones do.
+    assert result["output_tokens"] == workload["output_tokens"] and not result["cut"]
+    assert result["engine_stats"]["constrained_steps"] > 0
