@@ -122,3 +122,10 @@ def test_n_samples_each_follow_the_constraint(model_dir):
     req = Request(0, (9, 10, 11), SamplingParams(40, temperature=1.0, seed=3, n=4, choice=CHOICES))
     done, _ = _run(model_dir, [req])
     assert [s.text in CHOICES for s in done[0].samples] == [True] * 4
+
+
+def test_logprob_requests_get_one_logprob_per_token_under_a_constraint(model_dir):
+    params = [SamplingParams(80, temperature=1.0, seed=i, logprobs=1, json_schema=POINT) for i in range(4)]
+    done, _ = _run(model_dir, [Request(i, (6 + i, 30, 41), p) for i, p in enumerate(params)])
+    for c in done.values():
+        assert len(c.samples[0].logprobs) == len(c.token_ids) and valid_json(c.text, POINT_SCHEMA)

@@ -83,7 +83,8 @@ class OutputProcessor:
             reason = FINISH_LENGTH
         if reason is not None:
             return self._finish(seq, position, reason, scheduler)
-        if seq.matcher is not None and not forced:
+        if seq.matcher is not None and not forced and seq.sampling.logprobs is None:
+            # Forced tokens are never sampled, so they would have no log-probabilities: no jump-forward then.
             return self._jump_forward(seq, scheduler)
         return None
 
