@@ -9,7 +9,6 @@ id (int32 words, bit `i % 32` of word `i // 32`); a set bit allows the token.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -83,15 +82,11 @@ class Matcher:
     def error(self) -> str:
         return self.inner.get_error()
 
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Write the allowed next tokens into `row`, a contiguous int32 CPU tensor of `bitmask_words` words."""
-        self.inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary size (the model's logits width, which may exceed the
     tokenizer's). Building the vocabulary's index takes about a second per 100k tokens, so it is done on the
-    first constrained request, not at start-up. Thread-safe."""
+    first constrained request, not at start-up."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
@@ -101,7 +96,6 @@ class GrammarCompiler:
         self._lltokenizer = None
         self._executor = None
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
-        self._lock = threading.Lock()
         self.compiled = 0
         self.cache_hits = 0
 
@@ -120,25 +114,24 @@ class GrammarCompiler:
         """A fresh matcher for `constraint`; raises `GrammarError` if it cannot compile."""
         from llguidance import LLMatcher
 
-        with self._lock:
-            start = self._cache.get(constraint)
-            if start is not None:
-                self._cache.move_to_end(constraint)
-                self.cache_hits += 1
-            else:
-                lltokenizer = self._ensure_tokenizer()
-                try:
-                    grammar = grammar_text(constraint)
-                except ValueError as err:
-                    raise GrammarError(f"{constraint.kind} cannot be compiled: {err}") from err
-                start = LLMatcher(lltokenizer, grammar, log_level=0)
-                if start.is_error():
-                    raise GrammarError(f"{constraint.kind} cannot be compiled: {start.get_error()}")
-                self.compiled += 1
-                self._cache[constraint] = start
-                if len(self._cache) > CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
-            return Matcher(start.deep_copy())
+        start = self._cache.get(constraint)
+        if start is not None:
+            self._cache.move_to_end(constraint)
+            self.cache_hits += 1
+        else:
+            lltokenizer = self._ensure_tokenizer()
+            try:
+                grammar = grammar_text(constraint)
+            except ValueError as err:
+                raise GrammarError(f"{constraint.kind} cannot be compiled: {err}") from err
+            start = LLMatcher(lltokenizer, grammar, log_level=0)
+            if start.is_error():
+                raise GrammarError(f"{constraint.kind} cannot be compiled: {start.get_error()}")
+            self.compiled += 1
+            self._cache[constraint] = start
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return Matcher(start.deep_copy())
 
     def fill_bitmasks(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Fill row `i` of the contiguous int32 CPU tensor `bitmask` for each `(matcher, i)`, in parallel threads."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from batchjob.engine.api import Completion, Request
-from batchjob.engine.grammar import GrammarCompiler, GrammarError
+from batchjob.engine.grammar import GrammarCompiler, GrammarError, bitmask_words
 from batchjob.engine.native.block_manager import KVBlockManager
 from batchjob.engine.native.io_slot import SlotLimits
 from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
@@ -101,7 +101,7 @@ class NativeEngine:
             max_rows=opts.max_num_seqs,
             max_blocks_per_seq=blocks_per_seq,
             max_top_logprobs=20,
-            bitmask_words=(self.spec.vocab_size + 31) // 32,
+            bitmask_words=bitmask_words(self.spec.vocab_size),
         )
         self.runner = ModelRunner(
             self.model,
@@ -176,7 +176,7 @@ class NativeEngine:
                     yield from self._process(inflight.popleft())
                 if inflight and not inflight[-1].sampled:
                     # Every step before it is processed: its constrained rows' masks can be computed now.
-                    self._sample(inflight[-1])
+                    self._sample_masked(inflight[-1])
                 if plan is None and not inflight:
                     if not self.scheduler.has_unfinished:
                         if exhausted:
@@ -248,11 +248,11 @@ class NativeEngine:
 
     def _process(self, step: StepHandle) -> Iterator[Completion]:
         if not step.sampled:
-            self._sample(step)
+            self._sample_masked(step)
         yield from self.outputs.process(step, self.runner.collect(step), self.scheduler)
 
-    def _sample(self, step: StepHandle) -> None:
-        self.runner.sample(step, lambda bitmask: self._fill_bitmask(step, bitmask))
+    def _sample_masked(self, step: StepHandle) -> None:
+        self.runner.sample_masked(step, lambda bitmask: self._fill_bitmask(step, bitmask))
 
     def _fill_bitmask(self, step: StepHandle, bitmask: torch.Tensor) -> None:
         """Row k of `bitmask`: what the k-th constrained sampled row of `step` may sample."""

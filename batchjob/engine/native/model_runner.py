@@ -13,9 +13,9 @@ On CPU the same code runs without streams or events (all work is synchronous the
 
 Structured outputs split a step with constrained rows in two. `launch` enqueues the forward, which writes the
 logits to a shared buffer; the bitmask of a constrained row depends on the token the previous step sampled,
-which the host learns only after this launch (one step behind). `sample` then fills the bitmask on the host,
-copies it on the H2D stream (`bitmask_done`), and enqueues the masked sampler and the D2H copy; compute waits
-for `bitmask_done`. The GPU runs the forward meanwhile, so it waits only if the host's masks take longer than a
+which the host learns only after this launch (one step behind). `sample_masked` then fills the bitmask on the
+host, copies it on the H2D stream (`bitmask_done`), and enqueues the masked sampler and the D2H copy; compute
+waits for `bitmask_done`. The GPU runs the forward meanwhile, so it waits only if the host's masks take longer than a
 forward, and a step without constrained rows is launched whole, exactly as before. A CUDA stream can only wait
 for an event already recorded, which is why the sampler is enqueued after the bitmask copy, not at launch.
 """
@@ -62,7 +62,7 @@ def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
 @dataclass
 class StepHandle:
     """A launched step. `masked_rows` constrained rows need a bitmask; until `sampled`, only its forward is
-    enqueued (`ModelRunner.sample` enqueues the rest)."""
+    enqueued (`ModelRunner.sample_masked` enqueues the rest)."""
 
     plan: StepPlan
     slot: IOSlot
@@ -262,7 +262,8 @@ class ModelRunner:
     # ---- launching, sampling and collecting steps ----
 
     def launch(self, plan: StepPlan) -> StepHandle:
-        """Enqueue `plan`: the whole step, or for a step with constrained rows its forward only (then `sample`)."""
+        """Enqueue `plan`: the whole step, or for a step with constrained rows only its forward (then
+        `sample_masked`)."""
         began = time.perf_counter()
         slot = self.slots[self.step_index % 2]
         prev = self.slots[1 - slot.index]
@@ -331,7 +332,7 @@ class ModelRunner:
         self.tokens_fed += t
         return step
 
-    def sample(self, step: StepHandle, fill_bitmask: Callable[[torch.Tensor], None]) -> None:
+    def sample_masked(self, step: StepHandle, fill_bitmask: Callable[[torch.Tensor], None]) -> None:
         """Enqueue the masked sampler of a split step: `fill_bitmask(rows)` writes its bitmask rows on the host
         (the caller has applied every token they depend on), then copy, sample and copy the tokens out."""
         began = time.perf_counter()
@@ -376,7 +377,9 @@ class ModelRunner:
     def collect(self, step: StepHandle) -> StepResult:
         """Wait for `step`'s sampled tokens (only this step's: later ones keep running) and copy them out."""
         if not step.sampled:
-            raise RuntimeError("collect() of a step whose constrained rows were never sampled: call sample() first")
+            raise RuntimeError(
+                "collect() of a step whose constrained rows were never sampled: call sample_masked() first"
+            )
         slot = step.slot
         if self.cuda:
             slot.events.d2h_done.synchronize()
