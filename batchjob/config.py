@@ -6,6 +6,7 @@ job turns it into a one-line message and exit status 2, before any model is load
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from batchjob.engine import SamplingParams, check_engine_options
+from batchjob.engine.grammar import GrammarError, check_constraint
 from batchjob.errors import ConfigError
 from batchjob.pipelines.prompts import PROMPT_KINDS, PromptSpec
 
@@ -33,6 +35,7 @@ class DataSettings:
     passthrough_columns: tuple[str, ...] | None
     limit: int | None
     batch_rows: int
+    json_schema_column: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,19 +78,57 @@ def _flag(value: Any, key: str) -> bool:
     return value
 
 
+def _text_or_file(value: Any, key: str, inline: bool) -> str | None:
+    """`value` itself when `inline` says it is text, else the content of the file it names."""
+    if value is None or inline:
+        return value
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{key}={value!r} is neither inline text nor an existing file: give the text or a path")
+    return path.read_text()
+
+
+def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """sampling.json_schema (inline JSON, a YAML mapping, or a .json file), .regex, .choice, .grammar (inline
+    Lark/GBNF or a file), as SamplingParams fields."""
+    schema = raw.get("json_schema")
+    if isinstance(schema, (dict, list, bool)):
+        schema = json.dumps(schema)
+    elif schema is not None:
+        schema = _text_or_file(schema, "sampling.json_schema", inline=str(schema).lstrip().startswith("{"))
+    grammar = raw.get("grammar")
+    if grammar is not None:
+        grammar = _text_or_file(grammar, "sampling.grammar", inline=not Path(str(grammar)).expanduser().is_file())
+    choice = raw.get("choice")
+    if isinstance(choice, str):
+        choice = [choice]
+    return {
+        "json_schema": schema,
+        "grammar": grammar,
+        "choice": None if choice is None else tuple(str(c) for c in choice),
+    }
+
+
 def _sampling(cfg: DictConfig) -> SamplingParams:
     raw = OmegaConf.to_container(cfg.sampling, resolve=True)
     stop = raw.pop("stop", None) or []
     stop_ids = raw.pop("stop_token_ids", None) or []
     if isinstance(stop, str):
         stop = [stop]
+    raw.update(_constraint_fields(raw))
     try:
-        return SamplingParams(**raw, stop=tuple(stop), stop_token_ids=tuple(int(t) for t in stop_ids))
+        params = SamplingParams(**raw, stop=tuple(stop), stop_token_ids=tuple(int(t) for t in stop_ids))
     except TypeError as err:
         allowed = ", ".join(SamplingParams.__dataclass_fields__)
         raise ConfigError(f"bad sampling key ({err}); sampling takes {allowed}") from err
     except ValueError as err:
         raise ConfigError(f"{err} (fix the sampling.* override)") from err
+    if params.constraint is not None:
+        try:
+            check_constraint(params.constraint)
+        except GrammarError as err:
+            raise ConfigError(f"sampling.{params.constraint.kind}: {err}") from err
+    return params
 
 
 def _prompt(cfg: DictConfig) -> PromptSpec:
@@ -177,6 +218,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             passthrough_columns=None if passthrough is None else tuple(passthrough),
             limit=limit,
             batch_rows=_positive_int(data.batch_rows, "data.batch_rows"),
+            json_schema_column=data.get("json_schema_column"),
         ),
         prompt=_prompt(cfg),
         sampling=_sampling(cfg),

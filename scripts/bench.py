@@ -2,11 +2,16 @@
 
     python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (docs/benchmarks.md)
     python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model
+    python scripts/bench.py --workloads W2 --constrained --out bench-json   # structured outputs vs none
 
 For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random
 bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system one
 after another on identical requests (EOS ignored). Writes OUT/bench.json and OUT/bench.png and prints a table.
 Exits 1 if any system raised (after writing everything else).
+
+`--constrained` measures structured outputs: the workload's model gets a 128k byte-level BPE tokenizer (trained
+on first use, `bench_lib/bpe.py`; the weights are the same), and `native` runs unconstrained, `native_json` with
+every request under a realistic JSON schema, `native_json_mixed` with every other one.
 """
 
 from __future__ import annotations
@@ -23,11 +28,20 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from bench_lib.bpe import NUM_SPECIAL
 from bench_lib.hardware import HardwareRates, measure_hardware
-from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, random_model_dir, tiny_model_dir
+from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, bpe_model_dir, random_model_dir, tiny_model_dir
 from bench_lib.report import WorkloadReport, plot, table, write_json
 from bench_lib.roofline import model_shape, roofline
-from bench_lib.systems import NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult, run_system
+from bench_lib.systems import (
+    CONSTRAINED_SYSTEMS,
+    NATIVE_ENGINES,
+    NATIVE_SYSTEMS,
+    SYSTEMS,
+    RunSettings,
+    SystemResult,
+    run_system,
+)
 from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="share of GPU memory (less the weights) the roofline lets the KV cache use",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
+    parser.add_argument(
+        "--constrained",
+        action="store_true",
+        help=f"structured outputs: a BPE tokenizer, and systems {','.join(CONSTRAINED_SYSTEMS)} by default",
+    )
     return parser.parse_args(argv)
 
 
@@ -81,7 +100,7 @@ def unavailable_reason(system: str) -> str | None:
         return None
     from batchjob.engine import BACKENDS
 
-    module = BACKENDS[system][0].split(":")[0]
+    module = BACKENDS[NATIVE_ENGINES[system][0]][0].split(":")[0]
     try:
         importlib.import_module(module)
     except ImportError as error:
@@ -99,10 +118,16 @@ def run_workload(
         vocab = int(_read_json(model_dir / "config.json")["vocab_size"])
         requests = draw_requests(spec, vocab, TINY_SPECIAL_IDS)
         floor = None
+    elif args.constrained:
+        model_dir = bpe_model_dir(spec.architecture, args.model_cache)
+        shape = model_shape(ARCHITECTURES[spec.architecture])
+        # The BPE's special ids are its last 256: prompts are ordinary text below them.
+        requests = draw_requests(spec, shape.vocab - NUM_SPECIAL + 1, BENCH_SPECIAL_IDS)
     else:
         model_dir = random_model_dir(spec.architecture, args.model_cache)
         shape = model_shape(ARCHITECTURES[spec.architecture])
         requests = draw_requests(spec, shape.vocab, BENCH_SPECIAL_IDS)
+    if not args.tiny:
         kv_budget = int(args.kv_budget_fraction * torch.cuda.get_device_properties(0).total_memory)
         floor = roofline(
             shape, requests, hardware.copy_bytes_per_s, hardware.matmul_flops_per_s, kv_budget - shape.weight_bytes
@@ -156,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from batchjob.engine import check_engine_options
 
-    systems = _select(args.systems or ",".join(TINY_SYSTEMS if args.tiny else SYSTEMS), SYSTEMS, "--systems")
+    default = CONSTRAINED_SYSTEMS if args.constrained else TINY_SYSTEMS if args.tiny else SYSTEMS
+    systems = _select(args.systems or ",".join(default), SYSTEMS, "--systems")
     options = engine_options(args.engine_option)
     if args.tiny:
         specs = [TINY_WORKLOAD]
@@ -180,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         if system in NATIVE_SYSTEMS and unavailable_reason(system) is None:
             # A bad --engine-option fails here, before minutes of model building and peer runs.
             try:
-                check_engine_options(system, {"dtype": settings.dtype, "detokenize": False, **options})
+                check_engine_options(
+                    NATIVE_ENGINES[system][0], {"dtype": settings.dtype, "detokenize": False, **options}
+                )
             except ValueError as error:
                 raise SystemExit(f"--engine-option: {error}") from None
     args.out.mkdir(parents=True, exist_ok=True)

@@ -148,3 +148,17 @@ def test_w6_floor_is_between_the_active_and_the_total_weights_per_step(bench_lib
     assert requests.prompt_lengths.min() >= 100 and requests.output_lengths.max() <= 1024
     assert floor.decode_steps * shape.step_weight_bytes(1) / 4.27e12 < floor.decode_s
     assert floor.decode_s < floor.decode_steps * (shape.weight_bytes + 60 * 2**30) / 4.27e12
+
+
+def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--constrained", "--systems", "native_json"]
+    run = subprocess.run(
+        [*command, "--out", str(out), "--model-cache", str(tmp_path)], capture_output=True, text=True, timeout=110
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (workload,) = json.loads((out / "bench.json").read_text())["workloads"]
+    result = workload["systems"]["native_json"]
+    # The schema's minItems cannot be met in 16 tokens: every request runs to its length, as unconstrained ones do.
+    assert result["output_tokens"] == workload["output_tokens"] and not result["cut"]
+    assert result["engine_stats"]["constrained_steps"] > 0

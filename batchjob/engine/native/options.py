@@ -37,6 +37,7 @@ class NativeOptions:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     graph_sampling: bool = True
+    graph_constrained: bool = True
     graph_max_batch: int | None = None
     detokenize: bool = True
     seed: int = 0
