@@ -142,14 +142,8 @@ def prepare(settings: JobSettings) -> PreparedJob:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
-    builder = make_builder(settings.prompt, tokenizer, settings.sampling)
+    builder = make_builder(settings.prompt, tokenizer, settings.sampling, settings.data.json_schema_column)
     builder.check(list(source.columns))
-    schema_column = settings.data.json_schema_column
-    if schema_column is not None and schema_column not in source.columns:
-        raise ConfigError(
-            f"data.json_schema_column={schema_column!r} is not in the input; its columns are "
-            f"{', '.join(source.columns)}"
-        )
     passthrough = passthrough_columns(
         settings, list(source.columns), settings.prompt.consumed_columns, string_ids=source.string_ids
     )
@@ -235,15 +229,13 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
         phases["engine_s"],
     )
     try:
-        schema_column = settings.data.json_schema_column
-        columns = [*settings.prompt.input_columns, *job.passthrough, *([schema_column] if schema_column else [])]
+        columns = list(dict.fromkeys([*job.builder.columns, *job.passthrough]))
         feeder = PromptFeeder(
-            job.source.iter_batches(list(dict.fromkeys(columns)), skip_row_ids=committed),
+            job.source.iter_batches(columns, skip_row_ids=committed),
             job.builder,
             job.passthrough,
             queue_batches=settings.queue_batches,
             tokenize_batch_rows=settings.tokenize_batch_rows,
-            schema_column=schema_column,
         )
         layout = job.builder.layout(settings.output.token_ids)
         return ShardRun(settings, engine, output, feeder, layout, committed, remaining, startup=phases).run()

@@ -7,8 +7,6 @@ or recomputed by the next run (the rerun skips exactly the committed row ids).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import sys
 import time
@@ -19,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from batchjob.config import JobSettings
-from batchjob.engine import Completion, Engine, Request, SamplingParams
+from batchjob.engine import Completion, Engine, Request
 from batchjob.io.output import OutputDataset
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.pipelines.pipeline import Layout
@@ -132,12 +130,9 @@ class ShardRun:
 
     def _requests(self, stop: StopSignals) -> Iterator[Request]:
         for batch in self.feeder:
-            schemas = batch.schemas or [None] * len(batch.row_ids)
-            for row_id, ids, error, sampling, extra, schema in zip(
-                batch.row_ids, batch.prompt_ids, batch.errors, batch.sampling, batch.passthrough, schemas, strict=True
+            for row_id, ids, error, sampling, extra in zip(
+                batch.row_ids, batch.prompt_ids, batch.errors, batch.sampling, batch.passthrough, strict=True
             ):
-                if error is None and schema is not None:
-                    sampling, error = self._with_schema(sampling, schema)
                 if error is not None:
                     self._bad_row(row_id, error, 0 if ids is None else len(ids), extra)
                     if self._failure is not None:
@@ -147,18 +142,6 @@ class ShardRun:
                     yield Request(row_id, ids, sampling)
             if stop.requested or self._failure is not None:
                 return
-
-    def _with_schema(self, sampling: SamplingParams, schema: Any) -> tuple[SamplingParams, str | None]:
-        """`sampling` constrained by a row's own JSON schema (text, bytes or a struct), or an error message."""
-        column = self.settings.data.json_schema_column
-        if isinstance(schema, bytes):
-            schema = schema.decode("utf-8", errors="replace")
-        if not isinstance(schema, str):
-            schema = json.dumps(schema)
-        try:
-            return dataclasses.replace(sampling, json_schema=schema, regex=None, choice=None, grammar=None), None
-        except ValueError as err:
-            return sampling, f"{column}: {err}"
 
     def _finish(self, completion: Completion) -> None:
         extra = self._pending.pop(completion.id)

@@ -26,16 +26,14 @@ _END = object()
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """Rows ready for the engine: `prompt_ids[i]` is None exactly when `errors[i]` says why; `sampling[i]` is
-    row i's settings. `schemas[i]` is row i's JSON schema (from `data.json_schema_column`; None: `sampling[i]`
-    alone)."""
+    """Rows ready for the engine: `errors[i]` says why row i cannot run (None: it can; `prompt_ids[i]` is None
+    when it has no prompt); `sampling[i]` is row i's settings."""
 
     row_ids: list[int]
     prompt_ids: list[list[int] | None]
     errors: list[str | None]
     sampling: list[SamplingParams]
     passthrough: list[dict[str, Any]]
-    schemas: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,6 @@ class PromptFeeder:
         passthrough: list[str],
         queue_batches: int,
         tokenize_batch_rows: int,
-        schema_column: str | None = None,
     ) -> None:
         self.read_s = 0.0
         self.tokenize_s = 0.0
@@ -61,7 +58,6 @@ class PromptFeeder:
         self._batches = batches
         self._builder = builder
         self._passthrough = passthrough
-        self._schema_column = schema_column
         self._slice = tokenize_batch_rows
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._stop = threading.Event()
@@ -127,7 +123,6 @@ class PromptFeeder:
             errors=errors,
             sampling=encoded.sampling,
             passthrough=passthrough,
-            schemas=batch.column(self._schema_column).to_pylist() if self._schema_column else None,
         )
         self.tokenize_s += time.perf_counter() - t0
         return prepared

@@ -3,9 +3,10 @@
 A line's `url` says what its `body` is: `/v1/chat/completions` (`messages`, rendered with the model's chat
 template) or `/v1/completions` (`prompt`: one string or one list of token ids). The body's settings
 replace the job's `sampling.*` for that line only; a line without a `seed` is seeded like every row (job
-seed + row). Settings batchjob cannot honour (penalties, logit bias, tools, streaming) fail the line with
-an error naming them, rather than being silently ignored; informational fields (`model`, `user`,
-`metadata`, ...) are ignored. Every problem with a line is that line's error row, never the job's.
+seed + row), and a JSON `response_format` constrains its output (structured outputs). Settings batchjob
+cannot honour (penalties, logit bias, tools, streaming) fail the line with an error naming them, rather
+than being silently ignored; informational fields (`model`, `user`, `metadata`, ...) are ignored. Every
+problem with a line is that line's error row, never the job's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from batchjob.engine.api import SamplingParams
 from batchjob.errors import ConfigError
 from batchjob.pipelines.openai_output import CHAT_URL, COMPLETIONS_URL, OpenAIRowLayout
 from batchjob.pipelines.prompts import OPENAI_BATCH_INPUT, BadRow, EncodedRows, render_chat
-from batchjob.pipelines.sampling import overridden, row_sampling
+from batchjob.pipelines.sampling import json_schema_override, overridden, row_sampling
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 # Body fields whose other values would change the output in a way batchjob cannot reproduce, with the
@@ -35,6 +36,8 @@ _NO_EFFECT: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
+# response_format json_object: any JSON object.
+JSON_OBJECT = '{"type":"object"}'
 # OpenAI's roles; `developer` is the newer name of `system`, which chat templates know.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -47,6 +50,10 @@ class OpenAIBatchBuilder:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.add_special_tokens = add_special_tokens
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return OPENAI_BATCH_INPUT
 
     def check(self, columns: list[str]) -> None:
         missing = [c for c in OPENAI_BATCH_INPUT if c not in columns]
@@ -202,16 +209,23 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def response_format_constraint(response_format: Any) -> dict[str, Any]:
-    """SamplingParams overrides for a line's `response_format`. Plain text needs none; a JSON format needs
-    constrained decoding, which this build of batchjob does not have, so such a line fails with that reason
-    rather than returning output that may not parse."""
+    """SamplingParams overrides for a line's `response_format`: none for plain text (the job's `sampling.*`
+    constraint, if any, applies); `json_object` constrains the output to a JSON object, `json_schema` to its
+    `json_schema.schema`, either in place of the job's constraint. `strict` changes nothing: a constrained
+    output always follows its schema (when it finishes `stop`)."""
     if response_format is None:
         return {}
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "text":
         return {}
-    if kind in ("json_object", "json_schema"):
-        raise BadRow(f"response_format {kind} needs structured outputs, which this batchjob does not support")
+    if kind == "json_object":
+        return json_schema_override(JSON_OBJECT)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRow("body.response_format json_schema needs its schema as an object at json_schema.schema")
+        return json_schema_override(schema)
     raise BadRow(f"body.response_format must be an object with type text, json_object or json_schema, got {kind!r}")
 
 

@@ -29,6 +29,10 @@ class Layout(Protocol):
 
 
 class Builder(Protocol):
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The input columns `encode` reads."""
+
     def check(self, columns: list[str]) -> None:
         """Raise ConfigError if the input cannot feed this pipeline (a missing column, no chat template)."""
 
@@ -49,9 +53,17 @@ def for_openai_batch(spec: PromptSpec) -> PromptSpec:
     return dataclasses.replace(spec, kind=OPENAI_BATCH)
 
 
-def make_builder(spec: PromptSpec, tokenizer: Any, sampling: SamplingParams) -> Builder:
+def make_builder(
+    spec: PromptSpec, tokenizer: Any, sampling: SamplingParams, schema_column: str | None = None
+) -> Builder:
+    """`schema_column`: data.json_schema_column, a column of per-row JSON schemas."""
     if spec.kind == OPENAI_BATCH:
+        if schema_column is not None:
+            raise ConfigError(
+                "data.json_schema_column does not apply to an OpenAI batch input: give a line its schema in its "
+                "body's response_format, and unset data.json_schema_column"
+            )
         from batchjob.pipelines.openai_batch import OpenAIBatchBuilder
 
         return OpenAIBatchBuilder(tokenizer, sampling, spec.add_special_tokens)
-    return PromptBuilder(spec, tokenizer, sampling)
+    return PromptBuilder(spec, tokenizer, sampling, schema_column)

@@ -7,13 +7,17 @@
 
 A row that cannot become a prompt (null, empty, wrong type, not UTF-8) gets an error message instead of
 token ids; the job decides what to do with it (`on_error`).
+
+With `data.json_schema_column`, a row's own JSON schema constrains its output in place of the job's
+`sampling.*` constraint (a null schema: the job's settings alone); a schema that is not a JSON object makes
+the row an error row.
 """
 
 from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -21,7 +25,7 @@ import pyarrow as pa
 from batchjob.engine.api import SamplingParams
 from batchjob.errors import ConfigError
 from batchjob.pipelines.rows import RowLayout
-from batchjob.pipelines.sampling import row_sampling
+from batchjob.pipelines.sampling import json_schema_override, row_sampling
 
 PROMPT_KINDS = ("raw", "template", "chat")
 # Not chosen by pipeline.kind: an OpenAI batch input file (data.format=openai_batch) brings its own prompts.
@@ -80,8 +84,9 @@ OPENAI_BATCH_CONSUMED = ("method", "body")
 
 @dataclass(frozen=True)
 class EncodedRows:
-    """A batch of rows as the engine takes them: `prompt_ids[i]` is None exactly when `errors[i]` says why;
-    `sampling[i]` is row i's settings (seeded for that row)."""
+    """A batch of rows as the engine takes them: `errors[i]` says why row i cannot run (None: it can), and
+    `prompt_ids[i]` is None when no prompt could be built (a row with a prompt but bad settings keeps its ids,
+    for its token count); `sampling[i]` is row i's settings (seeded for that row)."""
 
     prompt_ids: list[list[int] | None]
     errors: list[str | None]
@@ -90,12 +95,20 @@ class EncodedRows:
 
 class PromptBuilder:
     """Rows of a Parquet or Hugging Face input (kinds raw, template, chat); every row samples with the job's
-    settings and its own seed."""
+    settings and its own seed, constrained by its own JSON schema from `schema_column` when that is set."""
 
-    def __init__(self, spec: PromptSpec, tokenizer: Any, sampling: SamplingParams) -> None:
+    def __init__(
+        self, spec: PromptSpec, tokenizer: Any, sampling: SamplingParams, schema_column: str | None = None
+    ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.sampling = sampling
+        self.schema_column = schema_column
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The input columns `encode` reads."""
+        return tuple(dict.fromkeys([*self.spec.input_columns, *([self.schema_column] if self.schema_column else [])]))
 
     def layout(self, token_ids: bool) -> RowLayout:
         return RowLayout(n=self.sampling.n, token_ids=token_ids, logprobs=self.sampling.logprobs is not None)
@@ -109,6 +122,11 @@ class PromptBuilder:
             raise ConfigError(
                 f"input has no column {', '.join(map(repr, missing))}; its columns are {', '.join(columns)} "
                 "(set data.prompt_column / data.messages_column / pipeline.template accordingly)"
+            )
+        if self.schema_column is not None and self.schema_column not in columns:
+            raise ConfigError(
+                f"data.json_schema_column={self.schema_column!r} is not in the input; its columns are "
+                f"{', '.join(columns)}"
             )
         if self.spec.kind == "chat" and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
@@ -137,7 +155,19 @@ class PromptBuilder:
             for i, row_ids in zip(good, encoded, strict=True):
                 ids[i] = row_ids
         sampling = [row_sampling(self.sampling, row_id) for row_id in batch.column("row_id").to_pylist()]
+        if self.schema_column is not None:
+            self._apply_schemas(batch.column(self.schema_column).to_pylist(), sampling, errors)
         return EncodedRows(ids, errors, sampling)
+
+    def _apply_schemas(self, schemas: list[Any], sampling: list[SamplingParams], errors: list[str | None]) -> None:
+        """Constrain each row that has a schema (and a prompt) by it, in place; a bad schema is the row's error."""
+        for i, schema in enumerate(schemas):
+            if schema is None or errors[i] is not None:
+                continue
+            try:
+                sampling[i] = replace(sampling[i], **json_schema_override(schema))
+            except ValueError as err:
+                errors[i] = f"{self.schema_column}: {err}"
 
     def _text(self, row: dict[str, Any]) -> str:
         spec = self.spec

@@ -15,6 +15,9 @@ from jobtools import REPO, cli_env, read_output, run_cli, run_in_process, start_
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
+from batchjob.engine import SamplingParams
+from batchjob.pipelines.openai_batch import chat_sampling
+from batchjob.pipelines.sampling import overridden
 from batchjob.status import job_status
 
 CHAT = "/v1/chat/completions"
@@ -175,6 +178,24 @@ def test_a_prompt_template_with_an_openai_batch_input_is_refused(tmp_path: Path)
     assert refused.returncode == 2
     assert "builds each prompt from its line's body" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_a_json_schema_column_with_an_openai_batch_input_is_refused(tmp_path: Path, capsys) -> None:
+    batch = write_batch(tmp_path / "in.jsonl", LINES[:1])
+    code = run_in_process(f"data.path={batch}", f"output.dir={tmp_path / 'out'}", "data.json_schema_column=body")
+    assert code == 2
+    assert "give a line its schema in its body's response_format" in capsys.readouterr().err
+
+
+def test_a_lines_response_format_replaces_the_jobs_constraint_and_text_keeps_it() -> None:
+    job = SamplingParams(choice=("yes", "no"))
+    as_object = overridden(job, 3, chat_sampling({"response_format": {"type": "json_object"}}))
+    assert (as_object.json_schema, as_object.choice) == ('{"type":"object"}', None)
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    as_schema = overridden(job, 3, chat_sampling({"response_format": response_format}))
+    assert json.loads(as_schema.json_schema) == schema and as_schema.constraint.kind == "json_schema"
+    assert overridden(job, 3, chat_sampling({"response_format": {"type": "text"}})) == job
 
 
 def test_a_repeated_custom_id_is_refused_before_the_model_loads(tmp_path: Path) -> None:

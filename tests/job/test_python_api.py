@@ -1,4 +1,5 @@
-"""The Python API: `LLM(...).generate` and `batchjob.run` give what the command line gives for the same settings."""
+"""The Python API: `LLM(...).generate` and `batchjob.run` give what the command line gives for the same settings,
+and `generate` takes structured-output constraints per prompt."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from jobtools import read_output, run_cli, write_prompts
+from structured_cases import CHOICES, CODE_REGEX, POINT_SCHEMA, matches_code, valid_json
 
 import batchjob
 from batchjob import LLM, SamplingParams
@@ -91,6 +93,20 @@ def test_outputs_keep_input_order_with_errors_and_per_prompt_settings(llm: LLM) 
     assert len(outputs[3].outputs[0].logprobs) == 1
     one = llm.generate("first", SamplingParams(max_new_tokens=2))
     assert one[0].text == outputs[0].text
+
+
+def test_llm_generate_follows_each_prompts_constraint(llm: LLM) -> None:
+    settings = [
+        SamplingParams(max_new_tokens=40, json_schema=json.dumps(POINT_SCHEMA)),
+        SamplingParams(max_new_tokens=10, choice=CHOICES, temperature=1.0, seed=2),
+        SamplingParams(max_new_tokens=10, regex=CODE_REGEX),
+        SamplingParams(max_new_tokens=3),
+    ]
+    point, choice, code, free = llm.generate(["a point", "a choice", CHATS[0], "free text"], settings)
+    assert point.outputs[0].finish_reason == "stop" and valid_json(point.text, POINT_SCHEMA), point.text
+    assert choice.outputs[0].finish_reason == "stop" and choice.text in CHOICES
+    assert code.outputs[0].finish_reason == "stop" and matches_code(code.text), code.text
+    assert free.error is None and len(free.outputs[0].token_ids) <= 3
 
 
 def test_run_refuses_a_bad_setting_before_loading_the_model(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """Structured outputs through the job: a job-level schema file, a per-row schema column mixed with
-unconstrained rows, and a row whose schema cannot compile becoming an error row."""
+unconstrained rows, a row whose schema cannot compile becoming an error row, and an OpenAI batch file's
+per-line response_format."""
 
 from __future__ import annotations
 
@@ -51,3 +52,41 @@ def test_per_row_schemas_mix_with_job_level_choice_rows_and_a_bad_schema_is_an_e
     report = read_report(tmp_path / "o")
     assert report["errors"] == 2
     assert report["engine"]["grammars_compiled"] == 3  # the choice and two schemas, each compiled once
+
+
+def _chat_line(custom_id: str, text: str, response_format: dict | None) -> str:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+    if response_format is not None:
+        body["response_format"] = response_format
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+
+
+def test_openai_batch_response_formats_constrain_their_lines(tmp_path: Path) -> None:
+    formats = {
+        "pet-0": _schema_format(PET_SCHEMA),
+        "pet-1": _schema_format(PET_SCHEMA),
+        "point-0": _schema_format(POINT_SCHEMA),
+        "point-1": _schema_format(POINT_SCHEMA),
+        "object-0": {"type": "json_object"},
+        "object-1": {"type": "json_object"},
+        "text": {"type": "text"},
+        "no-schema": {"type": "json_schema", "json_schema": {"name": "answer"}},
+    }
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text("".join(_chat_line(i, f"Answer {i} in JSON.", f) + "\n" for i, f in formats.items()))
+    assert run_in_process(*NATIVE, f"data.path={batch}", f"output.dir={tmp_path / 'o'}") == 0
+    rows = {r["custom_id"]: r for r in read_output(tmp_path / "o").to_pylist()}
+    for custom_id, schema in [("pet", PET_SCHEMA), ("point", POINT_SCHEMA), ("object", {"type": "object"})]:
+        for row in (rows[f"{custom_id}-0"], rows[f"{custom_id}-1"]):
+            assert row["error"] is None
+            assert row["finish_reason"] != "stop" or valid_json(row["generation"], schema), row["generation"]
+    assert all(rows[f"point-{i}"]["finish_reason"] == "stop" for i in range(2))
+    # The tiny model's noise runs on inside a key until max_tokens; constrained, it still opens an object.
+    assert all(rows[f"object-{i}"]["generation"].startswith('{"') for i in range(2))
+    assert rows["text"]["error"] is None
+    assert rows["no-schema"]["finish_reason"] == "error" and "json_schema.schema" in rows["no-schema"]["error"]
+    assert read_report(tmp_path / "o")["engine"]["grammars_compiled"] == 3  # pet, point, object: once each
