@@ -6,6 +6,7 @@ job turns it into a one-line message and exit status 2, before any model is load
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from batchjob.config_keys import check_known_keys
 from batchjob.engine import SamplingParams, check_engine_options
+from batchjob.engine.grammar import GrammarError, check_constraint
 from batchjob.errors import ConfigError
 from batchjob.io.layout import OutputDirError, bookkeeping_dir
 from batchjob.pipelines.prompts import PROMPT_KINDS, PromptSpec
@@ -37,6 +39,7 @@ class DataSettings:
     passthrough_columns: tuple[str, ...] | None
     limit: int | None
     batch_rows: int
+    json_schema_column: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,37 @@ def _check_number(key: str, value: Any, annotation: str) -> None:
         raise ConfigError(f"sampling.{key}={value!r}: must be {wanted}{' or null' if optional else ''}")
 
 
+def _text_or_file(value: Any, key: str, inline: bool) -> str | None:
+    """`value` itself when `inline` says it is text, else the content of the file it names."""
+    if value is None or inline:
+        return value
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{key}={value!r} is neither inline text nor an existing file: give the text or a path")
+    return path.read_text()
+
+
+def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """sampling.json_schema (inline JSON, a YAML mapping, or a .json file), .regex, .choice, .grammar (inline
+    Lark/GBNF or a file), as SamplingParams fields."""
+    schema = raw.get("json_schema")
+    if isinstance(schema, (dict, list, bool)):
+        schema = json.dumps(schema)
+    elif schema is not None:
+        schema = _text_or_file(schema, "sampling.json_schema", inline=str(schema).lstrip().startswith("{"))
+    grammar = raw.get("grammar")
+    if grammar is not None:
+        grammar = _text_or_file(grammar, "sampling.grammar", inline=not Path(str(grammar)).expanduser().is_file())
+    choice = raw.get("choice")
+    if isinstance(choice, str):
+        choice = [choice]
+    return {
+        "json_schema": schema,
+        "grammar": grammar,
+        "choice": None if choice is None else tuple(str(c) for c in choice),
+    }
+
+
 def _sampling(cfg: DictConfig) -> SamplingParams:
     raw = OmegaConf.to_container(cfg.sampling, resolve=True)
     stop = raw.pop("stop", None) or []
@@ -103,10 +137,17 @@ def _sampling(cfg: DictConfig) -> SamplingParams:
     fields = SamplingParams.__dataclass_fields__
     for key, value in raw.items():
         _check_number(key, value, str(fields[key].type))
+    raw.update(_constraint_fields(raw))
     try:
-        return SamplingParams(**raw, stop=tuple(stop), stop_token_ids=tuple(stop_ids))
+        params = SamplingParams(**raw, stop=tuple(stop), stop_token_ids=tuple(stop_ids))
     except ValueError as err:
         raise ConfigError(f"{err} (fix the sampling.* override)") from err
+    if params.constraint is not None:
+        try:
+            check_constraint(params.constraint)
+        except GrammarError as err:
+            raise ConfigError(f"sampling.{params.constraint.kind}: {err}") from err
+    return params
 
 
 def _prompt(cfg: DictConfig) -> PromptSpec:
@@ -131,6 +172,21 @@ def _prompt(cfg: DictConfig) -> PromptSpec:
         system_prompt=pipeline.system_prompt,
         add_special_tokens=bool(pipeline.add_special_tokens),
     )
+
+
+def _check_constraints_supported(engine_cfg: dict[str, Any], sampling: SamplingParams, schema_column: Any) -> None:
+    """Structured outputs need the split step of a single-device engine; a tensor-parallel engine's ranks run
+    whole steps only, so the combination is refused before any model loads."""
+    tensor_parallel = engine_cfg.get("tensor_parallel", 1)
+    if tensor_parallel == 1:
+        return
+    given = f"sampling.{sampling.constraint.kind}" if sampling.constraint is not None else None
+    given = given or (f"data.json_schema_column={schema_column}" if schema_column else None)
+    if given:
+        raise ConfigError(
+            f"{given}: structured outputs are not supported with engine.tensor_parallel={tensor_parallel}; set "
+            "engine.tensor_parallel=1 (several engines: engine.data_parallel)"
+        )
 
 
 def data_parallel(cfg: DictConfig) -> int:
@@ -190,6 +246,8 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     limit = data.limit
     if limit is not None:
         limit = _positive_int(limit, "data.limit", minimum=0)
+    sampling = _sampling(cfg)
+    _check_constraints_supported(engine_cfg, sampling, data.json_schema_column)
     return JobSettings(
         model_path=cfg.model.path,
         engine_name=engine_name,
@@ -207,9 +265,10 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             passthrough_columns=None if passthrough is None else tuple(passthrough),
             limit=limit,
             batch_rows=_positive_int(data.batch_rows, "data.batch_rows"),
+            json_schema_column=data.json_schema_column,
         ),
         prompt=_prompt(cfg),
-        sampling=_sampling(cfg),
+        sampling=sampling,
         output=OutputSettings(
             dir=str(out.dir),
             commit_every_rows=_positive_int(out.commit_every_rows, "output.commit_every_rows"),

@@ -86,6 +86,9 @@ def job_record(
     """`job_rows`: rows of all shards together after `data.limit` (None when unknown, streaming);
     `string_ids`: the id column holds strings, so row ids are input positions and the ids a column."""
     sampling = dataclasses.asdict(settings.sampling)
+    if settings.data.json_schema_column is not None:
+        # Per-row schemas change every output; recorded only when used, so older records still match.
+        sampling["json_schema_column"] = settings.data.json_schema_column
     return {
         "batchjob_version": batchjob_version(),
         "model": model_fingerprint(model_path),

@@ -26,13 +26,14 @@ from batchjob.fingerprint import job_record, resolve_model_path
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import OutputDirError
 from batchjob.io.lock import LockError, LockLost
+from batchjob.io.openai_batch_reader import ID_COLUMN as OPENAI_BATCH_ID
 from batchjob.io.output import OutputDataset
-from batchjob.io.readers import InputError, InputSpec, open_input
+from batchjob.io.readers import InputError, InputSpec, open_input, resolve_format
 from batchjob.io.record_guard import record_is_stored
 from batchjob.io.storage import StorageFull
 from batchjob.io.unique_ids import check_unique_ids
 from batchjob.pipelines.feeder import PromptFeeder
-from batchjob.pipelines.prompts import PromptBuilder
+from batchjob.pipelines.pipeline import Builder, for_openai_batch, make_builder
 from batchjob.pipelines.rows import RESERVED_COLUMNS
 from batchjob.run_files import recorded_run
 from batchjob.shard_run import ShardRun
@@ -68,7 +69,7 @@ class PreparedJob:
     settings: JobSettings
     model_path: str
     source: Any
-    builder: PromptBuilder
+    builder: Builder
     passthrough: list[str]
     output: OutputDataset
     complete: bool  # the shard was already complete under this same job record: nothing to do or write
@@ -126,25 +127,30 @@ def prepare(settings: JobSettings) -> PreparedJob:
     model_path = resolve_model_path(settings.model_path)
     settings = choose_engine(settings, model_path)
     data = settings.data
-    source = open_input(
-        InputSpec(
-            path=data.path,
-            format=data.format,
-            split=data.split,
-            name=data.dataset_config,
-            data_files=data.data_files,
-            streaming=data.streaming,
-            id_column=data.id_column,
-            limit=data.limit,
-            shard_index=settings.shard_index,
-            shard_count=settings.shard_count,
-            batch_rows=data.batch_rows,
-        )
+    spec = InputSpec(
+        path=data.path,
+        format=data.format,
+        split=data.split,
+        name=data.dataset_config,
+        data_files=data.data_files,
+        streaming=data.streaming,
+        id_column=data.id_column,
+        limit=data.limit,
+        shard_index=settings.shard_index,
+        shard_count=settings.shard_count,
+        batch_rows=data.batch_rows,
     )
-    builder = PromptBuilder(settings.prompt, load_tokenizer(model_path))
+    if resolve_format(spec) == "openai_batch":
+        # Each line brings its prompt, and its custom_id is its identity (unique, and in the output).
+        id_column = data.id_column or OPENAI_BATCH_ID
+        data = dataclasses.replace(data, id_column=id_column)
+        settings = dataclasses.replace(settings, data=data, prompt=for_openai_batch(settings.prompt))
+        spec = dataclasses.replace(spec, id_column=id_column)
+    source = open_input(spec)
+    builder = make_builder(settings.prompt, load_tokenizer(model_path), settings.sampling, data.json_schema_column)
     builder.check(list(source.columns))
     passthrough = passthrough_columns(
-        settings, list(source.columns), settings.prompt.input_columns, string_ids=source.string_ids
+        settings, list(source.columns), settings.prompt.consumed_columns, string_ids=source.string_ids
     )
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)
     output = OutputDataset(
@@ -194,20 +200,26 @@ def open_output(output: OutputDataset, record: dict[str, Any], settings: JobSett
 
 def run_job(cfg: DictConfig, started: float | None = None) -> int:
     """Run this process's shard of the job; returns the exit status: 0 when the shard is complete,
-    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N, 75 when the
-    engine failed (a tensor-parallel rank died: rerun to resume).
+    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N, 75 when a
+    rerun resumes it (the engine failed, the disk is full, the shard's lock was lost).
     `started`: the process's `time.perf_counter()` at start, for the start-up breakdown (default: now)."""
-    startup = StartupClock(time.perf_counter() if started is None else started)
-    quiet_libraries()
-    startup.lap("imports_config_s")
     try:
-        job = prepare(load_settings(cfg))
+        return run_shard(cfg, started)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except StorageFull as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_RESUMABLE
+
+
+def run_shard(cfg: DictConfig, started: float | None = None) -> int:
+    """`run_job`, but a bad config or input raises (one of `USER_ERRORS`) instead of returning 2, and a full
+    disk while preparing raises `StorageFull` instead of returning 75."""
+    startup = StartupClock(time.perf_counter() if started is None else started)
+    quiet_libraries()
+    startup.lap("imports_config_s")
+    job = prepare(load_settings(cfg))
     startup.lap("checks_s")
     settings = job.settings
     if job.complete:
@@ -289,7 +301,7 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
         f" ({engine_phases})" if engine_phases else "",
     )
     try:
-        columns = list(dict.fromkeys([*settings.prompt.input_columns, *job.passthrough]))
+        columns = list(dict.fromkeys([*job.builder.columns, *job.passthrough]))
         feeder = PromptFeeder(
             job.source.iter_batches(columns, skip_row_ids=committed),
             job.builder,
@@ -298,8 +310,9 @@ def _generate(job: PreparedJob, startup: StartupClock) -> int:
             tokenize_batch_rows=settings.tokenize_batch_rows,
         )
         types = job.source.column_types(job.passthrough)
+        layout = job.builder.layout(settings.output.token_ids)
         return ShardRun(
-            settings, engine, output, feeder, committed, remaining, startup=phases, passthrough_types=types
+            settings, engine, output, feeder, layout, committed, remaining, startup=phases, passthrough_types=types
         ).run()
     finally:
         engine.close()

@@ -7,7 +7,6 @@ or recomputed by the next run (the rerun skips exactly the committed row ids).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -19,10 +18,10 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.config import JobSettings
-from batchjob.engine import Completion, Engine, Request, SamplingParams
+from batchjob.engine import Completion, Engine, Request
 from batchjob.io.output import OutputDataset
 from batchjob.pipelines.feeder import PromptFeeder
-from batchjob.pipelines.rows import RowLayout
+from batchjob.pipelines.pipeline import Layout
 from batchjob.progress import Progress
 from batchjob.signals import Interrupted, StopSignals, exit_code_for
 from batchjob.slurm import requeue_after_preemption
@@ -51,6 +50,7 @@ class ShardRun:
         engine: Engine,
         output: OutputDataset,
         feeder: PromptFeeder,
+        layout: Layout,
         already_committed: np.ndarray,
         total_rows: int | None,
         startup: dict[str, float] | None = None,
@@ -64,11 +64,7 @@ class ShardRun:
         self.engine = engine
         self.output = output
         self.feeder = feeder
-        self.layout = RowLayout(
-            n=settings.sampling.n,
-            token_ids=settings.output.token_ids,
-            logprobs=settings.sampling.logprobs is not None,
-        )
+        self.layout = layout
         self.previously_committed = len(already_committed)
         self.counts = RunCounts()
         self.progress = Progress(total_rows, settings.log_every_s)
@@ -142,18 +138,17 @@ class ShardRun:
         return EXIT_OK
 
     def _requests(self, stop: StopSignals) -> Iterator[Request]:
-        base = self.settings.sampling
         for batch in self.feeder:
-            for row_id, ids, error, extra in zip(
-                batch.row_ids, batch.prompt_ids, batch.errors, batch.passthrough, strict=True
+            for row_id, ids, error, sampling, extra in zip(
+                batch.row_ids, batch.prompt_ids, batch.errors, batch.sampling, batch.passthrough, strict=True
             ):
                 if error is not None:
-                    self._bad_row(row_id, error, 0, extra)
+                    self._bad_row(row_id, error, 0 if ids is None else len(ids), extra)
                     if self._failure is not None:
                         return
                 else:
                     self._pending[row_id] = extra
-                    yield Request(row_id, ids, _row_sampling(base, row_id))
+                    yield Request(row_id, ids, sampling)
             if stop.requested or self._failure is not None:
                 return
 
@@ -237,10 +232,3 @@ class ShardRun:
             "engine": {"name": self.settings.engine_name, **self.engine.stats()},
             "shard": {"index": self.settings.shard_index, "count": self.settings.shard_count},
         }
-
-
-def _row_sampling(base: SamplingParams, row_id: int) -> SamplingParams:
-    """Each row gets its own seed (base + row id), so its samples do not depend on batching or resume."""
-    if base.greedy or base.seed is None:
-        return base
-    return dataclasses.replace(base, seed=(base.seed + row_id) % 2**63)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from batchjob.pipelines.prompts import PromptBuilder
+from batchjob.pipelines.pipeline import Builder
 
+from batchjob.engine.api import SamplingParams
 from batchjob.io.inputs import INPUT_ERROR_COLUMN
 
 _END = object()
@@ -25,11 +26,13 @@ _END = object()
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """Rows ready for the engine: `prompt_ids[i]` is None exactly when `errors[i]` says why."""
+    """Rows ready for the engine: `errors[i]` says why row i cannot run (None: it can; `prompt_ids[i]` is None
+    when it has no prompt); `sampling[i]` is row i's settings."""
 
     row_ids: list[int]
     prompt_ids: list[list[int] | None]
     errors: list[str | None]
+    sampling: list[SamplingParams]
     passthrough: list[dict[str, Any]]
 
 
@@ -44,7 +47,7 @@ class PromptFeeder:
     def __init__(
         self,
         batches: Iterator[pa.RecordBatch],
-        builder: PromptBuilder,
+        builder: Builder,
         passthrough: list[str],
         queue_batches: int,
         tokenize_batch_rows: int,
@@ -107,14 +110,19 @@ class PromptFeeder:
 
     def _prepare(self, batch: pa.RecordBatch) -> PreparedBatch:
         t0 = time.perf_counter()
-        ids, errors = self._builder.encode(batch)
+        encoded = self._builder.encode(batch)
+        ids, errors = encoded.prompt_ids, encoded.errors
         if INPUT_ERROR_COLUMN in batch.schema.names:  # the reader already knows these rows cannot run
             for i, problem in enumerate(batch.column(INPUT_ERROR_COLUMN).to_pylist()):
                 if problem is not None:
                     ids[i], errors[i] = None, problem
         passthrough = batch.select(self._passthrough).to_pylist() if self._passthrough else [{}] * batch.num_rows
         prepared = PreparedBatch(
-            row_ids=batch.column("row_id").to_pylist(), prompt_ids=ids, errors=errors, passthrough=passthrough
+            row_ids=batch.column("row_id").to_pylist(),
+            prompt_ids=ids,
+            errors=errors,
+            sampling=encoded.sampling,
+            passthrough=passthrough,
         )
         self.tokenize_s += time.perf_counter() - t0
         return prepared

@@ -7,20 +7,29 @@
 
 A row that cannot become a prompt (null, empty, wrong type, not UTF-8) gets an error message instead of
 token ids; the job decides what to do with it (`on_error`).
+
+With `data.json_schema_column`, a row's own JSON schema constrains its output in place of the job's
+`sampling.*` constraint (a null schema: the job's settings alone); a schema that is not a JSON object makes
+the row an error row.
 """
 
 from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
+from batchjob.pipelines.rows import RowLayout
+from batchjob.pipelines.sampling import json_schema_override, row_sampling
 
+from batchjob.engine.api import SamplingParams
 from batchjob.errors import ConfigError
 
 PROMPT_KINDS = ("raw", "template", "chat")
+# Not chosen by pipeline.kind: an OpenAI batch input file (data.format=openai_batch) brings its own prompts.
+OPENAI_BATCH = "openai_batch"
 
 
 @dataclass(frozen=True)
@@ -34,11 +43,21 @@ class PromptSpec:
 
     @property
     def input_columns(self) -> tuple[str, ...]:
+        """The input columns prompts are built from."""
+        if self.kind == OPENAI_BATCH:
+            return OPENAI_BATCH_INPUT
         if self.kind == "template":
             return _template_fields(self.template or "")
         if self.kind == "chat" and self.messages_column:
             return (self.messages_column,)
         return (self.prompt_column,) if self.prompt_column else ()
+
+    @property
+    def consumed_columns(self) -> tuple[str, ...]:
+        """The input columns not passed through to the output by default: what the prompt is made of."""
+        if self.kind == OPENAI_BATCH:
+            return OPENAI_BATCH_CONSUMED
+        return self.input_columns
 
 
 def _template_fields(template: str) -> tuple[str, ...]:
@@ -58,10 +77,41 @@ def _template_fields(template: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+# What batchjob.io's OpenAI batch reader gives; `url` is read to build the prompt and also kept in the output.
+OPENAI_BATCH_INPUT = ("method", "url", "body")
+OPENAI_BATCH_CONSUMED = ("method", "body")
+
+
+@dataclass(frozen=True)
+class EncodedRows:
+    """A batch of rows as the engine takes them: `errors[i]` says why row i cannot run (None: it can), and
+    `prompt_ids[i]` is None when no prompt could be built (a row with a prompt but bad settings keeps its ids,
+    for its token count); `sampling[i]` is row i's settings (seeded for that row)."""
+
+    prompt_ids: list[list[int] | None]
+    errors: list[str | None]
+    sampling: list[SamplingParams]
+
+
 class PromptBuilder:
-    def __init__(self, spec: PromptSpec, tokenizer: Any) -> None:
+    """Rows of a Parquet or Hugging Face input (kinds raw, template, chat); every row samples with the job's
+    settings and its own seed, constrained by its own JSON schema from `schema_column` when that is set."""
+
+    def __init__(
+        self, spec: PromptSpec, tokenizer: Any, sampling: SamplingParams, schema_column: str | None = None
+    ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.schema_column = schema_column
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The input columns `encode` reads."""
+        return tuple(dict.fromkeys([*self.spec.input_columns, *([self.schema_column] if self.schema_column else [])]))
+
+    def layout(self, token_ids: bool) -> RowLayout:
+        return RowLayout(n=self.sampling.n, token_ids=token_ids, logprobs=self.sampling.logprobs is not None)
 
     def check(self, columns: list[str]) -> None:
         """Raise `ConfigError` if the input lacks a needed column or the tokenizer cannot render chats."""
@@ -73,14 +123,20 @@ class PromptBuilder:
                 f"input has no column {', '.join(map(repr, missing))}; its columns are {', '.join(columns)} "
                 "(set data.prompt_column / data.messages_column / pipeline.template accordingly)"
             )
+        if self.schema_column is not None and self.schema_column not in columns:
+            raise ConfigError(
+                f"data.json_schema_column={self.schema_column!r} is not in the input; its columns are "
+                f"{', '.join(columns)}"
+            )
         if self.spec.kind == "chat" and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
                 "pipeline.kind=chat but the model's tokenizer has no chat template: use a chat/instruct model "
                 "or pipeline.kind=raw / template"
             )
 
-    def encode(self, batch: pa.RecordBatch) -> tuple[list[list[int] | None], list[str | None]]:
-        """Token ids (or None) and an error message (or None) for every row of `batch`."""
+    def encode(self, batch: pa.RecordBatch) -> EncodedRows:
+        """Token ids (or None), an error message (or None) and sampling settings for every row of `batch`
+        (which holds `row_id` and the input columns)."""
         texts: list[str | None] = []
         errors: list[str | None] = []
         for row in batch.select(list(self.spec.input_columns)).to_pylist():
@@ -98,7 +154,20 @@ class PromptBuilder:
             encoded = self.tokenizer([texts[i] for i in good], add_special_tokens=special)["input_ids"]
             for i, row_ids in zip(good, encoded, strict=True):
                 ids[i] = row_ids
-        return ids, errors
+        sampling = [row_sampling(self.sampling, row_id) for row_id in batch.column("row_id").to_pylist()]
+        if self.schema_column is not None:
+            self._apply_schemas(batch.column(self.schema_column).to_pylist(), sampling, errors)
+        return EncodedRows(ids, errors, sampling)
+
+    def _apply_schemas(self, schemas: list[Any], sampling: list[SamplingParams], errors: list[str | None]) -> None:
+        """Constrain each row that has a schema (and a prompt) by it, in place; a bad schema is the row's error."""
+        for i, schema in enumerate(schemas):
+            if schema is None or errors[i] is not None:
+                continue
+            try:
+                sampling[i] = replace(sampling[i], **json_schema_override(schema))
+            except ValueError as err:
+                errors[i] = f"{self.schema_column}: {err}"
 
     def _text(self, row: dict[str, Any]) -> str:
         spec = self.spec
@@ -117,15 +186,20 @@ class PromptBuilder:
                 messages = [{"role": "user", "content": prompt}]
                 if spec.system_prompt:
                     messages.insert(0, {"role": "system", "content": spec.system_prompt})
-            try:
-                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as err:  # a template raising on this row's content is this row's problem
-                raise BadRow(f"chat template failed on this row: {err}") from err
+            return render_chat(self.tokenizer, messages)
         return _non_empty(_as_text(row[spec.prompt_column], spec.prompt_column), spec.prompt_column)
 
 
 class BadRow(ValueError):
     """This row cannot become a prompt."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The prompt text of a conversation, through the model's chat template, ending where the reply begins."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # a template raising on this row's content is this row's problem
+        raise BadRow(f"chat template failed on this row: {err}") from err
 
 
 def _as_text(value: Any, column: str) -> str:

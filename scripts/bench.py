@@ -1,8 +1,9 @@
 """Benchmark batchjob's engine against transformers and against the hardware's roofline, each system in its own
 fresh process, cold and warm.
 
-    python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (DESIGN.md "Benchmarks")
+    python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (docs/benchmarks.md)
     python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model
+    python scripts/bench.py --workloads W2 --constrained --out bench-json   # structured outputs vs none
 
 For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random
 bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system on
@@ -10,6 +11,10 @@ identical requests (EOS ignored), each run a fresh Python process: "cold" with e
 user's first job, a fresh node), then "warm" with the caches the cold run filled (a second job). The parent
 process never touches the GPU. Writes OUT/bench.json and OUT/bench.png and prints a table. Exits 1 if any
 run failed (after writing everything else).
+
+`--constrained` measures structured outputs: the workload's model gets a 128k byte-level BPE tokenizer (trained
+on first use, `bench_lib/bpe.py`; the weights are the same), and `native` runs unconstrained, `native_json` with
+every request under a realistic JSON schema, `native_json_mixed` with every other one.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_lib.bpe import NUM_SPECIAL
 from bench_lib.hardware import HardwareRates
 from bench_lib.isolation import ChildFailed, kernel_cache_env, run_child
 from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, tiny_model_dir
 from bench_lib.report import WorkloadReport, plot, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
-from bench_lib.systems import NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult
+from bench_lib.systems import CONSTRAINED_SYSTEMS, NATIVE_ENGINES, NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult
 from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(W7: dummy), else auto",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
+    parser.add_argument(
+        "--constrained",
+        action="store_true",
+        help=f"structured outputs: a BPE tokenizer, and systems {','.join(CONSTRAINED_SYSTEMS)} by default",
+    )
     return parser.parse_args(argv)
 
 
@@ -103,7 +114,7 @@ def unavailable_reason(system: str) -> str | None:
         return None
     from batchjob.engine import BACKENDS
 
-    module = BACKENDS[system][0].split(":")[0]
+    module = BACKENDS[NATIVE_ENGINES[system][0]][0].split(":")[0]
     try:
         importlib.import_module(module)
     except ImportError as error:
@@ -128,13 +139,15 @@ def run_workload(
         requests = draw_requests(spec, vocab, special_ids)
         floor = None
     else:
-        if dummy:
+        if dummy and not args.constrained:
             model_dir = config_model_dir(spec.architecture, args.model_cache)
         else:
             task = {"kind": "model", "architecture": spec.architecture, "cache": str(args.model_cache)}
-            model_dir = Path(run_child(task)["model_dir"])
+            model_dir = Path(run_child({**task, "bpe": args.constrained})["model_dir"])
         shape = model_shape(ARCHITECTURES[spec.architecture])
-        vocab, special_ids = shape.vocab, BENCH_SPECIAL_IDS
+        # The BPE's special ids are its last 256: prompts are then ordinary text below them.
+        vocab = shape.vocab - NUM_SPECIAL + 1 if args.constrained else shape.vocab
+        special_ids = BENCH_SPECIAL_IDS
         requests = draw_requests(spec, vocab, special_ids)
         # A tensor-parallel engine reads its weights and cache with every GPU's bandwidth and keeps its cache in
         # every GPU's memory: the floor is that of one GPU `gpus` times as large (GPUs of one kind assumed).
@@ -157,6 +170,8 @@ def run_workload(
         reason = unavailable_reason(system)
         if reason is None and system not in NATIVE_SYSTEMS and (dummy or gpus > 1):
             reason = "runs only with weight files on one GPU (this workload: dummy weights or tensor_parallel > 1)"
+        if reason is None and system in NATIVE_ENGINES and NATIVE_ENGINES[system][1] and gpus > 1:
+            reason = "structured outputs run on one GPU only (this workload: tensor_parallel > 1)"
         if reason:
             skipped[system] = reason
             print(f"{spec.name} {system}: skipped, {reason}", flush=True)
@@ -216,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from batchjob.engine import check_engine_options
 
-    systems = _select(args.systems or ",".join(TINY_SYSTEMS if args.tiny else SYSTEMS), SYSTEMS, "--systems")
+    default = CONSTRAINED_SYSTEMS if args.constrained else TINY_SYSTEMS if args.tiny else SYSTEMS
+    systems = _select(args.systems or ",".join(default), SYSTEMS, "--systems")
     runs = [run for run in RUNS if run in _select(args.runs, RUNS, "--runs")]  # cold first: it fills the caches
     options = engine_options(args.engine_option)
     if args.tiny:
@@ -241,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         if system in NATIVE_SYSTEMS and unavailable_reason(system) is None:
             # A bad --engine-option fails here, before minutes of model building and peer runs.
             try:
-                check_engine_options(system, {"dtype": settings.dtype, "detokenize": False, **options})
+                check_engine_options(
+                    NATIVE_ENGINES[system][0], {"dtype": settings.dtype, "detokenize": False, **options}
+                )
             except ValueError as error:
                 raise SystemExit(f"--engine-option: {error}") from None
     args.out.mkdir(parents=True, exist_ok=True)

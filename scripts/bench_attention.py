@@ -206,7 +206,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_attention.py needs a CUDA GPU; run it on the GPU machine")
+        raise SystemExit("bench_attention.py needs a CUDA GPU; run it on a machine with one")
     torch.manual_seed(1234)
 
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bandwidth(20)}

@@ -68,3 +68,26 @@ def with_stops(requests: list[Request], ref: dict) -> tuple[list[Request], dict]
         reqs.append(r)
         expected[r.id] = tokens
     return reqs, expected
+
+
+def per_request_settings(prompts: list[tuple[int, ...]]) -> list[Request]:
+    """Requests that each ask for different settings (as the lines of one OpenAI batch file do): greedy and
+    sampled, n > 1, top-k / top-p / min-p, logprobs, different lengths."""
+    settings = [
+        SamplingParams(max_new_tokens=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=3, n=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, temperature=0.7, top_k=5, seed=4, logprobs=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=1.2, min_p=0.05, seed=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=4, logprobs=0, ignore_eos=True),
+    ]
+    return [Request(i, prompts[i % len(prompts)], s) for i, s in enumerate(settings)]
+
+
+def assert_each_request_as_alone(together: dict, alone: dict, requests: list[Request]) -> None:
+    """Every request of a mixed call generated what it generates alone, with its own n, length and logprobs."""
+    for r in requests:
+        samples = together[r.id].samples
+        assert [s.token_ids for s in samples] == [s.token_ids for s in alone[r.id].samples], r.sampling
+        assert len(samples) == r.sampling.n
+        assert all(len(s.token_ids) == r.sampling.max_new_tokens for s in samples)
+        assert all((s.logprobs is None) == (r.sampling.logprobs is None) for s in samples)

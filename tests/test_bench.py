@@ -66,7 +66,7 @@ def test_w1_decode_floor_matches_design_at_the_h200_copy_bandwidth(bench_lib):
     floor = roofline.roofline(shape, requests, 4.27e12, 800e12, kv_budget_bytes=100 * 2**30)
     assert shape.parameters == 8_030_261_248
     assert floor.decode_steps == 1023 and floor.peak_concurrency == 32
-    assert floor.decode_s == pytest.approx(4.5, abs=0.05)  # DESIGN.md: "W1's floor is about 4.5 s"
+    assert floor.decode_s == pytest.approx(4.5, abs=0.05)  # 4.27 TB/s: W1's floor is about 4.5 s (docs/benchmarks.md)
     assert floor.prefill_s < 0.1 * floor.decode_s
 
 
@@ -216,3 +216,16 @@ def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_it
     assert not list(model_dir.glob("*.safetensors"))
     assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (80, 8192, 64, 8)
     assert bench_lib.roofline.model_shape(bench_lib.workloads.ARCHITECTURES["llama-3.1-70b"]).parameters > 70e9
+
+
+def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--constrained", "--systems", "native_json"]
+    command += ["--runs", "warm", "--out", str(out), "--model-cache", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (workload,) = json.loads((out / "bench.json").read_text())["workloads"]
+    result = workload["systems"]["native_json"]["warm"]
+    # The schema's minItems cannot be met in 16 tokens: every request runs to its length, as unconstrained ones do.
+    assert result["output_tokens"] == workload["output_tokens"] and not result["cut"]
+    assert result["engine_stats"]["constrained_steps"] > 0

@@ -1,4 +1,4 @@
-"""scripts/bench_data_parallel.py: the CPU smoke run of the multi-GPU scaling benchmark (issue 5).
+"""scripts/bench_data_parallel.py: the CPU smoke run of the multi-GPU scaling benchmark.
 
 On a CPU, engine.data_parallel=2 starts two CPU children (one sub-shard each), so the whole path the GPU run
 takes (input file, launcher, per-shard reports, exactly-once check, JSON) is exercised without a GPU.

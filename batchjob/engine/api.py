@@ -7,6 +7,7 @@ Nothing here knows about Parquet, Hydra or Slurm.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -16,9 +17,28 @@ FINISH_LENGTH = "length"
 FINISH_ERROR = "error"
 
 
+CONSTRAINT_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a constrained request's output must match: `kind` is one of `CONSTRAINT_KINDS`; `text` is the JSON
+    schema (canonical JSON text), the regular expression, the JSON list of choices, or the Lark/GBNF grammar.
+    `json_whitespace` allows free whitespace between JSON tokens (compact JSON otherwise). Hashable: compiled
+    grammars are cached by it."""
+
+    kind: str
+    text: str
+    json_whitespace: bool = False
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to generate one request. `temperature == 0` means greedy; `top_k == 0` means no top-k."""
+    """How to generate one request. `temperature == 0` means greedy; `top_k == 0` means no top-k.
+
+    At most one of `json_schema` (JSON text of a schema), `regex`, `choice` and `grammar` (Lark or GBNF) constrains
+    the output: a sample that finishes `stop` matches it. A constrained sample ends when its constraint is
+    complete (EOS is then the only token it allows, and `ignore_eos` does not apply)."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -31,9 +51,14 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     ignore_eos: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = self._constraint_problems()
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -53,9 +78,45 @@ class SamplingParams:
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 
+    def _constraint_problems(self) -> list[str]:
+        given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
+        problems = []
+        if len(given) > 1:
+            problems.append(f"{' and '.join(given)} are set: a request takes at most one constraint")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except (TypeError, json.JSONDecodeError) as err:
+                problems.append(f"json_schema is not JSON text ({err})")
+            else:
+                if not isinstance(schema, (dict, bool)):
+                    problems.append(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            problems.append("choice must be a non-empty list of non-empty strings")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                problems.append(f"{kind} must be a non-empty string")
+        return problems
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The request's output constraint, or None."""
+        if self.json_schema is not None:
+            # Key order is kept: properties are generated in the order the schema lists them.
+            canonical = json.dumps(json.loads(self.json_schema), separators=(",", ":"))
+            return Constraint("json_schema", canonical, self.json_whitespace)
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        if self.choice is not None:
+            return Constraint("choice", json.dumps(list(self.choice)))
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar)
+        return None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from batchjob.engine.api import Completion, Request, Sample, SamplingParams
-from batchjob.engine.hf_sampling import RowState, choose_tokens
+from batchjob.engine.grammar import GrammarCompiler, GrammarError
+from batchjob.engine.hf_sampling import RowState, choose_tokens, constraint_mask
 from batchjob.errors import did_you_mean
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,6 +106,7 @@ class HFEngine:
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids or (0,))[0]
+        self.grammars = GrammarCompiler(self.tokenizer, config.vocab_size, self.eos_token_ids)
         self._stats = {
             "steps": 0,
             "prefill_tokens": 0,
@@ -138,11 +140,23 @@ class HFEngine:
                         len(req.prompt_ids),
                         f"prompt has {len(req.prompt_ids)} tokens, the model context is {self.max_model_len}",
                     )
+                elif (error := self._constraint_error(req)) is not None:
+                    yield Completion.failed(req.id, len(req.prompt_ids), error)
                 else:
                     runnable.append(req)
             runnable.sort(key=lambda r: (repr(_batch_kind(r)), -len(r.prompt_ids)))
             for batch in self._micro_batches(runnable):
                 yield from self._run_batch(batch)
+
+    def _constraint_error(self, request: Request) -> str | None:
+        constraint = request.sampling.constraint
+        if constraint is None:
+            return None
+        try:
+            self.grammars.matcher(constraint)  # compiled once and cached; each row gets its own copy later
+        except GrammarError as err:
+            return str(err)
+        return None
 
     def _micro_batches(self, ordered: list[Request]) -> Iterator[list[Request]]:
         batch: list[Request] = []
@@ -167,6 +181,9 @@ class HFEngine:
         started = time.perf_counter()
         sampling: SamplingParams = batch[0].sampling
         rows = [RowState.start(req, j, self.max_model_len, self.device) for req in batch for j in range(req.sampling.n)]
+        constraint = sampling.constraint
+        for row in rows:
+            row.matcher = None if constraint is None else self.grammars.matcher(constraint)
         width = max(len(r.prompt_ids) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -195,10 +212,12 @@ class HFEngine:
                 torch.cuda.synchronize(self.device)
             self._stats["forward_s"] += time.perf_counter() - t0
             self._stats["steps"] += 1
-            chosen, logprobs = choose_tokens(logits, rows, sampling)
+            allowed = constraint_mask(rows, self.grammars, self.device) if constraint is not None else None
+            chosen, logprobs = choose_tokens(logits, rows, sampling, allowed)
+            eos_ids = frozenset(self.eos_token_ids)
             for i, row in enumerate(rows):
                 if not row.done:
-                    row.append(chosen[i], logprobs[i] if logprobs else None, stop_ids, self.tokenizer)
+                    row.append(chosen[i], logprobs[i] if logprobs else None, stop_ids, eos_ids, self.tokenizer)
             if all(row.done for row in rows):
                 break
             step_input = torch.tensor(
@@ -210,10 +229,16 @@ class HFEngine:
         self._stats["generated_tokens"] += sum(len(r.token_ids) for r in rows)
         self._stats["wall_s"] += time.perf_counter() - started
         by_request: dict[int, list[Sample]] = {}
+        errors: dict[int, str] = {}
         for row in rows:
             by_request.setdefault(id(row.request), []).append(row.to_sample(self.tokenizer))
+            if row.error is not None:
+                errors.setdefault(id(row.request), row.error)
         for req in batch:
-            yield Completion(id=req.id, samples=tuple(by_request[id(req)]), prompt_tokens=len(req.prompt_ids))
+            if id(req) in errors:
+                yield Completion.failed(req.id, len(req.prompt_ids), errors[id(req)])
+            else:
+                yield Completion(id=req.id, samples=tuple(by_request[id(req)]), prompt_tokens=len(req.prompt_ids))
 
 
 def _batch_kind(request: Request) -> SamplingParams:

@@ -4,6 +4,9 @@ Each row (one sample of one request) owns its random generator, seeded from the 
 request samples the same tokens whatever batch it lands in: that is what lets a resumed job reproduce
 an uninterrupted one. Filtering (temperature, top-k, top-p, min-p) is vectorised over the batch; only
 the final draw is per row, because each row has its own generator.
+
+Structured outputs: a constrained row carries a grammar matcher; its forbidden tokens get -inf before the
+choice (the same bitmask and kernel as the native engine), and it stops once its constraint is complete.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
+from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
+from batchjob.engine.grammar import GrammarCompiler, Matcher
+from batchjob.engine.native.token_mask import TokenMask
 
 # Stop strings are searched in the decoded tail; this many extra tokens covers multi-token characters.
 STOP_TAIL_SLACK = 8
@@ -30,6 +35,8 @@ class RowState:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stopped_by_token: bool = False
+    matcher: Matcher | None = None
+    error: str | None = None
 
     @classmethod
     def start(cls, request: Request, sample_index: int, max_model_len: int, device: torch.device) -> RowState:
@@ -53,6 +60,7 @@ class RowState:
         token: int,
         logprobs: tuple[float, dict[int, float]] | None,
         stop_ids: set[int],
+        eos_ids: frozenset[int],
         tokenizer,
     ) -> None:
         self.token_ids.append(token)
@@ -60,7 +68,13 @@ class RowState:
             self.logprobs.append(logprobs[0])
             self.top_logprobs.append(logprobs[1])
         stop = self.request.sampling.stop
-        if token in stop_ids:
+        if self.matcher is not None and not self.matcher.consume(token):
+            self.error = f"constrained decoding failed: {self.matcher.error or f'token {token} not allowed'}"
+            self.finish_reason = FINISH_ERROR
+        elif self.matcher is not None and (token in eos_ids or self.matcher.is_stopped):
+            # The constraint is complete: EOS was its only allowed token, or it allows nothing more.
+            self.finish_reason, self.stopped_by_token = FINISH_STOP, token in eos_ids
+        elif token in stop_ids:
             self.finish_reason, self.stopped_by_token = FINISH_STOP, True
         elif stop and self._tail_has_stop(tokenizer, stop):
             self.finish_reason = FINISH_STOP
@@ -88,11 +102,26 @@ class RowState:
         )
 
 
+def constraint_mask(rows: list[RowState], grammars: GrammarCompiler, device: torch.device) -> TokenMask | None:
+    """The bitmask of the constrained rows still running (row i's bitmask is row i), or None if there are none."""
+    active = [(row.matcher, i) for i, row in enumerate(rows) if row.matcher is not None and not row.done]
+    if not active:
+        return None
+    bitmask = torch.full((len(rows), grammars.words), -1, dtype=torch.int32)
+    grammars.fill_bitmasks(active, bitmask)
+    mask_rows = torch.full((len(rows),), -1, dtype=torch.int64)
+    mask_rows[[i for _, i in active]] = torch.tensor([i for _, i in active])
+    return TokenMask(bitmask.to(device), mask_rows.to(device))
+
+
 def choose_tokens(
-    logits: torch.Tensor, rows: list[RowState], sampling: SamplingParams
+    logits: torch.Tensor, rows: list[RowState], sampling: SamplingParams, mask: TokenMask | None = None
 ) -> tuple[list[int], list[tuple[float, dict[int, float]]] | None]:
     """The next token of every row, and (when asked) its log-probability and the top alternatives,
-    both from the model's unmodified distribution."""
+    both from the model's unmodified distribution (`mask` forbids tokens only for the choice)."""
+    raw = logits
+    if mask is not None:
+        logits = mask.apply_(logits.clone())
     if sampling.greedy:
         chosen = logits.argmax(dim=-1)
     else:
@@ -113,7 +142,7 @@ def choose_tokens(
     tokens = chosen.tolist()
     if sampling.logprobs is None:
         return tokens, None
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(raw, dim=-1)
     picked = logp.gather(-1, chosen[:, None])[:, 0].tolist()
     if sampling.logprobs > 0:
         top = torch.topk(logp, sampling.logprobs, dim=-1)

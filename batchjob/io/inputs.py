@@ -23,13 +23,13 @@ import pyarrow.compute as pc
 
 from batchjob.io.sharding import keep_mask
 
-FORMATS = ("auto", "parquet", "hf_disk", "hf_hub")
+FORMATS = ("auto", "parquet", "openai_batch", "hf_disk", "hf_hub")
 # A batch column a reader may add: why a row cannot be generated (e.g. a duplicate id found while
 # streaming), or null. The feeder turns it into an error row.
 INPUT_ERROR_COLUMN = "__batchjob_input_error"
 PATH_HELP = (
-    "data.path must be a Parquet file, directory or glob, a directory written by datasets' save_to_disk, "
-    "or a dataset name for datasets.load_dataset"
+    "data.path must be a Parquet file, directory or glob, an OpenAI batch .jsonl file, a directory written by "
+    "datasets' save_to_disk, or a dataset name for datasets.load_dataset"
 )
 
 
@@ -40,7 +40,7 @@ class InputError(ValueError):
 @dataclass(frozen=True)
 class InputSpec:
     path: str
-    format: str = "auto"  # auto | parquet | hf_disk | hf_hub
+    format: str = "auto"  # auto | parquet | openai_batch | hf_disk | hf_hub
     split: str = "train"
     streaming: bool = False  # for load_dataset
     id_column: str | None = None

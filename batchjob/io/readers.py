@@ -6,6 +6,7 @@ import os
 import re
 
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
+from batchjob.io.openai_batch_reader import looks_like_openai_batch, open_openai_batch
 from batchjob.io.storage import Storage
 
 HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -21,6 +22,8 @@ def open_input(spec: InputSpec) -> InputSource:
         from batchjob.io.parquet_reader import open_parquet
 
         return open_parquet(spec)
+    if fmt == "openai_batch":
+        return open_openai_batch(spec)
     # Imported only when needed: `datasets` adds about a second to start-up.
     from batchjob.io.hf_reader import open_hf_dataset
 
@@ -28,7 +31,8 @@ def open_input(spec: InputSpec) -> InputSource:
 
 
 def resolve_format(spec: InputSpec) -> str:
-    """auto: .parquet file/dir/glob -> parquet; save_to_disk dir -> hf_disk; else a load_dataset name."""
+    """auto: .parquet file/dir/glob -> parquet; a .jsonl file of OpenAI batch requests -> openai_batch;
+    save_to_disk dir -> hf_disk; else a load_dataset name."""
     if spec.format != "auto":
         return spec.format
     if spec.data_files is not None:
@@ -44,7 +48,9 @@ def resolve_format(spec: InputSpec) -> str:
             return "parquet"
         return "hf_hub"
     if storage.exists(path):
-        raise InputError(f"{spec.path} is neither Parquet nor a dataset directory; {PATH_HELP}")
+        if path.endswith(".jsonl") and looks_like_openai_batch(storage, path):
+            return "openai_batch"
+        raise InputError(f"{spec.path} is neither Parquet, an OpenAI batch file nor a dataset directory; {PATH_HELP}")
     if "://" in spec.path or spec.path.startswith(("/", ".", "~")) or not _HUB_ID.match(spec.path):
         raise InputError(f"no such file or directory: {spec.path}; {PATH_HELP}")
     if os.sep in spec.path and os.path.exists(os.path.dirname(spec.path)):

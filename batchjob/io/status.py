@@ -72,6 +72,16 @@ def _footer_rows(storage: Storage, part: str) -> int:
     return pq.read_metadata(part, filesystem=storage.pyarrow_fs()).num_rows
 
 
+def committed_parts(output_dir: str) -> list[str]:
+    """Paths of the committed part files of every shard, by shard then commit order: `output.dir` holds
+    committed parts only (a part is committed when it appears there under its final name)."""
+    storage, path = Storage.for_uri(output_dir)
+    names = storage.list_files(path)
+    if any(OLD_LAYOUT_RE.match(name) for name in names):
+        raise OutputDirError(old_layout_message(output_dir))
+    return [storage.join(path, name) for name in sorted(names) if PART_RE.match(name)]
+
+
 def _recorded_shard_count(storage: Storage, record_path: str) -> int | None:
     if not storage.exists(record_path):
         return None

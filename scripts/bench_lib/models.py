@@ -137,3 +137,28 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     if not (out_dir / "config.json").exists():
         make_tiny_model(out_dir, arch="llama")
     return out_dir
+
+
+def bpe_model_dir(architecture: str, cache_dir: Path) -> Path:
+    """`random_model_dir(architecture)` with `bench_lib.bpe`'s byte-level BPE tokenizer instead of the word-level
+    one, for structured outputs (a word-level vocabulary cannot spell JSON). The weights are linked, not copied;
+    prompts must then avoid the BPE's special ids, the last 256."""
+    from bench_lib.bpe import bpe_tokenizer
+
+    base = random_model_dir(architecture, cache_dir)
+    out_dir = Path(cache_dir) / f"{base.name}-bpe"
+    if (out_dir / "config.json").exists():
+        return out_dir
+    tokenizer = bpe_tokenizer(cache_dir, vocab_size=ARCHITECTURES[architecture]["vocab_size"])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for item in base.iterdir():
+            if not item.name.startswith("tokenizer") and item.name != "special_tokens_map.json":
+                (staging / item.name).symlink_to(item.resolve())
+        tokenizer.save_pretrained(staging)
+        staging.chmod(0o755)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir

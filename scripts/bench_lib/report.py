@@ -97,7 +97,7 @@ def _percent(fraction: float | None) -> str:
 def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
     """The summary a reader looks at first: one row per system per workload."""
     header = (
-        f"{'workload':<9}{'system':<22}{'seconds':>9}{'tokens':>10}{'tok/s':>10}{'roofline':>10}"
+        f"{'workload':<9}{'system':<24}{'seconds':>9}{'tokens':>10}{'tok/s':>10}{'roofline':>10}"
         f"{'GPU-busy':>10}{'prep ms':>9}{'start-up':>10}  note"
     )
     lines = []
@@ -112,18 +112,18 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
         if report.floor is not None:
             floor = report.floor
             lines.append(
-                f"{name:<9}{'roofline':<22}{floor.total_s:>9.2f}{floor.output_tokens:>10}{floor.tok_per_s:>10.0f}"
+                f"{name:<9}{'roofline':<24}{floor.total_s:>9.2f}{floor.output_tokens:>10}{floor.tok_per_s:>10.0f}"
                 f"{'100%':>10}  decode {floor.decode_s:.2f} s + prefill {floor.prefill_s:.2f} s"
             )
         for r in report.results:
             status = f"cut at {r.requests_done}/{r.requests_total} requests" if r.cut else ""
             lines.append(
-                f"{name:<9}{r.system + ' ' + r.run:<22}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
+                f"{name:<9}{r.system + ' ' + r.run:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
                 f"{_percent(report.fraction_of_roofline(r)):>10}{_percent(r.gpu_busy_fraction):>10}"
                 f"{_fmt(r.prep_ms_per_step, '.2f'):>9}{r.startup_s:>10.1f}  {status}"
             )
         for system, reason in {**report.skipped, **report.errors}.items():
-            lines.append(f"{name:<9}{system:<22}{'':>9}{'':>10}{'':>10}{'':>10}{'':>10}{'':>9}{'':>10}  {reason}")
+            lines.append(f"{name:<9}{system:<24}{'':>9}{'':>10}{'':>10}{'':>10}{'':>10}{'':>9}{'':>10}  {reason}")
     return "\n".join(lines)
 
 

@@ -2,6 +2,8 @@
 time the generation, stop at `time_limit_s` with the work done so far, and free the GPU for the next one.
 
 - `native`, `native_sync`: batchjob's engine through `batchjob.engine.create_engine`;
+- `native_json`, `native_json_mixed`: `native` with every request, or every other one, under
+  `workloads.RECORDS_SCHEMA` (structured outputs; the model needs a tokenizer that can spell JSON);
 - `hf_generate`: transformers `model.generate`, static batches of `hf_batch` requests with left padding;
 - `hf_batch_sync`, `hf_batch_async`: transformers continuous batching (the manager behind `generate_batch`)
   with per-request lengths, without and with its asynchronous double buffering.
@@ -17,9 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_lib.workloads import BenchRequests
+from bench_lib.workloads import RECORDS_SCHEMA, BenchRequests
 
-NATIVE_SYSTEMS = ("native", "native_sync")
+# system -> (engine, every how many requests one is constrained; 0: none)
+NATIVE_ENGINES = {
+    "native": ("native", 0),
+    "native_sync": ("native_sync", 0),
+    "native_json": ("native", 1),
+    "native_json_mixed": ("native", 2),
+}
+NATIVE_SYSTEMS = tuple(NATIVE_ENGINES)
+CONSTRAINED_SYSTEMS = ("native", "native_json", "native_json_mixed")
 HF_SYSTEMS = ("hf_generate", "hf_batch_sync", "hf_batch_async")
 SYSTEMS = NATIVE_SYSTEMS + HF_SYSTEMS
 
@@ -75,21 +85,25 @@ def free_device_memory() -> None:
 def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:
     """batchjob's engine. Its start-up (load, CUDA graph capture) is what `create_engine` takes; completions
     arrive only when a request finishes, so the time limit is checked between completions."""
+    import json
+
     from batchjob.engine import Request, SamplingParams, create_engine
 
+    engine_name, every = NATIVE_ENGINES[name]
     options = {"dtype": settings.dtype, "detokenize": False, **settings.engine_options}
     started = time.perf_counter()
-    engine = create_engine(name, str(model_dir), options)
+    engine = create_engine(engine_name, str(model_dir), options)
     startup_s = time.perf_counter() - started
     spec = requests.spec
+    schema = json.dumps(RECORDS_SCHEMA)
+
+    def sampling(i: int, n: int) -> SamplingParams:
+        if every and i % every == 0:
+            return SamplingParams(max_new_tokens=n, json_schema=schema)
+        return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=spec.temperature, top_p=spec.top_p, seed=i)
+
     feed = (
-        Request(
-            id=i,
-            prompt_ids=list(prompt),
-            sampling=SamplingParams(
-                max_new_tokens=n, ignore_eos=True, temperature=spec.temperature, top_p=spec.top_p, seed=i
-            ),
-        )
+        Request(id=i, prompt_ids=list(prompt), sampling=sampling(i, n))
         for i, (prompt, n) in enumerate(zip(requests.prompts, requests.new_tokens, strict=True))
     )
     tokens = done = 0

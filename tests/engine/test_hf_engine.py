@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from engine_cases import assert_each_request_as_alone, per_request_settings
 
 from batchjob.engine import Completion, Request, SamplingParams, check_engine_options, create_engine
 from batchjob.tiny_model import default_tiny_model
@@ -91,6 +92,14 @@ def test_logprobs_are_reported_per_token(engine) -> None:
     for token, logprob, top in zip(sample.token_ids, sample.logprobs, sample.top_logprobs, strict=True):
         assert len(top) == 2
         assert logprob == pytest.approx(top[token])  # greedy: the chosen token is the most likely
+
+
+def test_each_request_generates_with_its_own_settings(engine) -> None:
+    prompts = [tuple(engine.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    reqs = per_request_settings(prompts)
+    together = by_id(engine.generate(reqs))
+    alone = {r.id: next(iter(engine.generate([r]))) for r in reqs}
+    assert_each_request_as_alone(together, alone, reqs)
 
 
 def test_requests_are_pulled_lazily(engine) -> None:

@@ -3,7 +3,7 @@ for every supported family (sliding windows, soft-capping, MoE routing through t
 sync, graph replay equals eager for every captured bucket, poisoned slots change nothing (the slot-race test),
 and bf16 logits of every family agree with transformers' within bf16 tolerance.
 
-Run on the GPU machine:  python -m pytest tests/gpu -q
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from engine_cases import CASES, hf_greedy, mixed_requests, with_stops  # noqa: E402
+from engine_cases import (  # noqa: E402
+    CASES,
+    assert_each_request_as_alone,
+    hf_greedy,
+    mixed_requests,
+    per_request_settings,
+    with_stops,
+)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
@@ -219,3 +226,16 @@ def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):
     for r in reqs:
         for _, text, _ in got[r.id]:
             assert not any(stop in text for stop in r.sampling.stop)
+
+
+@pytest.mark.parametrize("engine", ["native", "native_sync"])
+def test_each_request_generates_with_its_own_settings_under_graphs(tmp_path, engine):
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    reqs = per_request_settings([tuple(range(30, 45)), tuple(range(50, 58)), (9, 8, 7)])
+    eng = create_engine(engine, str(model_dir), {"dtype": "float32", "max_num_seqs": 64})
+    try:
+        together = {c.id: c for c in eng.generate(reqs)}
+        alone = {r.id: next(iter(eng.generate([r]))) for r in reqs}
+    finally:
+        eng.close()
+    assert_each_request_as_alone(together, alone, reqs)

@@ -5,7 +5,7 @@ job OUT TOTAL BATCH     resume-aware commit loop over row ids 0..TOTAL-1; prints
 hold-lock OUT [T]       open shard 0 of OUT (lock timeout T s), print "locked", then commit one row a second
                         until killed, exiting 4 with the LockLost message once it may no longer commit
 try-open OUT [T]        open shard 0 of OUT (lock timeout T s); exit 3 printing the LockError if refused
-peak-rss PATH BATCH     stream a Parquet input's `prompt` column; print rows and peak RSS (MiB)
+peak-rss PATH BATCH [COLUMN]   stream an input's COLUMN (default `prompt`); print rows and peak RSS (MiB)
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def try_open(out: str, timeout_s: float) -> None:
         sys.exit(3)
 
 
-def peak_rss(path: str, batch_rows: int) -> None:
+def peak_rss(path: str, batch_rows: int, column: str = "prompt") -> None:
     source = open_input(InputSpec(path, batch_rows=batch_rows))
-    rows = sum(batch.num_rows for batch in source.iter_batches(["prompt"]))
+    rows = sum(batch.num_rows for batch in source.iter_batches([column]))
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     print(json.dumps({"rows": rows, "peak_mib": peak_mib}), flush=True)
 
@@ -75,6 +75,6 @@ if __name__ == "__main__":
     elif command == "try-open":
         try_open(args[0], float(args[1]) if len(args) > 1 else DEFAULT_TIMEOUT_S)
     elif command == "peak-rss":
-        peak_rss(args[0], int(args[1]))
+        peak_rss(args[0], int(args[1]), *args[2:])
     else:
         raise SystemExit(f"unknown command {command!r}")

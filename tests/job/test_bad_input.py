@@ -106,6 +106,12 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("data.passthrough_columns=[nope]", "passthrough_columns names nope, not in the input"),
         ("shard.index=3", "shard.index=3 must be below shard.count=1"),
         ("output.lock_timeout_s=0", "output.lock_timeout_s=0: must be a number of seconds > 0"),
+        ("sampling.json_schema={type: nonsense}", "sampling.json_schema: json_schema cannot be compiled"),
+        ("sampling.json_schema=/no/such/schema.json", "neither inline text nor an existing file"),
+        ("sampling.regex='(ab'", "sampling.regex: regex cannot be compiled"),
+        ("sampling.grammar='start: undefined_rule'", "sampling.grammar: grammar cannot be compiled"),
+        ("sampling.choice=[]", "choice must be a non-empty list"),
+        ("data.json_schema_column=schema", "data.json_schema_column='schema' is not in the input"),
     ],
 )
 def test_bad_config_fails_before_model_load_naming_the_problem(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import CASES
+from engine_cases import CASES, assert_each_request_as_alone, per_request_settings
 from engine_cases import hf_greedy as _hf_greedy
 from engine_cases import mixed_requests as _requests
 from engine_cases import with_stops as _with_stops
@@ -135,6 +135,16 @@ def test_n_samples_share_the_prompt_and_differ(llama_case):
     greedy = Request(1, req.prompt_ids, SamplingParams(max_new_tokens=6, n=2, ignore_eos=True))
     pair = _run(model_dir, [greedy])[0][1].samples
     assert pair[0].token_ids == pair[1].token_ids == _hf_greedy(model_dir, [greedy])[1]
+
+
+@pytest.mark.parametrize("engine", ["native", "native_sync"])
+def test_each_request_generates_with_its_own_settings(llama_case, engine):
+    model_dir, _, _ = llama_case
+    reqs = per_request_settings([tuple(range(30, 45)), tuple(range(50, 58)), (9, 8, 7)])
+    eng = create_engine(engine, str(model_dir), {"dtype": "float32"})
+    together = {c.id: c for c in eng.generate(reqs)}
+    alone = {r.id: next(iter(eng.generate([r]))) for r in reqs}
+    assert_each_request_as_alone(together, alone, reqs)
 
 
 def test_top_k_sampling_never_leaves_the_top_k(llama_case):

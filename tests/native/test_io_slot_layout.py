@@ -12,7 +12,7 @@ from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 
 
 def test_every_field_of_every_shape_is_16_byte_aligned_and_apart():
-    limits = SlotLimits(max_tokens=70, max_rows=19, max_blocks_per_seq=5, max_top_logprobs=0)
+    limits = SlotLimits(max_tokens=70, max_rows=19, max_blocks_per_seq=5, max_top_logprobs=0, bitmask_words=3)
     slot = IOSlot(0, limits, torch.device("cpu"))
     for tokens, seqs in itertools.product([1, 2, 3, 5, 16, 17, 70], [1, 2, 3, 4, 7, 8, 19]):
         if seqs > tokens:
@@ -20,7 +20,7 @@ def test_every_field_of_every_shape_is_16_byte_aligned_and_apart():
         shape = StepShape(tokens=tokens, seqs=seqs, rows=seqs)
         ints, meta, params = slot.device_views(shape, max_query_len=1, max_seq_len=1)
         views = [*ints.values(), meta.cu_query_lens, meta.seq_lens, meta.block_tables, meta.slot_mapping]
-        views += [params.temperature, params.top_p, params.min_p]
+        views += [params.temperature, params.top_p, params.min_p, slot.dev_bitmask]
         for view in views:
             assert view.data_ptr() % 16 == 0, (shape, view.shape)
         # The same field reached twice (slot_mapping is also in the metadata) counts once.
@@ -32,3 +32,4 @@ def test_every_field_of_every_shape_is_16_byte_aligned_and_apart():
             assert all(a + a_size <= b for (a, a_size), (b, _) in itertools.pairwise(inside)), shape
         assert ints["slot_mapping"].shape[0] == tokens and meta.seq_lens.shape[0] == seqs
         assert meta.cu_query_lens.shape[0] == seqs + 1 and params.min_p.shape[0] == seqs
+        assert ints["mask_rows"].shape[0] == seqs

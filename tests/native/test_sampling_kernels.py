@@ -157,6 +157,21 @@ def test_fused_draw_picks_the_torch_paths_token(filtered):
     assert got[-1] == logits[-1].argmax()  # the greedy row
 
 
+@pytest.mark.parametrize("filtered", [False, True], ids=["temperature-only", "filtered"])
+def test_fused_draw_after_a_grammar_mask_picks_the_torch_paths_allowed_token(filtered):
+    params = params_for(FILTERS, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    allowed = torch.rand(len(FILTERS), VOCAB, generator=gen) < 0.02
+    allowed[:, 7] = True
+    logits = random_logits(len(FILTERS), seed=6).masked_fill(~allowed, float("-inf"))
+    keep = sorted_row_filter(scaled_logits(logits, params.temperature), params) if filtered else None
+    want = draw(logits, params, keep)
+    filters = None if keep is None else (keep.threshold, keep.row_max, keep.min_p)
+    got = triton_sampling.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
+    assert torch.equal(got, want)
+    assert allowed.gather(1, got[:, None]).all()
+
+
 def test_sampler_draws_the_former_sort_based_samplers_tokens():
     params = params_for(FILTERS)
     logits = random_logits(len(FILTERS), seed=4)

@@ -7,7 +7,14 @@ import pytest
 from engine_cases import mixed_requests
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.engine.native.warmup import WarmupLimits, batch_sweep, largest_step, size_sweep, warmup_steps
+from batchjob.engine.native.warmup import (
+    WarmupLimits,
+    batch_sweep,
+    largest_step,
+    size_sweep,
+    warm_up,
+    warmup_steps,
+)
 from batchjob.tiny_model import make_tiny_model
 
 DEFAULTS = WarmupLimits(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096, max_top_logprobs=20)
@@ -98,3 +105,21 @@ def test_a_warmed_up_engine_generates_the_same_tokens_and_counts_only_its_own_st
     for counter in ("steps", "tokens_fed", "graph_steps", "output_tokens"):
         assert warm_stats[counter] == cold_stats[counter], counter
     assert free_before == warm_stats["kv_blocks"] - 1  # every block but the scratch block is still free
+
+
+def test_constrained_split_steps_are_warmed_up_eagerly_in_each_batch_size():
+    constrained = [s for s in warmup_steps(DEFAULTS) if s.constrained]
+    assert {len(s.counts) for s in constrained if set(s.counts) == {1}} == {1, 3, 16, 256}
+    assert all(s.sampling.logprobs == 0 for s in constrained if set(s.counts) == {1})  # eager, as above
+    assert any(max(s.counts) > 1 for s in constrained)  # a mixed step: the split prefill path
+
+
+def test_warm_up_runs_constrained_rows_as_split_steps_then_resets_the_counters(model_dir):
+    engine = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 4, "warmup": False})
+    runner = engine.runner
+    steps = [s for s in warmup_steps(WarmupLimits(4, 64, engine.max_model_len, 20)) if s.constrained]
+    assert all((slot.host_bitmask == 0).all() for slot in runner.slots)
+    warm_up(runner, steps, engine.options.block_size)
+    # Each slot's first bitmask row was filled (allow every token) by a masked sampler's step.
+    assert all((slot.host_bitmask[0] == -1).all() for slot in runner.slots)
+    assert runner.masked_steps == 0 and runner.steps == 0

@@ -5,6 +5,9 @@ step N's tokens (the GPU is already busy with N+1) -> update sequences, emit fin
 `async_loop=False` each step is collected right after its launch, so the CPU and GPU take turns. Requests
 are admitted sorted by prompt within a bounded look-ahead window (admission.py), and the engine's start-up
 ends with a warm-up of every kind of step (warmup.py).
+
+Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have
+advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchjob.engine.api import Completion, Request
+from batchjob.engine.grammar import GrammarCompiler, GrammarError, bitmask_words
 from batchjob.engine.native import parallel
 from batchjob.engine.native.admission import AdmissionQueue
 from batchjob.engine.native.block_manager import KVBlockManager
@@ -29,7 +33,8 @@ from batchjob.engine.native.model_runner import GRAPH_MODES, ModelRunner, StepHa
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
-from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.engine.native.sequence import RequestGroup, Sequence, Status
+from batchjob.engine.native.token_mask import one_hot_bitmask_
 from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
 
 if TYPE_CHECKING:
@@ -129,6 +134,7 @@ class NativeEngine:
             max_rows=opts.max_num_seqs,
             max_blocks_per_seq=blocks_per_seq,
             max_top_logprobs=20,
+            bitmask_words=bitmask_words(self.spec.vocab_size),
         )
         self.runner = ModelRunner(
             self.model,
@@ -137,6 +143,7 @@ class NativeEngine:
             limits,
             self.device,
             self.max_model_len,
+            self.spec.vocab_size,
             debug_poison=opts.debug_poison_slots,
         )
         self._stats: dict[str, float] = {
@@ -149,14 +156,16 @@ class NativeEngine:
         }
         if self.device.type == "cuda" and opts.cuda_graphs:
             modes = GRAPH_MODES if opts.graph_sampling else GRAPH_MODES[:1]
-            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch), modes)
+            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch), modes, opts.graph_constrained)
             kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
             log.info(
-                "captured %d CUDA graphs (2 slots x %d buckets x %d sampler modes) in %.1f s using %.1f MiB, "
-                "plus %.1f MiB for the second IO slot (%.2f%% of the KV cache together)",
+                "captured %d CUDA graphs (2 slots x %d buckets x %d sampler modes, plus %d for steps with "
+                "constrained rows) in %.1f s using %.1f MiB, plus %.1f MiB for the second IO slot "
+                "(%.2f%% of the KV cache together)",
                 len(self.runner.graphs),
                 len(self.runner.graph_buckets),
                 len(self.runner.graph_modes),
+                len(self.runner.forward_graphs) + len(self.runner.masked_graphs),
                 seconds,
                 nbytes / 2**20,
                 self._stats["slot_bytes"] / 2**20,
@@ -211,7 +220,8 @@ class NativeEngine:
             self.blocks,
         )
         self._next_seq_id = 0
-        self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
 
     # ---- the loop ----
 
@@ -238,6 +248,9 @@ class NativeEngine:
                 # Async: keep one step in flight while this one's results are processed.
                 while len(inflight) > (depth if plan is not None else 0):
                     yield from self._process(inflight.popleft())
+                if inflight and not inflight[-1].sampled:
+                    # Every step before it is processed: its constrained rows' masks can be computed now.
+                    self._sample_masked(inflight[-1])
                 if plan is None and not inflight:
                     if not self.scheduler.has_unfinished:
                         if exhausted:
@@ -279,8 +292,20 @@ class NativeEngine:
             error = f"prompt token ids must be in [0, {self.spec.vocab_size})"
         elif sampling.stop and not self.options.detokenize:
             error = "stop strings need engine.detokenize=true"
+        elif sampling.constraint is not None and self.ranks is not None:
+            error = (
+                f"structured outputs are not supported with engine.tensor_parallel={self.options.tensor_parallel}; "
+                "set engine.tensor_parallel=1 (several engines: engine.data_parallel)"
+            )
         if error is not None:
             return Completion.failed(request.id, prompt_len, error)
+        constraint = sampling.constraint
+        matchers = []
+        if constraint is not None:
+            try:
+                matchers = [self.grammars.matcher(constraint) for _ in range(sampling.n)]
+            except GrammarError as err:
+                return Completion.failed(request.id, prompt_len, str(err))
         group = RequestGroup(request=request, prompt_len=prompt_len)
         max_len = min(prompt_len + sampling.max_new_tokens, self.max_model_len)
         base_seed = self.options.seed if sampling.seed is None else sampling.seed
@@ -295,12 +320,35 @@ class NativeEngine:
                 self.options.block_size,
             )
             self._next_seq_id += 1
+            seq.matcher = matchers[index] if matchers else None
             group.sequences.append(seq)
             self.scheduler.add(seq)
         return None
 
     def _process(self, step: StepHandle) -> Iterator[Completion]:
+        if not step.sampled:
+            self._sample_masked(step)
         yield from self.outputs.process(step, self.runner.collect(step), self.scheduler)
+
+    def _sample_masked(self, step: StepHandle) -> None:
+        self.runner.sample_masked(step, lambda bitmask: self._fill_bitmask(step, bitmask))
+
+    def _fill_bitmask(self, step: StepHandle, bitmask: torch.Tensor) -> None:
+        """Row k of `bitmask`: what the k-th constrained sampled row of `step` may sample."""
+        by_matcher, k = [], 0
+        for seq, sampled in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True):
+            if not sampled or seq.matcher is None:
+                continue
+            if seq.status is Status.FINISHED:
+                bitmask[k].fill_(-1)  # stopped at the previous step: this row is discarded
+            else:
+                _, position = seq.pending[-1]
+                if position < seq.forced_until:
+                    one_hot_bitmask_(bitmask[k], int(seq.tokens[position]))  # jump-forward already chose it
+                else:
+                    by_matcher.append((seq.matcher, k))
+            k += 1
+        self.grammars.fill_bitmasks(by_matcher, bitmask)
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
@@ -313,11 +361,19 @@ class NativeEngine:
             graph_steps=runner.graph_steps,
             graph_launch_ms_per_step=1000 * runner.launch_s[0] / max(runner.graph_steps, 1),
             eager_launch_ms_per_step=1000 * runner.launch_s[1] / max(runner.steps - runner.graph_steps, 1),
-            output_tokens=self.outputs.tokens_out,
+            output_tokens=self.outputs.tokens_out + self.outputs.forced_tokens,
             wasted_tokens=self.outputs.wasted,
             preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
         )
+        if runner.masked_steps:
+            stats.update(
+                constrained_steps=runner.masked_steps,
+                mask_ms_per_constrained_step=1000 * runner.mask_s / runner.masked_steps,
+                jump_forward_tokens=self.outputs.forced_tokens,
+                grammars_compiled=self.grammars.compiled,
+                grammar_cache_hits=self.grammars.cache_hits,
+            )
         if runner.clock is not None and runner.clock.fraction() is not None:
             stats["gpu_busy_fraction"] = runner.clock.fraction()
         if self.ranks is not None:

@@ -5,6 +5,12 @@ packed into a few buffers so a step needs four host-to-device copies. Inside a p
 offsets that depend only on the step's token and row counts (`StepShape` lays them out), so a decode step of
 a given batch-size bucket always uses the same device addresses, which is what a CUDA graph of that bucket
 was captured with.
+
+A step with constrained rows (structured outputs) also has a token bitmask: one row per constrained sampled row,
+packed at the front of a fixed-size buffer, written by the host once the tokens its constraint depends on are
+back, and copied separately from the other inputs (see model_runner.py). Which bitmask row a sampled row reads
+is the packed field `mask_rows`; the bitmask buffer itself never moves, and its rows are exactly ceil(V / 32)
+words, the size llguidance writes.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from batchjob.engine.native.sampler import SamplingTensors
 from batchjob.engine.native.scheduler import StepPlan
 
 INT_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "carry_idx", "carry_mask")
-INT_ROW_FIELDS = ("logits_indices", "seeds", "out_positions", "top_k")
+INT_ROW_FIELDS = ("logits_indices", "seeds", "out_positions", "top_k", "mask_rows")
 FLOAT_ROW_FIELDS = ("temperature", "top_p", "min_p")
 
 
@@ -29,6 +35,7 @@ class SlotLimits:
     max_rows: int
     max_blocks_per_seq: int
     max_top_logprobs: int
+    bitmask_words: int  # int32 words of one token bitmask row: ceil(vocab / 32)
 
 
 # Every field starts on a 16-byte boundary: Triton specialises a kernel on whether each pointer argument is
@@ -128,16 +135,19 @@ class IOSlot:
         self.host_logprobs = _pinned(b, torch.float32, pin)
         self.host_top_ids = _pinned((b, k), torch.int64, pin)
         self.host_top_logprobs = _pinned((b, k), torch.float32, pin)
-        self.events = None  # set by the runner on CUDA: h2d_done, compute_done, d2h_done
+        self.host_bitmask = _pinned((b, limits.bitmask_words), torch.int32, pin)
+        self.dev_bitmask = torch.full((b, limits.bitmask_words), -1, dtype=torch.int32, device=device)
+        self.events = None  # set by the runner on CUDA: h2d_done, compute_done, d2h_done, bitmask_done
 
     @property
     def device_bytes(self) -> int:
         tensors = (self.dev_int, self.dev_meta, self.dev_tables, self.dev_float, self.dev_tokens, self.dev_logprobs)
-        tensors += (self.dev_top_ids, self.dev_top_logprobs)
+        tensors += (self.dev_top_ids, self.dev_top_logprobs, self.dev_bitmask)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def fill(self, plan: StepPlan, shape: StepShape, block_size: int) -> None:
-        """Write `plan` into the host buffers, padded to `shape` (padding: scratch block 0, no carry-over)."""
+    def fill(self, plan: StepPlan, shape: StepShape, block_size: int) -> int:
+        """Write `plan` into the host buffers, padded to `shape` (padding: scratch block 0, no carry-over).
+        Returns how many sampled rows are constrained (the bitmask rows the step needs)."""
         n, t, rows = len(plan.seqs), plan.num_tokens, int(plan.samples.sum())
         counts, starts = plan.counts, plan.starts
         cu = np.zeros(n + 1, dtype=np.int64)
@@ -176,6 +186,10 @@ class IOSlot:
         view["top_k"][:rows] = sampler_rows[:, 0]
         for name in ("seeds", "out_positions", "top_k"):
             view[name][rows:] = 0
+        constrained = np.fromiter((s.matcher is not None for s in sampled), dtype=bool, count=rows)
+        masked = int(constrained.sum())
+        view["mask_rows"][:] = -1
+        view["mask_rows"][:rows][constrained] = np.arange(masked)
 
         meta = _views(self.host_meta.numpy(), shape.meta_fields())
         meta["cu_query_lens"][: n + 1] = cu
@@ -186,6 +200,7 @@ class IOSlot:
         temperature, top_p, min_p = _views(self.host_float.numpy(), shape.float_fields()).values()
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
         temperature[rows:], top_p[rows:], min_p[rows:] = 0.0, 1.0, 0.0
+        return masked
 
     def copy_inputs(self, shape: StepShape) -> None:
         """Host -> device copy of exactly what `shape` uses (non-blocking: the caller orders it by events)."""
@@ -194,9 +209,27 @@ class IOSlot:
         self.dev_tables[: shape.seqs].copy_(self.host_tables[: shape.seqs], non_blocking=True)
         self.dev_float[: shape.float_size].copy_(self.host_float[: shape.float_size], non_blocking=True)
 
+    def copy_bitmask(self, rows: int) -> None:
+        """Host -> device copy of the first `rows` bitmask rows (non-blocking, ordered by events)."""
+        self.dev_bitmask[:rows].copy_(self.host_bitmask[:rows], non_blocking=True)
+
+    def int_views(self, shape: StepShape) -> dict[str, torch.Tensor]:
+        return _views(self.dev_int, shape.int_fields())
+
+    def sampling_tensors(self, shape: StepShape) -> SamplingTensors:
+        ints, floats = self.int_views(shape), _views(self.dev_float, shape.float_fields())
+        return SamplingTensors(
+            temperature=floats["temperature"],
+            top_k=ints["top_k"],
+            top_p=floats["top_p"],
+            min_p=floats["min_p"],
+            seeds=ints["seeds"],
+            positions=ints["out_positions"],
+        )
+
     def device_views(self, shape: StepShape, max_query_len: int, max_seq_len: int):
         """The device tensors of a step of `shape`: (ints by name, attention metadata, sampling tensors)."""
-        ints = _views(self.dev_int, shape.int_fields())
+        ints = self.int_views(shape)
         meta_views = _views(self.dev_meta, shape.meta_fields())
         meta = AttentionMetadata(
             cu_query_lens=meta_views["cu_query_lens"],
@@ -206,19 +239,11 @@ class IOSlot:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        floats = _views(self.dev_float, shape.float_fields())
-        params = SamplingTensors(
-            temperature=floats["temperature"],
-            top_k=ints["top_k"],
-            top_p=floats["top_p"],
-            min_p=floats["min_p"],
-            seeds=ints["seeds"],
-            positions=ints["out_positions"],
-        )
-        return ints, meta, params
+        return ints, meta, self.sampling_tensors(shape)
 
     def poison_host_inputs(self) -> None:
         """Debug mode: garbage in every host input buffer, so a copy still reading them would corrupt a step."""
         for buf in (self.host_int, self.host_meta, self.host_tables):
             buf.fill_(-7777)
         self.host_float.fill_(float("nan"))
+        self.host_bitmask.fill_(0)  # a constrained row left unfilled would allow no token at all

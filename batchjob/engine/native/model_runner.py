@@ -10,23 +10,35 @@ A step goes H2D stream -> compute stream -> D2H stream. Ordering is by events on
 Consecutive steps use alternate slots, so the CPU fills slot B while the GPU computes from slot A. The next
 step's carry-over reads the previous slot's sampled tokens on the compute stream, after the previous forward.
 On CPU the same code runs without streams or events (all work is synchronous there).
+
+Structured outputs split a step with constrained rows in two. `launch` enqueues the forward, which writes the
+logits to a shared buffer; the bitmask of a constrained row depends on the token the previous step sampled,
+which the host learns only after this launch (one step behind). `sample_masked` then fills the bitmask on the
+host, copies it on the H2D stream (`bitmask_done`), and enqueues the masked sampler and the D2H copy; compute
+waits for `bitmask_done`. The GPU runs the forward meanwhile, so it waits only if the host's masks take longer than a
+forward, and a step without constrained rows is launched whole, exactly as before. A CUDA stream can only wait
+for an event already recorded, which is why the sampler is enqueued after the bitmask copy, not at launch.
+A tensor-parallel engine never has constrained rows (the engine refuses them), so `launch_packed` launches whole.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from batchjob.engine.native.busy_clock import BusyClock
 from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.sampler import SamplerMode, sample
 from batchjob.engine.native.scheduler import StepPlan
+from batchjob.engine.native.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from batchjob.engine.native.packed_step import PackedStep
@@ -41,6 +53,10 @@ GREEDY = SamplerMode()
 SAMPLING = SamplerMode(sampling=True)
 FILTERING = SamplerMode(sampling=True, filtering=True)
 GRAPH_MODES = (GREEDY, SAMPLING, FILTERING)
+
+
+def has_constrained_rows(plan: StepPlan) -> bool:
+    return any(s.matcher is not None for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep)
 
 
 def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
@@ -76,13 +92,21 @@ class StepLayout:
     max_seq_len: int
 
 
-def layout_step(plan: StepPlan, graph_buckets: list[int], graph_modes: set[SamplerMode]) -> StepLayout:
+def layout_step(
+    plan: StepPlan,
+    graph_buckets: list[int],
+    graph_modes: set[SamplerMode],
+    masked_graph_modes: set[SamplerMode] = frozenset(),
+) -> StepLayout:
+    """How `plan` runs. A decode step with constrained rows replays graphs only where its split halves were
+    captured (`masked_graph_modes`; none with engine.graph_constrained=false): otherwise it runs eagerly."""
     rows = int(plan.samples.sum())
     mode = sampler_mode(plan)
     n, t = len(plan.seqs), plan.num_tokens
     graph_mode = graph_mode_for(mode)
+    usable = masked_graph_modes if has_constrained_rows(plan) else graph_modes
     bucket = None
-    if plan.is_decode and graph_mode in graph_modes:
+    if plan.is_decode and graph_mode in usable:
         bucket = next((b for b in graph_buckets if b >= n), None)
     if bucket:
         mode = graph_mode
@@ -92,12 +116,17 @@ def layout_step(plan: StepPlan, graph_buckets: list[int], graph_modes: set[Sampl
 
 @dataclass
 class StepHandle:
+    """A launched step. `masked_rows` constrained rows need a bitmask; until `sampled`, only its forward is
+    enqueued (`ModelRunner.sample_masked` enqueues the rest)."""
+
     plan: StepPlan | None  # None on the ranks of a tensor-parallel engine (the job process has it)
     slot: IOSlot | None  # None in the job process of a tensor-parallel engine
     shape: StepShape
     rows: int
     mode: SamplerMode
-    timing: tuple | None = None
+    masked_rows: int = 0
+    graphed: bool = False
+    sampled: bool = True
 
 
 @dataclass
@@ -113,6 +142,7 @@ class _SlotEvents:
         self.h2d_done = torch.cuda.Event()
         self.compute_done = torch.cuda.Event()
         self.d2h_done = torch.cuda.Event()
+        self.bitmask_done = torch.cuda.Event()
 
 
 @contextmanager
@@ -128,42 +158,6 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream) -> 
             graph.capture_end()
 
 
-class BusyClock:
-    """GPU-busy accounting from timing events recorded around each step's compute, resolved lazily."""
-
-    def __init__(self, keep_timeline: int = 4000) -> None:
-        self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.origin: torch.cuda.Event | None = None
-        self.busy_ms = 0.0
-        self.first_ms: float | None = None
-        self.last_ms = 0.0
-        self.timeline: list[tuple[float, float]] = []
-        self.keep_timeline = keep_timeline
-
-    def pair(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if self.origin is None:
-            self.origin = start
-        self.pending.append((start, end))
-        return start, end
-
-    def resolve(self, keep_last: int = 2) -> None:
-        """Account the steps known complete (all but the last `keep_last`, which may still run)."""
-        done = self.pending[: max(0, len(self.pending) - keep_last)]
-        self.pending = self.pending[len(done) :]
-        for start, end in done:
-            s, e = self.origin.elapsed_time(start), self.origin.elapsed_time(end)
-            self.first_ms = s if self.first_ms is None else self.first_ms
-            self.busy_ms += e - s
-            self.last_ms = e
-            if len(self.timeline) < self.keep_timeline:
-                self.timeline.append((s / 1000.0, e / 1000.0))
-
-    def fraction(self) -> float | None:
-        span = self.last_ms - (self.first_ms or 0.0)
-        return self.busy_ms / span if span > 0 else None
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -173,6 +167,7 @@ class ModelRunner:
         limits: SlotLimits,
         device: torch.device,
         max_model_len: int,
+        vocab_size: int,
         debug_poison: bool = False,
     ) -> None:
         self.model = model
@@ -183,10 +178,17 @@ class ModelRunner:
         self.debug_poison = debug_poison
         self.cuda = device.type == "cuda"
         self.slots = [IOSlot(i, limits, device) for i in range(2)]
+        # Where a split step's forward leaves its logits for its sampler. One buffer serves both slots: nothing
+        # runs on the compute stream between a step's forward and its sampler.
+        self.logits = torch.zeros((limits.max_rows, vocab_size), dtype=torch.float32, device=device)
         self.step_index = 0
         self.graphs: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
+        # Split steps (constrained rows): the forward per (slot, bucket), the masked sampler per (slot, bucket, mode).
+        self.forward_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.masked_graphs: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
         self.graph_buckets: list[int] = []
         self.graph_modes: set[SamplerMode] = set()
+        self.masked_graph_modes: set[SamplerMode] = set()
         self.capture_errors: list[str] = []
         if self.cuda:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
@@ -198,27 +200,32 @@ class ModelRunner:
         """Step counters and the GPU-busy clock from zero (the warm-up's steps are not the run's)."""
         self.prep_s = 0.0
         self.fill_s = 0.0
+        self.mask_s = 0.0
         self.launch_s = [0.0, 0.0]  # graph steps, eager steps
         self.steps = 0
         self.graph_steps = 0
+        self.masked_steps = 0
         self.tokens_fed = 0
         self.clock = BusyClock() if self.cuda else None
 
     def _stream(self, stream):
         return torch.cuda.stream(stream) if self.cuda else nullcontext()
 
-    # ---- the forward of one step (eager, or recorded into a graph) ----
+    # ---- the work of one step (eager, or recorded into a graph) ----
 
-    def _forward(
-        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int, mode: SamplerMode
-    ) -> None:
-        ints, meta, params = slot.device_views(shape, max_query_len, max_seq_len)
+    def _logits(
+        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int
+    ) -> torch.Tensor:
+        ints, meta, _ = slot.device_views(shape, max_query_len, max_seq_len)
         # Carry-over: tokens the previous step sampled (still unknown to the CPU) replace their placeholders.
         input_ids = ints["input_ids"]
         input_ids.add_(prev.dev_tokens[ints["carry_idx"]] * ints["carry_mask"])
         hidden = self.model(input_ids, ints["positions"], meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[ints["logits_indices"]])
-        out = sample(logits, params, mode)
+        return self.model.compute_logits(hidden[ints["logits_indices"]])
+
+    def _sample(self, slot: IOSlot, shape: StepShape, mode: SamplerMode, logits: torch.Tensor, masked: bool) -> None:
+        mask = TokenMask(slot.dev_bitmask, slot.int_views(shape)["mask_rows"]) if masked else None
+        out = sample(logits, slot.sampling_tensors(shape), mode, mask)
         slot.dev_tokens[: shape.rows].copy_(out.tokens)
         if out.logprobs is not None:
             slot.dev_logprobs[: shape.rows].copy_(out.logprobs)
@@ -227,12 +234,27 @@ class ModelRunner:
             slot.dev_top_ids[: shape.rows, :k].copy_(out.top_ids)
             slot.dev_top_logprobs[: shape.rows, :k].copy_(out.top_logprobs)
 
+    def _forward(
+        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int, mode: SamplerMode
+    ) -> None:
+        self._sample(slot, shape, mode, self._logits(slot, prev, shape, max_query_len, max_seq_len), masked=False)
+
+    def _split_forward(
+        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int
+    ) -> None:
+        self.logits[: shape.rows].copy_(self._logits(slot, prev, shape, max_query_len, max_seq_len))
+
+    def _masked_sample(self, slot: IOSlot, shape: StepShape, mode: SamplerMode) -> None:
+        self._sample(slot, shape, mode, self.logits[: shape.rows], masked=True)
+
     # ---- CUDA graphs ----
 
-    def capture_graphs(self, buckets: list[int], modes: tuple[SamplerMode, ...]) -> tuple[float, int]:
-        """Capture decode steps for every bucket, sampler mode and slot into one memory pool. Returns the
-        seconds and device bytes it took. A mode other than greedy that fails to capture is logged and left
-        to run eagerly; greedy must capture."""
+    def capture_graphs(
+        self, buckets: list[int], modes: tuple[SamplerMode, ...], split: bool = True
+    ) -> tuple[float, int]:
+        """Capture decode steps for every bucket, sampler mode and slot into one memory pool; with `split`, also
+        the two halves of decode steps with constrained rows. Returns the seconds and device bytes it took. A
+        mode other than greedy that fails to capture is logged and left to run eagerly; greedy must capture."""
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
@@ -241,34 +263,56 @@ class ModelRunner:
             try:
                 for bucket in sorted(buckets, reverse=True):
                     self._capture(bucket, mode, pool)
+                    if split:
+                        self._capture_split(bucket, mode, pool)
             except RuntimeError as exc:
                 if mode == GREEDY:
                     raise
                 log.warning("decode steps with %s run eagerly: capturing them failed (%s)", mode, exc)
                 self.graphs = {key: g for key, g in self.graphs.items() if key[2] != mode}
+                self.masked_graphs = {key: g for key, g in self.masked_graphs.items() if key[2] != mode}
                 self.capture_errors.append(f"{mode}: {exc}")
                 torch.cuda.synchronize(self.device)
         self.graph_buckets = sorted(buckets)
         self.graph_modes = {key[2] for key in self.graphs}
+        self.masked_graph_modes = {key[2] for key in self.masked_graphs}
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start, torch.cuda.memory_reserved(self.device) - before
+
+    def _record(self, pool, work: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        with torch.cuda.stream(self.compute):
+            work()  # warm-up: autotuning, lazy init
+        self.compute.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # All graphs share one pool: safe because they only ever run one at a time, on `compute`.
+        with _capturing(graph, pool, self.compute):
+            work()
+        return graph
 
     def _capture(self, bucket: int, mode: SamplerMode, pool) -> None:
         shape = StepShape(tokens=bucket, seqs=bucket, rows=bucket)
         for slot in self.slots:
             prev = self.slots[1 - slot.index]
             self._prepare_dummy(slot, shape)
-            with torch.cuda.stream(self.compute):
-                self._forward(slot, prev, shape, 1, self.max_model_len, mode)  # warm-up: autotuning, lazy init
-            self.compute.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # All graphs share one pool: safe because they only ever run one at a time, on `compute`.
-            with _capturing(graph, pool, self.compute):
-                self._forward(slot, prev, shape, 1, self.max_model_len, mode)
-            self.graphs[(slot.index, bucket, mode)] = graph
+            self.graphs[(slot.index, bucket, mode)] = self._record(
+                pool, partial(self._forward, slot, prev, shape, 1, self.max_model_len, mode)
+            )
+
+    def _capture_split(self, bucket: int, mode: SamplerMode, pool) -> None:
+        shape = StepShape(tokens=bucket, seqs=bucket, rows=bucket)
+        for slot in self.slots:
+            prev = self.slots[1 - slot.index]
+            self._prepare_dummy(slot, shape)
+            if (slot.index, bucket) not in self.forward_graphs:
+                self.forward_graphs[(slot.index, bucket)] = self._record(
+                    pool, partial(self._split_forward, slot, prev, shape, 1, self.max_model_len)
+                )
+            self.masked_graphs[(slot.index, bucket, mode)] = self._record(
+                pool, partial(self._masked_sample, slot, shape, mode)
+            )
 
     def _prepare_dummy(self, slot: IOSlot, shape: StepShape) -> None:
-        """Valid inputs for a capture: every token a padding token in the scratch block."""
+        """Valid inputs for a capture: every token a padding token in the scratch block, no constrained row."""
         slot.dev_int.zero_()
         slot.dev_tables.zero_()
         slot.dev_float.zero_()
@@ -276,17 +320,20 @@ class ModelRunner:
         meta.cu_query_lens.copy_(torch.arange(shape.seqs + 1, dtype=torch.int32, device=self.device))
         meta.seq_lens.fill_(1)
         ints["logits_indices"].copy_(torch.arange(shape.rows, device=self.device))
+        ints["mask_rows"].fill_(-1)
         params.top_p.fill_(1.0)
         self.slots[1 - slot.index].dev_tokens.zero_()
 
-    # ---- launching and collecting steps ----
+    # ---- launching, sampling and collecting steps ----
 
     def launch(self, plan: StepPlan) -> StepHandle:
+        """Enqueue `plan`: the whole step, or for a step with constrained rows only its forward (then
+        `sample_masked`)."""
         began = time.perf_counter()
-        layout = layout_step(plan, self.graph_buckets, self.graph_modes)
+        layout = layout_step(plan, self.graph_buckets, self.graph_modes, self.masked_graph_modes)
         slot = self._take_slot()
-        slot.fill(plan, layout.shape, self.block_size)
-        return self._enqueue(slot, layout, plan, began)
+        masked_rows = slot.fill(plan, layout.shape, self.block_size)
+        return self._enqueue(slot, layout, plan, began, masked_rows)
 
     def launch_packed(self, packed: PackedStep) -> StepHandle:
         """Launch a step that another process laid out and filled (the job process of a tensor-parallel
@@ -303,17 +350,22 @@ class ModelRunner:
             # The host buffers of this slot were last read by the copy two steps ago.
             slot.events.h2d_done.synchronize()
         if self.debug_poison:
+            if self.cuda:
+                slot.events.bitmask_done.synchronize()
             slot.poison_host_inputs()
         return slot
 
-    def _enqueue(self, slot: IOSlot, layout: StepLayout, plan: StepPlan | None, began: float) -> StepHandle:
-        """H2D copy, forward and sampling, D2H copy of a step whose inputs are in `slot`'s host buffers."""
+    def _enqueue(
+        self, slot: IOSlot, layout: StepLayout, plan: StepPlan | None, began: float, masked_rows: int = 0
+    ) -> StepHandle:
+        """H2D copy, forward and sampling, D2H copy of a step whose inputs are in `slot`'s host buffers; with
+        `masked_rows`, only the H2D copy and the forward (`sample_masked` enqueues the rest)."""
         prev = self.slots[1 - slot.index]
         shape, bucket, mode, rows = layout.shape, layout.bucket, layout.mode, layout.rows
         filled = time.perf_counter()
         self.fill_s += filled - began
+        step = StepHandle(plan, slot, shape, rows, mode, masked_rows=masked_rows, graphed=bool(bucket))
 
-        timing = None
         with self._stream(self.h2d if self.cuda else None):
             if self.cuda:
                 self.h2d.wait_event(slot.events.compute_done)
@@ -329,33 +381,79 @@ class ModelRunner:
                 self.compute.wait_event(slot.events.d2h_done)
                 timing = self.clock.pair()
                 timing[0].record(self.compute)
-            if bucket:
+            if masked_rows:
+                if bucket:
+                    self.forward_graphs[(slot.index, bucket)].replay()
+                else:
+                    self._split_forward(slot, prev, shape, layout.max_query_len, layout.max_seq_len)
+            elif bucket:
                 self.graphs[(slot.index, bucket, mode)].replay()
             else:
                 self._forward(slot, prev, shape, layout.max_query_len, layout.max_seq_len, mode)
             if self.cuda:
                 timing[1].record(self.compute)
-                slot.events.compute_done.record(self.compute)
-        with self._stream(self.d2h if self.cuda else None):
-            if self.cuda:
-                self.d2h.wait_event(slot.events.compute_done)
-            slot.host_tokens[:rows].copy_(slot.dev_tokens[:rows], non_blocking=True)
-            if mode.logprobs is not None:
-                slot.host_logprobs[:rows].copy_(slot.dev_logprobs[:rows], non_blocking=True)
-                slot.host_top_ids[:rows].copy_(slot.dev_top_ids[:rows], non_blocking=True)
-                slot.host_top_logprobs[:rows].copy_(slot.dev_top_logprobs[:rows], non_blocking=True)
-            if self.cuda:
-                slot.events.d2h_done.record(self.d2h)
+                if not masked_rows:
+                    slot.events.compute_done.record(self.compute)
+        if masked_rows:
+            step.sampled = False
+        else:
+            self._enqueue_d2h(step)
         done = time.perf_counter()
         self.prep_s += done - began
         self.launch_s[0 if bucket else 1] += done - filled
         self.steps += 1
         self.graph_steps += 1 if bucket else 0
         self.tokens_fed += layout.tokens
-        return StepHandle(plan=plan, slot=slot, shape=shape, rows=rows, mode=mode, timing=timing)
+        return step
+
+    def sample_masked(self, step: StepHandle, fill_bitmask: Callable[[torch.Tensor], None]) -> None:
+        """Enqueue the masked sampler of a split step: `fill_bitmask(rows)` writes its bitmask rows on the host
+        (the caller has applied every token they depend on), then copy, sample and copy the tokens out."""
+        began = time.perf_counter()
+        slot, shape, k = step.slot, step.shape, step.masked_rows
+        if self.cuda:
+            slot.events.bitmask_done.synchronize()  # the host bitmask's previous copy has finished
+        fill_bitmask(slot.host_bitmask[:k])
+        with self._stream(self.h2d if self.cuda else None):
+            slot.copy_bitmask(k)
+            if self.cuda:
+                slot.events.bitmask_done.record(self.h2d)
+        with self._stream(self.compute if self.cuda else None):
+            if self.cuda:
+                self.compute.wait_event(slot.events.bitmask_done)
+                timing = self.clock.pair()
+                timing[0].record(self.compute)
+            if step.graphed:
+                self.masked_graphs[(slot.index, shape.rows, step.mode)].replay()
+            else:
+                self._masked_sample(slot, shape, step.mode)
+            if self.cuda:
+                timing[1].record(self.compute)
+                slot.events.compute_done.record(self.compute)
+        self._enqueue_d2h(step)
+        step.sampled = True
+        self.masked_steps += 1
+        self.mask_s += time.perf_counter() - began
+
+    def _enqueue_d2h(self, step: StepHandle) -> None:
+        slot, rows = step.slot, step.rows
+        with self._stream(self.d2h if self.cuda else None):
+            if self.cuda:
+                self.d2h.wait_event(slot.events.compute_done)
+            slot.host_tokens[:rows].copy_(slot.dev_tokens[:rows], non_blocking=True)
+            if step.mode.logprobs is not None:
+                slot.host_logprobs[:rows].copy_(slot.dev_logprobs[:rows], non_blocking=True)
+                slot.host_top_ids[:rows].copy_(slot.dev_top_ids[:rows], non_blocking=True)
+                slot.host_top_logprobs[:rows].copy_(slot.dev_top_logprobs[:rows], non_blocking=True)
+            if self.cuda:
+                slot.events.d2h_done.record(self.d2h)
 
     def collect(self, step: StepHandle) -> StepResult:
         """Wait for `step`'s sampled tokens (only this step's: later ones keep running) and copy them out."""
+        if not step.sampled:
+            raise RuntimeError(
+                "collect() of a step whose constrained rows were never sampled: call sample_masked() first"
+            )
         slot = step.slot
         if self.cuda:
             slot.events.d2h_done.synchronize()

@@ -43,6 +43,7 @@ class NativeOptions:
     admission_window: int = 1024
     cuda_graphs: bool = True
     graph_sampling: bool = True
+    graph_constrained: bool = True
     graph_max_batch: int | None = None
     warmup: bool | None = None
     detokenize: bool = True

@@ -2,13 +2,17 @@
 
 With the asynchronous loop a step's tokens arrive while the next step already runs; a sequence that stops
 here was scheduled once more, and that extra row is counted as wasted and dropped.
+
+A constrained sequence's matcher advances by each token here (all of a step's matchers at once, in parallel
+threads); it stops `stop` when its constraint is complete, and jumps forward over tokens its constraint forces.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, Sample
+from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion, Sample
+from batchjob.engine.grammar import GrammarCompiler
 from batchjob.engine.native.detokenizer import StopStringMatcher
 from batchjob.engine.native.model_runner import StepHandle, StepResult
 from batchjob.engine.native.scheduler import Scheduler
@@ -16,62 +20,131 @@ from batchjob.engine.native.sequence import Sequence, Status
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], detokenize: bool) -> None:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], detokenize: bool, grammars: GrammarCompiler) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
+        self.grammars = grammars
         self.tokens_out = 0
         self.wasted = 0
+        self.forced_tokens = 0  # jump-forward: tokens appended without a step of their own
 
     def process(self, step: StepHandle, result: StepResult, scheduler: Scheduler) -> Iterator[Completion]:
         """Apply one collected step: resolve each sampled row's pending token, stop what must stop, and
         yield the requests whose samples have all finished."""
-        row = 0
         tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
-        for seq, samples in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True):
+        samples = step.plan.samples.tolist()
+        accepted = self._advance_matchers(step.plan.seqs, samples, tokens)
+        row = 0
+        for seq, sampled in zip(step.plan.seqs, samples, strict=True):
             seq.inflight -= 1
-            if samples:
+            if sampled:
                 if seq.status is Status.FINISHED:
                     self.wasted += 1
                 else:
-                    finished = self._append(seq, tokens[row], result, row, scheduler)
+                    finished = self._append(seq, tokens[row], result, row, scheduler, accepted.get(seq.seq_id))
                     if finished is not None:
                         yield finished
                 row += 1
             scheduler.release_if_idle(seq)
 
+    def _advance_matchers(self, seqs: list[Sequence], samples: list[bool], tokens: list[int]) -> dict[int, bool]:
+        """Advance every constrained sequence's matcher by its new token, unless its constraint had already forced
+        (and consumed) that token. Returns whether each matcher accepted its token, by sequence id."""
+        pairs, ids, row = [], [], 0
+        for seq, sampled in zip(seqs, samples, strict=True):
+            if sampled:
+                if seq.matcher is not None and seq.status is not Status.FINISHED:
+                    _, position = seq.pending[0]
+                    if position >= seq.forced_until:
+                        pairs.append((seq.matcher, tokens[row]))
+                        ids.append(seq.seq_id)
+                row += 1
+        return dict(zip(ids, self.grammars.consume(pairs), strict=True))
+
     def _append(
-        self, seq: Sequence, token: int, result: StepResult, row: int, scheduler: Scheduler
+        self, seq: Sequence, token: int, result: StepResult, row: int, scheduler: Scheduler, accepted: bool | None
     ) -> Completion | None:
-        position = seq.resolve_oldest(token)
+        position, forced = seq.resolve_oldest(token)
         self.tokens_out += 1
-        sampling = seq.sampling
         if result.logprobs is not None:
             seq.logprobs.append(float(result.logprobs[row]))
             if result.top_ids is not None:
                 ids, values = result.top_ids[row], result.top_logprobs[row]
                 seq.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
         reason = None
+        if seq.matcher is not None:
+            reason = self._constraint_reason(seq, token, position, forced, accepted)
+            if reason == FINISH_ERROR:
+                return self._finish(seq, position, reason, scheduler)
+        if reason is None:
+            reason = self._stop_reason(seq, token, position)
+        if reason is None and position + 1 >= seq.max_len:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            return self._finish(seq, position, reason, scheduler)
+        if seq.matcher is not None and not forced and seq.sampling.logprobs is None:
+            # Forced tokens are never sampled, so they would have no log-probabilities: no jump-forward then.
+            return self._jump_forward(seq, scheduler)
+        return None
+
+    def _stop_reason(self, seq: Sequence, token: int, position: int) -> str | None:
+        sampling = seq.sampling
         if (not sampling.ignore_eos and token in self.eos_token_ids) or token in sampling.stop_token_ids:
-            reason = FINISH_STOP
-        elif sampling.stop:
+            return FINISH_STOP
+        if sampling.stop:
             matcher = seq.stop_matcher
             if matcher is None:
                 matcher = seq.stop_matcher = StopStringMatcher(self.tokenizer, sampling.stop)
             index = matcher.feed(seq.tokens[seq.prompt_len : position + 1].tolist())
             if index is not None:
                 seq.stop_text = matcher.text[:index]
-                reason = FINISH_STOP
-        if reason is None and position + 1 >= seq.max_len:
-            reason = FINISH_LENGTH
-        if reason is None:
-            return None
-        seq.truncate_after(position)
+                return FINISH_STOP
+        return None
+
+    def _constraint_reason(
+        self, seq: Sequence, token: int, position: int, forced: bool, accepted: bool | None
+    ) -> str | None:
+        """`stop` once the constraint is complete (EOS sampled, or nothing but EOS may follow), `error` if the
+        token broke it (a bug: masks allow only what the matcher accepts); None to go on."""
+        if forced:
+            if int(seq.tokens[position]) != token:
+                seq.error = f"constrained decoding sampled token {token} where the constraint forced another"
+                return FINISH_ERROR
+            return FINISH_STOP if seq.matcher.is_stopped else None
+        if not accepted:
+            seq.error = f"constrained decoding failed: {seq.matcher.error or f'token {token} not allowed'}"
+            return FINISH_ERROR
+        if token in self.eos_token_ids or seq.matcher.is_stopped:
+            return FINISH_STOP
+        return None
+
+    def _jump_forward(self, seq: Sequence, scheduler: Scheduler) -> Completion | None:
+        """Append the tokens the constraint forces next, leaving room for one sampled token within max_len."""
+        forced = seq.matcher.forced_tokens()
+        in_flight = bool(seq.pending)
+        room = seq.max_len - 1 - seq.num_tokens + in_flight
+        forced = [t for t in forced[:room] if t not in self.eos_token_ids]
+        if len(forced) <= in_flight:
+            return None  # nothing gained: the step in flight samples the one forced token anyway
+        if not seq.matcher.consume_forced(forced):
+            seq.error = f"constrained decoding failed on forced tokens: {seq.matcher.error}"
+            return self._finish(seq, seq.num_tokens - 1, FINISH_ERROR, scheduler)
+        self.forced_tokens += seq.append_forced(forced)
+        if seq.matcher.is_stopped:
+            return self._finish(seq, seq.num_tokens - 1, FINISH_STOP, scheduler)
+        return None
+
+    def _finish(self, seq: Sequence, last: int, reason: str, scheduler: Scheduler) -> Completion | None:
+        seq.truncate_after(last)
         scheduler.finish(seq, reason)
         group = seq.group
         group.num_finished += 1
         if group.num_finished < len(group.sequences):
             return None
+        errors = [s.error for s in group.sequences if s.error is not None]
+        if errors:
+            return Completion.failed(group.request.id, group.prompt_len, errors[0])
         return Completion(
             id=group.request.id,
             samples=tuple(self._sample(s) for s in group.sequences),

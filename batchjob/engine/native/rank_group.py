@@ -82,6 +82,9 @@ class RankGroup:
         # Counters the engine's statistics read, as of a ModelRunner (here: this process's share of a step).
         self.steps = self.graph_steps = self.tokens_fed = 0
         self.prep_s = self.fill_s = 0.0
+        # Always zero: the engine refuses constrained requests under tensor parallelism, so no step is split.
+        self.masked_steps = 0
+        self.mask_s = 0.0
         self.launch_s = [0.0, 0.0]
         self.clock = ClockSnapshot()
         self.rank_stats: list[dict[str, Any]] = []

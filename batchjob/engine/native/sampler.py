@@ -5,9 +5,11 @@ generator, so a request's samples depend only on its own seed and logits: the sa
 batch, and graph-capturable (no generator state). A token is drawn by the exponential race
 `argmax(p_i / E_i)` with `E_i = -log(u_i)`, which picks token i with probability p_i.
 
-Stages, one function each: `row_filter` (which tokens each row may draw: a per-row threshold and min-p),
-`draw` (the race among them, or the argmax for greedy rows), then the log-probabilities. The draw does not
-renormalise the kept probabilities: the race's winner among the kept tokens is the same either way.
+Stages, one function each: the structured-outputs mask (token_mask.py: -inf over the tokens a constrained row's
+grammar forbids, before anything else looks at the logits), `row_filter` (which tokens each row may draw: a
+per-row threshold and min-p), `draw` (the race among them, or the argmax for greedy rows), then the
+log-probabilities (of the unmasked logits). The draw does not renormalise the kept probabilities: the
+race's winner among the kept tokens is the same either way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from batchjob.engine.native.token_mask import TokenMask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -147,15 +151,21 @@ def draw(logits: torch.Tensor, params: SamplingTensors, keep: RowFilter | None) 
     return torch.where(params.temperature > 0, score.argmax(dim=-1), logits.argmax(dim=-1))
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode) -> SamplerOutput:
-    """Sample one token per row of float32 `logits` [S, V]."""
+def sample(
+    logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode, mask: TokenMask | None = None
+) -> SamplerOutput:
+    """Sample one token per row of float32 `logits` [S, V]. With `mask` (structured outputs), tokens a row's
+    constraint forbids are never chosen; log-probabilities stay those of the model's own distribution."""
+    raw = logits
+    if mask is not None:
+        logits = mask.apply_(logits.clone() if mode.logprobs is not None else logits)
     if mode.sampling:
         tokens = draw(logits, params, row_filter(logits, params) if mode.filtering else None)
     else:
         tokens = logits.argmax(dim=-1)
     out = SamplerOutput(tokens=tokens)
     if mode.logprobs is not None:
-        logprobs = logits.log_softmax(dim=-1)
+        logprobs = raw.log_softmax(dim=-1)
         out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
         if mode.logprobs > 0:
             out.top_logprobs, out.top_ids = logprobs.topk(mode.logprobs, dim=-1)

@@ -126,8 +126,7 @@ class Scheduler:
         carry_rows = np.full(n, -1, dtype=np.int64)
         row = 0
         for i, seq in enumerate(seqs):
-            if seq.pending:
-                carry_rows[i] = seq.pending[-1]
+            carry_rows[i] = seq.carry_row()
             if samples[i]:
                 seq.append_pending(row)
                 row += 1

@@ -3,6 +3,10 @@
 Token ids live in a preallocated numpy array. With the asynchronous loop a sequence ends in up to two *pending*
 tokens: tokens that steps in flight will sample, whose values the host does not know yet. They are
 placeholders (0) here; the device carries each one over into the next step's input.
+
+A constrained sequence (structured outputs) has a grammar `matcher`. When its constraint forces the next tokens
+(a schema's keys and punctuation), they are appended at once (*jump-forward*); a token that a step in flight
+samples but the constraint already forced is known before it arrives: positions below `forced_until` are.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class Sequence:
     num_tokens: int = 0
     num_computed: int = 0
     num_registered: int = 0
-    pending: deque[int] = field(default_factory=deque)
+    pending: deque[tuple[int, int]] = field(default_factory=deque)  # (output row of a step in flight, position)
+    forced_until: int = 0
     inflight: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -59,6 +64,8 @@ class Sequence:
     stop_matcher: Any = None
     # (top_k, temperature, top_p, min_p): read every step this sequence samples in, so looked up once.
     sampler_row: tuple = ()
+    matcher: Any = None  # batchjob.engine.grammar.Matcher of a constrained sequence
+    error: str | None = None
 
     @classmethod
     def create(
@@ -105,20 +112,40 @@ class Sequence:
         # A preempted sequence whose last token is still pending cannot be recomputed yet: its value is unknown.
         return not self.pending
 
+    def carry_row(self) -> int:
+        """The output row of the step in flight that samples this sequence's last token, or -1 when the host
+        knows that token (nothing pending, or a pending token the constraint forced)."""
+        if self.pending and self.pending[-1][1] >= self.forced_until:
+            return self.pending[-1][0]
+        return -1
+
     def append_pending(self, row: int) -> None:
         """The step being scheduled samples this sequence's next token into output row `row`."""
         self.tokens[self.num_tokens] = 0
+        self.pending.append((row, self.num_tokens))
         self.num_tokens += 1
-        self.pending.append(row)
 
-    def resolve_oldest(self, token: int) -> int:
-        """Fill in the oldest pending token (its step has completed); returns its position."""
-        position = self.num_tokens - len(self.pending)
+    def resolve_oldest(self, token: int) -> tuple[int, bool]:
+        """Fill in the oldest pending token (its step has completed). Returns its position and whether the
+        constraint had forced it (its value was already in place: the caller checks that `token` equals it)."""
+        _, position = self.pending.popleft()
+        if position < self.forced_until:
+            return position, True
         self.tokens[position] = token
-        self.pending.popleft()
-        return position
+        return position, False
+
+    def append_forced(self, forced: list[int]) -> int:
+        """Jump-forward: append tokens the constraint forces. The first replaces the pending token when a step in
+        flight samples it (its mask allows only that token); returns how many tokens need no step of their own."""
+        replaces_pending = bool(self.pending) and self.pending[-1][1] == self.num_tokens - 1
+        start = self.num_tokens - 1 if replaces_pending else self.num_tokens
+        self.tokens[start : start + len(forced)] = forced
+        self.num_tokens = start + len(forced)
+        self.forced_until = self.num_tokens
+        return len(forced) - replaces_pending
 
     def truncate_after(self, position: int) -> None:
         """Stop at `position`: later tokens (sampled by steps already in flight) are discarded."""
         self.num_tokens = position + 1
+        self.forced_until = min(self.forced_until, self.num_tokens)
         self.pending.clear()

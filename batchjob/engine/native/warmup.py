@@ -3,8 +3,9 @@
 Before the engine says it is ready, it launches real steps (slot fill, host-to-device copies, forward, sampler,
 device-to-host copy, both IO slots) of every kind the run can launch: eager decode steps of several batch
 sizes, prefill and mixed prefill+decode steps, for each sampler mode (greedy, temperature, top-k/top-p/min-p
-filters, log-probabilities), a sweep of step sizes up to the token budget, and the largest step the budget
-allows with the heaviest sampler. Two reasons:
+filters, log-probabilities), split steps with constrained rows (structured outputs: the forward, then the masked
+sampler, with an allow-all bitmask), a sweep of step sizes up to the token budget, and the largest step the
+budget allows with the heaviest sampler. Two reasons:
 
 - Triton compiles a kernel the first time it meets a new variant (dtype, constexprs, and the specialisation
   of integer arguments on 1 and on divisibility by 16). A compile in the middle of the run blocks the CPU
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from batchjob.engine.api import Request, SamplingParams
 from batchjob.engine.native.model_runner import ModelRunner
@@ -47,16 +49,21 @@ _MODE_PARAMS = {
 }
 # One of each integer class Triton specialises on: 1, not a multiple of 16, a multiple of 16.
 _SMALL_BATCHES = (1, 3, 16)
+# The matcher of a warm-up step's constrained rows: the runner only asks whether a row has one, and the warm-up
+# fills their bitmask rows itself (allow every token), so no grammar is compiled.
+_WARMUP_CONSTRAINT = "warm-up: any token"
 
 
 @dataclass(frozen=True)
 class WarmupStep:
     """One step to launch: the new-token count of each sequence's chunk (1 = a decode), whether the last chunk
-    stops short of its prompt's end (a chunked prefill: no token sampled), and what the sampled rows ask for."""
+    stops short of its prompt's end (a chunked prefill: no token sampled), what the sampled rows ask for, and
+    whether every other sampled row is constrained (a split step)."""
 
     counts: tuple[int, ...]
     sampling: SamplingParams
     last_unsampled: bool = False
+    constrained: bool = False
 
     @property
     def tokens(self) -> int:
@@ -87,12 +94,11 @@ def _prefill_counts(tokens: int, limits: WarmupLimits, seqs: int) -> tuple[int, 
 
 def warmup_steps(limits: WarmupLimits) -> list[WarmupStep]:
     """The steps, in launch order; each is launched twice in a row, so both IO slots run it."""
-    return mode_steps(limits) + size_sweep(limits) + batch_sweep(limits) + [largest_step(limits)]
+    steps = mode_steps(limits) + constrained_steps(limits) + size_sweep(limits) + batch_sweep(limits)
+    return steps + [largest_step(limits)]
 
 
-def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
-    """Eager decodes of 1, 3, 16 and the most sequences, and small prefill and mixed steps, in every sampler
-    mode."""
+def _batches_and_mixed(limits: WarmupLimits) -> tuple[list[int], list[tuple[int, ...]]]:
     budget, max_seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     batches = sorted({b for b in (*_SMALL_BATCHES, max_seqs) if b <= min(max_seqs, budget)})
     mixed = [
@@ -100,6 +106,13 @@ def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
         for counts in [(5,), (1, 1, 1, 7, 9), (1,) * 15 + (17,)]
         if sum(counts) <= budget and len(counts) <= max_seqs and max(counts) < limits.max_model_len
     ]
+    return batches, mixed
+
+
+def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
+    """Eager decodes of 1, 3, 16 and the most sequences, and small prefill and mixed steps, in every sampler
+    mode."""
+    batches, mixed = _batches_and_mixed(limits)
     steps = []
     for params in _MODE_PARAMS.values():
         plain = SamplingParams(max_new_tokens=1, **params)
@@ -108,6 +121,16 @@ def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
         steps += [WarmupStep((1,) * b, eager) for b in batches]
         steps += [WarmupStep(counts, plain, last_unsampled=len(counts) == 5) for counts in mixed]
     return steps
+
+
+def constrained_steps(limits: WarmupLimits) -> list[WarmupStep]:
+    """Split steps (structured outputs), greedy: eager decodes of the same batch sizes and the mixed steps. The
+    captured split graphs ran their work once while being captured; these cover the eager masked sampler."""
+    batches, mixed = _batches_and_mixed(limits)
+    plain = SamplingParams(max_new_tokens=1)
+    eager = dataclasses.replace(plain, logprobs=0)
+    steps = [WarmupStep((1,) * b, eager, constrained=True) for b in batches]
+    return steps + [WarmupStep(counts, plain, last_unsampled=len(counts) == 5, constrained=True) for counts in mixed]
 
 
 def size_sweep(limits: WarmupLimits) -> list[WarmupStep]:
@@ -156,6 +179,8 @@ def _plan(step: WarmupStep, block_size: int, max_model_len: int) -> StepPlan:
         seq.block_table = [0] * (-(-(prompt_len + 1) // block_size))
         if samples[index]:
             seq.append_pending(row)
+            if step.constrained and row % 2 == 0:
+                seq.matcher = _WARMUP_CONSTRAINT
             row += 1
         seqs.append(seq)
     return StepPlan(
@@ -167,6 +192,10 @@ def _plan(step: WarmupStep, block_size: int, max_model_len: int) -> StepPlan:
     )
 
 
+def _allow_every_token(bitmask: torch.Tensor) -> None:
+    bitmask.fill_(-1)
+
+
 def warm_up(runner: ModelRunner, steps: list[WarmupStep], block_size: int) -> float:
     """Launch each step in both IO slots and wait for it; returns the seconds it took. The runner's step
     counters and GPU-busy clock start from zero afterwards."""
@@ -174,7 +203,10 @@ def warm_up(runner: ModelRunner, steps: list[WarmupStep], block_size: int) -> fl
     for step in steps:
         plan = _plan(step, block_size, runner.max_model_len)
         for _ in runner.slots:
-            runner.collect(runner.launch(plan))
+            handle = runner.launch(plan)
+            if not handle.sampled:
+                runner.sample_masked(handle, _allow_every_token)
+            runner.collect(handle)
     runner.finish()
     runner.reset_counters()
     seconds = time.perf_counter() - started

@@ -1,0 +1,149 @@
+"""Structured outputs through llguidance: constraints compiled once per distinct constraint, one matcher per
+sample, token bitmasks filled in parallel off the GIL.
+
+llguidance was chosen by measurement (docs/engine.md, `scripts/compare_grammar_libs.py`): on a 128k-token
+vocabulary it was the one library whose every finished sample parsed with strict `json.loads` and validated,
+with millisecond compiles and forced-token (jump-forward) support. A bitmask row holds one bit per vocabulary
+id (int32 words, bit `i % 32` of word `i // 32`); a set bit allows the token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from batchjob.engine.api import Constraint
+
+if TYPE_CHECKING:
+    import torch
+
+# Distinct compiled constraints kept (per-row schemas can all differ; each entry is a matcher in its start state).
+CACHE_ENTRIES = 256
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot compile (bad JSON schema feature, bad regex, bad grammar)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar of `constraint` (not yet checked: `check_constraint` or `GrammarCompiler` does)."""
+    from llguidance import LLMatcher, grammar_from
+
+    if constraint.kind == "json_schema":
+        options = {"whitespace_flexible": constraint.json_whitespace}
+        return LLMatcher.grammar_from_json_schema(constraint.text, defaults=options)
+    if constraint.kind == "grammar":
+        # Lark, or GBNF (llama.cpp's syntax) converted to Lark.
+        return grammar_from("grammar", constraint.text)
+    return grammar_from(constraint.kind, constraint.text)
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """Raise `GrammarError` naming what is wrong if `constraint` cannot compile; needs no tokenizer."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = grammar_text(constraint)
+    except ValueError as err:
+        raise GrammarError(f"{constraint.kind} cannot be compiled: {err}") from err
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GrammarError(f"{constraint.kind} cannot be compiled: {messages[0]}")
+
+
+class Matcher:
+    """One sample's position in its constraint. `consume` returns False when the token is not allowed (the
+    matcher is then in an error state, `error` says why)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def consume(self, token: int) -> bool:
+        return self.inner.consume_token(token)
+
+    def consume_forced(self, tokens: Sequence[int]) -> bool:
+        return self.inner.consume_tokens(list(tokens))
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the constraint forces next, whatever the model says (a schema's keys and punctuation)."""
+        return self.inner.compute_ff_tokens()
+
+    @property
+    def is_stopped(self) -> bool:
+        """True once the constraint is complete and allows nothing but EOS."""
+        return self.inner.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.inner.get_error()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary size (the model's logits width, which may exceed the
+    tokenizer's). Building the vocabulary's index takes about a second per 100k tokens, so it is done on the
+    first constrained request, not at start-up."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.words = bitmask_words(vocab_size)
+        self._lltokenizer = None
+        self._executor = None
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self.compiled = 0
+        self.cache_hits = 0
+
+    def _ensure_tokenizer(self):
+        if self._lltokenizer is None:
+            import llguidance
+            import llguidance.hf
+
+            self._lltokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+            )
+            self._executor = llguidance.LLExecutor()
+        return self._lltokenizer
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh matcher for `constraint`; raises `GrammarError` if it cannot compile."""
+        from llguidance import LLMatcher
+
+        start = self._cache.get(constraint)
+        if start is not None:
+            self._cache.move_to_end(constraint)
+            self.cache_hits += 1
+        else:
+            lltokenizer = self._ensure_tokenizer()
+            try:
+                grammar = grammar_text(constraint)
+            except ValueError as err:
+                raise GrammarError(f"{constraint.kind} cannot be compiled: {err}") from err
+            start = LLMatcher(lltokenizer, grammar, log_level=0)
+            if start.is_error():
+                raise GrammarError(f"{constraint.kind} cannot be compiled: {start.get_error()}")
+            self.compiled += 1
+            self._cache[constraint] = start
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return Matcher(start.deep_copy())
+
+    def fill_bitmasks(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill row `i` of the contiguous int32 CPU tensor `bitmask` for each `(matcher, i)`, in parallel threads."""
+        if not matchers:
+            return
+        self._ensure_tokenizer()
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in matchers], bitmask.data_ptr(), words * 4, rows)
+
+    def consume(self, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:
+        """Advance each matcher by its token, in parallel threads; False where the token was not allowed."""
+        if not pairs:
+            return []
+        self._ensure_tokenizer()
+        return self._executor.consume_token_par([(m.inner, t) for m, t in pairs])

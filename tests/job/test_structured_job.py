@@ -1,0 +1,92 @@
+"""Structured outputs through the job: a job-level schema file, a per-row schema column mixed with
+unconstrained rows, a row whose schema cannot compile becoming an error row, and an OpenAI batch file's
+per-line response_format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jobtools import read_output, read_report, run_in_process, write_prompts
+from structured_cases import CHOICES, PET_SCHEMA, POINT_SCHEMA, valid_json
+
+NATIVE = ("engine=native", "engine.dtype=float32", "sampling.max_new_tokens=160")
+
+
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_a_job_level_schema_file_makes_every_stopped_row_valid(tmp_path: Path, engine: str) -> None:
+    schema = tmp_path / "pet.json"
+    schema.write_text(json.dumps(PET_SCHEMA))
+    data = write_prompts(tmp_path / "p.parquet", 16)
+    overrides = (*NATIVE, f"engine={engine}") if engine == "hf" else NATIVE
+    code = run_in_process(
+        *overrides, f"data.path={data}", f"sampling.json_schema={schema}", f"output.dir={tmp_path / 'o'}"
+    )
+    assert code == 0
+    rows = read_output(tmp_path / "o").to_pylist()
+    stopped = [r for r in rows if r["finish_reason"] == "stop"]
+    assert len(stopped) >= 0.8 * len(rows)
+    assert all(valid_json(r["generation"], PET_SCHEMA) for r in stopped)
+
+
+def test_per_row_schemas_mix_with_job_level_choice_rows_and_a_bad_schema_is_an_error_row(tmp_path: Path) -> None:
+    schemas = [json.dumps(POINT_SCHEMA), None, json.dumps(PET_SCHEMA), '{"type": "nonsense"}', "not json", None]
+    data = write_prompts(tmp_path / "p.parquet", len(schemas), schema=schemas)
+    code = run_in_process(
+        *NATIVE,
+        f"data.path={data}",
+        "data.json_schema_column=schema",
+        f"sampling.choice=[{','.join(CHOICES)}]",
+        "sampling.temperature=0.8",
+        f"output.dir={tmp_path / 'o'}",
+    )
+    assert code == 0
+    rows = {r["row_id"]: r for r in read_output(tmp_path / "o").to_pylist()}
+    assert valid_json(rows[0]["generation"], POINT_SCHEMA) and rows[0]["finish_reason"] == "stop"
+    assert rows[2]["finish_reason"] != "stop" or valid_json(rows[2]["generation"], PET_SCHEMA)
+    for row_id in (1, 5):  # no schema of their own: the job's choice applies
+        assert rows[row_id]["generation"] in CHOICES
+    assert rows[3]["finish_reason"] == "error" and "json_schema cannot be compiled" in rows[3]["error"]
+    assert rows[4]["finish_reason"] == "error" and "schema: invalid sampling parameters" in rows[4]["error"]
+    report = read_report(tmp_path / "o")
+    assert report["errors"] == 2
+    assert report["engine"]["grammars_compiled"] == 3  # the choice and two schemas, each compiled once
+
+
+def _chat_line(custom_id: str, text: str, response_format: dict | None) -> str:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+    if response_format is not None:
+        body["response_format"] = response_format
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+
+
+def test_openai_batch_response_formats_constrain_their_lines(tmp_path: Path) -> None:
+    formats = {
+        "pet-0": _schema_format(PET_SCHEMA),
+        "pet-1": _schema_format(PET_SCHEMA),
+        "point-0": _schema_format(POINT_SCHEMA),
+        "point-1": _schema_format(POINT_SCHEMA),
+        "object-0": {"type": "json_object"},
+        "object-1": {"type": "json_object"},
+        "text": {"type": "text"},
+        "no-schema": {"type": "json_schema", "json_schema": {"name": "answer"}},
+    }
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text("".join(_chat_line(i, f"Answer {i} in JSON.", f) + "\n" for i, f in formats.items()))
+    assert run_in_process(*NATIVE, f"data.path={batch}", f"output.dir={tmp_path / 'o'}") == 0
+    rows = {r["custom_id"]: r for r in read_output(tmp_path / "o").to_pylist()}
+    for custom_id, schema in [("pet", PET_SCHEMA), ("point", POINT_SCHEMA), ("object", {"type": "object"})]:
+        for row in (rows[f"{custom_id}-0"], rows[f"{custom_id}-1"]):
+            assert row["error"] is None
+            assert row["finish_reason"] != "stop" or valid_json(row["generation"], schema), row["generation"]
+    assert all(rows[f"point-{i}"]["finish_reason"] == "stop" for i in range(2))
+    # The tiny model's noise runs on inside a key until max_tokens; constrained, it still opens an object.
+    assert all(rows[f"object-{i}"]["generation"].startswith('{"') for i in range(2))
+    assert rows["text"]["error"] is None
+    assert rows["no-schema"]["finish_reason"] == "error" and "json_schema.schema" in rows["no-schema"]["error"]
+    assert read_report(tmp_path / "o")["engine"]["grammars_compiled"] == 3  # pet, point, object: once each
