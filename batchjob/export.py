@@ -10,8 +10,8 @@ as a JSON-lines file.
 
 Only committed rows are written (output.dir holds committed parts only, so a crashed run's leftovers never
 leak), one record batch at a time: memory stays flat for any output size. Rows come in commit order
-(`output.ordered=true` sorts them by row id). The file appears at `path` only once complete. Exit status: 0 written, 2 for bad
-arguments or an output that cannot be exported that way.
+(`output.ordered=true` sorts them by row id). The file appears at `path` only once complete. Exit status:
+0 written, 2 for bad arguments or an output that cannot be exported that way.
 """
 
 from __future__ import annotations

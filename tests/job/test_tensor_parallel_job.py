@@ -120,6 +120,14 @@ def test_sigterm_stops_a_tensor_parallel_job_resumably_and_its_ranks_with_it(tmp
             "engine.tensor_parallel=3 does not divide its 4 attention heads",
         ),
         (("engine=hf", "engine.tensor_parallel=2"), "the hf engine runs a model on one device"),
+        (
+            ("engine=native", "engine.device=cpu", "engine.tensor_parallel=2", "sampling.regex='[a-z]+'"),
+            "sampling.regex: structured outputs are not supported with engine.tensor_parallel=2",
+        ),
+        (
+            ("engine=native", "engine.device=cpu", "engine.tensor_parallel=2", "data.json_schema_column=schema"),
+            "data.json_schema_column=schema: structured outputs are not supported with engine.tensor_parallel=2",
+        ),
     ],
 )
 def test_a_tensor_parallel_the_engine_cannot_run_is_a_config_error_before_anything_loads(tmp_path, overrides, message):

@@ -98,3 +98,16 @@ def test_a_tensor_parallel_that_does_not_divide_the_heads_is_refused_from_the_co
 
     with pytest.raises(ValueError, match="engine.tensor_parallel=3 does not divide its 4 attention heads"):
         NativeEngine.check_model(str(model_dir), {"tensor_parallel": 3})
+
+
+def test_a_constrained_request_fails_alone_on_a_tensor_parallel_engine(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    plain = mixed_requests(4, seed=11, max_new=6)
+    constrained = Request("json", (5, 6, 7), SamplingParams(max_new_tokens=6, regex="[a-z]+"))
+    eng = create_engine("native", str(model_dir), {**BASE, "tensor_parallel": 2})
+    try:
+        done = {c.id: c for c in eng.generate([*plain, constrained])}
+    finally:
+        eng.close()
+    assert "not supported with engine.tensor_parallel=2" in done["json"].error
+    assert {r.id: done[r.id].token_ids for r in plain} == tokens(model_dir, plain)
