@@ -16,6 +16,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from structured_cases import CODE_REGEX  # noqa: E402
+
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
 from batchjob.tiny_model import make_tiny_model  # noqa: E402
 
@@ -49,19 +51,25 @@ def compiled_kernel_variants() -> dict[str, int]:
     return counts
 
 
-def mixed_workload(n: int, seed: int) -> list[Request]:
-    """Prompts of 1-700 tokens, outputs of 1-80, every sampler mode (log-probabilities included)."""
+def mixed_workload(n: int, seed: int, constrained: bool = False) -> list[Request]:
+    """Prompts of 1-700 tokens, outputs of 1-80, every sampler mode (log-probabilities included); with
+    `constrained`, every fifth request under a regular expression (split steps)."""
     rng = np.random.default_rng(seed)
     requests = []
     for i in range(n):
         prompt = tuple(int(t) for t in rng.integers(6, 500, int(rng.integers(1, 700))))
-        params = SamplingParams(max_new_tokens=int(rng.integers(1, 80)), ignore_eos=True, seed=i, **SAMPLINGS[i % 6])
+        regex = CODE_REGEX if constrained and i % 5 == 0 else None
+        params = SamplingParams(
+            max_new_tokens=int(rng.integers(1, 80)), ignore_eos=True, seed=i, regex=regex, **SAMPLINGS[i % 6]
+        )
         requests.append(Request(i, prompt, params))
     return requests
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_mixed_run_after_start_up_compiles_nothing_and_allocates_no_device_memory(tmp_path, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "constrained"), [("bfloat16", False), ("float32", False), ("bfloat16", True)], ids=str
+)
+def test_a_mixed_run_after_start_up_compiles_nothing_and_allocates_no_device_memory(tmp_path, dtype, constrained):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     # The KV cache sized from memory (not a block count), so the KV-sizing profile runs as in a real job.
     options = {"dtype": dtype, "max_num_seqs": 48, "max_num_batched_tokens": 1024, "gpu_memory_utilization": 0.25}
@@ -70,7 +78,7 @@ def test_a_mixed_run_after_start_up_compiles_nothing_and_allocates_no_device_mem
         assert engine.stats()["warmup_s"] > 0
         kernels_before = compiled_kernel_variants()
         memory_before = torch.cuda.memory_stats()
-        completions = list(engine.generate(mixed_workload(300, seed=7)))
+        completions = list(engine.generate(mixed_workload(300, seed=7, constrained=constrained)))
         memory_after = torch.cuda.memory_stats()
         kernels_after = compiled_kernel_variants()
         stats = engine.stats()
@@ -78,6 +86,7 @@ def test_a_mixed_run_after_start_up_compiles_nothing_and_allocates_no_device_mem
         engine.close()
     assert len(completions) == 300
     assert stats["steps"] > stats["graph_steps"] > 0  # both graphed decodes and eager mixed steps ran
+    assert (stats.get("constrained_steps", 0) > 0) == constrained
     new = {
         k: kernels_after[k] - kernels_before.get(k, 0)
         for k in kernels_after

@@ -156,7 +156,9 @@ class NativeEngine:
         }
         if self.device.type == "cuda" and opts.cuda_graphs:
             modes = GRAPH_MODES if opts.graph_sampling else GRAPH_MODES[:1]
-            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch), modes, opts.graph_constrained)
+            # The ranks of a tensor-parallel engine never split a step: constrained requests are refused there.
+            split = opts.graph_constrained and opts.tensor_parallel == 1
+            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch), modes, split)
             kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
             log.info(
                 "captured %d CUDA graphs (2 slots x %d buckets x %d sampler modes, plus %d for steps with "
@@ -184,6 +186,8 @@ class NativeEngine:
                     opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len, limits.max_top_logprobs
                 )
             )
+            if opts.tensor_parallel > 1:
+                steps = [step for step in steps if not step.constrained]
             self._stats["warmup_s"] = warm_up(self.runner, steps, opts.block_size)
         self._stats["startup_s"] = time.perf_counter() - started
         self._start_loop(num_blocks)
