@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from jobtools import read_output, run_cli, write_prompts
+from jobtools import read_output, read_report, run_cli, write_prompts
 from structured_cases import CHOICES, CODE_REGEX, POINT_SCHEMA, matches_code, valid_json
 
 import batchjob
@@ -58,7 +58,7 @@ def test_run_equals_the_command_line_and_returns_the_report(prompts_file: Path, 
     report = batchjob.run(engine="hf", data={"path": prompts_file}, output={"dir": tmp_path / "out"}, sampling=SAMPLED)
     assert generations(tmp_path / "out") == generations(cli_output)
     assert report["rows"] == report["ok"] == ROWS
-    assert report == json.loads((tmp_path / "out" / "_report.json").read_text())
+    assert report == read_report(tmp_path / "out")
     again = batchjob.run(
         {"engine": "hf", "data.path": str(prompts_file), "output.dir": str(tmp_path / "out")}, SAMPLED_ARGS
     )
