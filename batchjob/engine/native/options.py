@@ -40,7 +40,7 @@ class NativeOptions:
     kv_cache_gb: float | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    admission_window: int = 1024
+    admission_window: int = 0
     cuda_graphs: bool = True
     graph_sampling: bool = True
     graph_constrained: bool = True
