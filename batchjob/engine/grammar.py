@@ -88,8 +88,13 @@ class GrammarCompiler:
     tokenizer's). Building the vocabulary's index takes about a second per 100k tokens, so it is done on the
     first constrained request, not at start-up."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], model_dir: str | None = None
+    ) -> None:
+        """`tokenizer` None: an engine that does not detokenize has none; the first constrained request loads
+        the one in `model_dir` (llguidance needs the tokens' bytes)."""
         self.tokenizer = tokenizer
+        self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.words = bitmask_words(vocab_size)
@@ -104,6 +109,10 @@ class GrammarCompiler:
             import llguidance
             import llguidance.hf
 
+            if self.tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             self._lltokenizer = llguidance.hf.from_tokenizer(
                 self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
             )

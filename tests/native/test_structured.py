@@ -129,3 +129,11 @@ def test_logprob_requests_get_one_logprob_per_token_under_a_constraint(model_dir
     done, _ = _run(model_dir, [Request(i, (6 + i, 30, 41), p) for i, p in enumerate(params)])
     for c in done.values():
         assert len(c.samples[0].logprobs) == len(c.token_ids) and valid_json(c.text, POINT_SCHEMA)
+
+
+def test_an_engine_that_does_not_detokenize_loads_the_tokenizer_for_its_first_constraint(model_dir):
+    reqs = _requests(4, 0.0, max_new_tokens=20, regex=r"[a-z]{3}-[0-9]{2,3}")
+    done, stats = _run(model_dir, reqs, detokenize=False)
+    with_text, _ = _run(model_dir, reqs)
+    assert {i: c.token_ids for i, c in done.items()} == {i: c.token_ids for i, c in with_text.items()}
+    assert stats["constrained_steps"] > 0

@@ -224,7 +224,9 @@ class NativeEngine:
             self.blocks,
         )
         self._next_seq_id = 0
-        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids, self.spec.model_dir
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
 
     # ---- the loop ----
