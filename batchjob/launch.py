@@ -52,7 +52,7 @@ def plan_children(
             f" x engine.tensor_parallel={tensor_parallel}" if tensor_parallel > 1 else ""
         )
         raise ConfigError(
-            f"{asked} needs {needed} GPUs but only {len(gpus)} are visible "
+            f"{asked} needs {needed} GPUs but only {len(gpus)} GPU{' is' if len(gpus) == 1 else 's are'} visible "
             f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}): lower it or request more GPUs"
         )
     return [
