@@ -111,3 +111,13 @@ def test_a_constrained_request_fails_alone_on_a_tensor_parallel_engine(tmp_path)
         eng.close()
     assert "not supported with engine.tensor_parallel=2" in done["json"].error
     assert {r.id: done[r.id].token_ids for r in plain} == tokens(model_dir, plain)
+
+
+def test_a_ranks_own_device_passes_its_options_but_a_job_naming_one_gpu_is_refused(tmp_path):
+    """Each rank runs its engine on `cuda:r` with the job's options; only the job may not pin one GPU."""
+    from batchjob.engine.native.engine import NativeEngine
+    from batchjob.engine.native.options import NativeOptions
+
+    NativeOptions.from_mapping({"tensor_parallel": 2, "device": "cuda:1"})
+    with pytest.raises(ValueError, match="engine.device=cuda:0 with engine.tensor_parallel=2: use engine.device=cuda"):
+        NativeEngine.check_model(str(make_tiny_model(tmp_path / "m")), {"tensor_parallel": 2, "device": "cuda:0"})

@@ -49,6 +49,12 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 def _check_gpu_count(opts: NativeOptions) -> None:
+    """The job process's checks of a tensor-parallel engine's devices (its ranks are given cuda:r each)."""
+    if opts.tensor_parallel > 1 and opts.device.startswith("cuda:"):
+        raise ValueError(
+            f"engine.device={opts.device} with engine.tensor_parallel={opts.tensor_parallel}: use "
+            "engine.device=cuda or auto (rank r runs on the r-th visible GPU; CUDA_VISIBLE_DEVICES picks them)"
+        )
     if opts.tensor_parallel > 1 and _device(opts.device).type == "cuda":
         visible = torch.cuda.device_count()
         if visible < opts.tensor_parallel:
@@ -95,6 +101,7 @@ class NativeEngine:
         self.options = opts = NativeOptions.from_mapping(options)
         self.ranks: RankGroup | None = None
         if opts.tensor_parallel > 1 and not parallel.current().active:
+            _check_gpu_count(opts)
             self._start_ranks(model_path)
             return
         self.device = _device(opts.device)

@@ -78,11 +78,6 @@ class NativeOptions:
             )
         if self.tensor_parallel < 1:
             problems.append(f"engine.tensor_parallel={self.tensor_parallel}: must be >= 1 (GPUs of one engine)")
-        elif self.tensor_parallel > 1 and self.device.startswith("cuda:"):
-            problems.append(
-                f"engine.device={self.device} with engine.tensor_parallel={self.tensor_parallel}: use "
-                "engine.device=cuda or auto (rank r runs on the r-th visible GPU; CUDA_VISIBLE_DEVICES picks them)"
-            )
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             problems.append(f"engine.device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
