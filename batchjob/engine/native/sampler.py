@@ -156,10 +156,7 @@ def sample(
     raw = logits
     if mask is not None:
         logits = mask.apply_(logits.clone() if mode.logprobs is not None else logits)
-    if mode.sampling:
-        tokens = sampled_tokens(logits, params, mode.filtering)
-    else:
-        tokens = logits.argmax(dim=-1)
+    tokens = sampled_tokens(logits, params, mode.filtering) if mode.sampling else logits.argmax(dim=-1)
     out = SamplerOutput(tokens=tokens)
     if mode.logprobs is not None:
         logprobs = raw.log_softmax(dim=-1)

@@ -1,4 +1,7 @@
-"""The sampler's top-k/top-p filter on CUDA: a per-row threshold found by search, never a sort.
+"""The sampler's exact top-k/top-p filter on CUDA: a per-row threshold found by search, never a sort.
+
+The sampler's usual path (triton_race) checks the filter at the race's winner and needs no threshold; it comes
+here for the rows that check leaves open (few; `rows_to_search` marks them and every other row exits at once).
 
 `filter_thresholds` finds, per row, the value `x` such that the kept tokens are exactly those with a scaled
 logit `l > x` (a sort of the vocabulary cost 2.4 ms of a 4.1 ms sampler step at 256 x 128k on an H200).

@@ -91,8 +91,8 @@ def draw(
 ) -> torch.Tensor:
     """One token per row of float32 `logits` [S, V]: the exponential race over `logits / temperature` with the
     noise of the rows' hash `keys`, restricted by `filters` = (threshold, row max, min_p) when given; the argmax
-    where temperature is 0. With `rows_to_draw` (int32 [S], nonzero: draw) only those rows are drawn, into `out`, whose other
-    rows keep their tokens. Returns int64 [S] (`out` when given)."""
+    where temperature is 0. With `rows_to_draw` (int32 [S], nonzero: draw) only those rows are drawn, into
+    `out`, whose other rows keep their tokens. Returns int64 [S] (`out` when given)."""
     rows, vocab = logits.shape
     tokens = out if out is not None else torch.empty(rows, dtype=torch.int64, device=logits.device)
     threshold, row_max, min_p = filters if filters is not None else (temperature, temperature, temperature)
