@@ -106,7 +106,7 @@ def sorted_row_filter(scaled: torch.Tensor, params: SamplingTensors) -> RowFilte
     keeps tokens at least min_p times as probable as the most probable. A tie is never split."""
     values = scaled.sort(dim=-1, descending=True).values
     vocab = values.shape[-1]
-    row_max = values[:, 0]
+    row_max = values[:, 0].contiguous()  # the kernels read per-row tensors as contiguous
     neg_inf = torch.tensor(float("-inf"), device=scaled.device)
     kth = values.gather(1, (params.top_k.clamp(1, vocab) - 1)[:, None])
     top_k_threshold = torch.where(values < kth, values, neg_inf).max(dim=-1).values
