@@ -1,6 +1,7 @@
-"""The compiled sampler kernels at a Llama-3 vocabulary (128,256): the threshold search keeps the sorted filter's
-tokens, the fused draw picks the torch path's token, every sampler mode replays from a CUDA graph with new
-parameters, and the step times of greedy, temperature-only and top-p sampling at 256 rows."""
+"""The compiled sampler kernels at a Llama-3 vocabulary (128,256) and 256 rows: the split race with the filter
+checked at its winner draws the exact search's token and a float64 reference's, the exact search keeps the
+sorted filter's tokens, every sampler mode replays from a CUDA graph with new parameters and draws what it
+draws eagerly, and the step times of greedy, temperature-only, top-p, top-k, min-p and top-k with top-p."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ if not torch.cuda.is_available():
     # Importing the kernels here, uninterpreted, would leave them unusable for the CPU interpreter tests.
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from batchjob.engine.native import triton_filter  # noqa: E402
+from batchjob.engine.native import triton_filter, triton_race, triton_sampling  # noqa: E402
 from batchjob.engine.native.sampler import (  # noqa: E402
     RowFilter,
     SamplerMode,
     SamplingTensors,
     draw,
+    noise_keys,
     sample,
+    sampled_tokens,
     scaled_logits,
     sorted_row_filter,
+    torch_exponential_noise,
 )
 
 pytestmark = pytest.mark.gpu
@@ -57,6 +61,10 @@ FILTERS = [
     (1.2, 0, 1.0, 0.0),  # temperature only
     (0.0, 50, 0.9, 0.1),  # greedy
 ] * 4
+# 256 rows: the above, k = 1, p = 1 with k past the vocabulary, a tiny top-p, top-k with min-p.
+MANY_FILTERS = (
+    (FILTERS + [(1.0, 1, 1.0, 0.0), (0.8, VOCAB + 5, 1.0, 0.0), (1.3, 0, 1e-4, 0.0), (0.6, 20, 1.0, 0.1)]) * 6
+)[:256]
 
 
 def random_logits(rows: int, seed: int) -> torch.Tensor:
@@ -97,20 +105,77 @@ def on_cpu(value):
     return type(value)(*(getattr(value, f).cpu() for f in value.__dataclass_fields__))
 
 
+def reference_keep(scaled: torch.Tensor, params: SamplingTensors, slack: float = 0.0) -> torch.Tensor:
+    """The filters in float64 off the sorted row, ties never split: top-k keeps a token with at most k - 1 tokens
+    strictly above it, top-p (over the top-k survivors) one whose survivors strictly above weigh at most top_p
+    (times 1 + slack) of all survivors, min-p one at least min_p (times 1 - slack) times the most probable."""
+    values, order = scaled.double().sort(dim=-1, descending=True)
+    vocab = values.shape[-1]
+    # Tokens strictly above each: the position of the first of its run of equal values.
+    above = torch.searchsorted(-values, -values, side="left")
+    weight = (values - values[:, :1]).exp()
+    k = torch.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab)[:, None]
+    keep = (above <= k - 1) & (values > float("-inf"))
+    survivors = weight * keep
+    mass_above = (survivors.cumsum(dim=-1) - survivors).gather(1, above)
+    bound = params.top_p.double()[:, None] * survivors.sum(dim=-1, keepdim=True) * (1 + slack)
+    keep &= (mass_above <= bound) | (params.top_p[:, None] >= 1)
+    keep &= weight >= params.min_p.double()[:, None] * (1 - slack)
+    return torch.zeros_like(keep).scatter(1, order, keep)
+
+
+def test_race_draws_the_exact_searchs_and_the_float64_references_tokens():
+    params = params_for(MANY_FILTERS, seed=4)
+    logits = random_logits(len(MANY_FILTERS), seed=4)
+    logits[-1] = 0.5  # all tokens equal
+    keys = noise_keys(params.seeds, params.positions)
+    filters = (params.top_k, params.top_p, params.min_p)
+    got = triton_race.sample_tokens(logits, params.temperature, keys, filters)
+    _, state = triton_race.settle(logits, params.temperature, keys, filters)
+    exact = triton_race.sample_tokens(logits, params.temperature, keys, filters, rounds=0)
+    # The checks and the search sum the probabilities in different orders: a boundary token may differ.
+    differ = (got != exact).nonzero().flatten().tolist()
+    assert len(differ) <= 2, f"rows {differ} differ from the exact search"
+    settled_share = (state == 0).float().mean().item()
+    print(f"\n{settled_share:.1%} of rows settled without the exact search")
+
+    scaled = scaled_logits(logits, params.temperature)
+    keep = reference_keep(scaled, params)
+    noise = torch_exponential_noise(keys, VOCAB).double()
+    race = torch.where(keep, scaled.double() - noise.log(), float("-inf")).argmax(dim=-1)
+    want = torch.where(params.temperature > 0, race, logits.argmax(dim=-1))
+    # The kernels' exp/log run in the GPU's fast float32 forms: near-ties of the two best scores may go the
+    # other way, rarely; every token must still be one the filters keep, up to float32 rounding of the sums.
+    differ = (got != want).nonzero().flatten().tolist()
+    assert len(differ) <= len(MANY_FILTERS) // 50, f"rows {differ} picked other tokens than the reference"
+    loose = reference_keep(scaled, params, slack=1e-4)
+    sampled = params.temperature > 0
+    assert loose.gather(1, got[:, None]).squeeze(1)[sampled].all()
+
+
 @pytest.mark.parametrize("mode", [TEMPERATURE, FILTERING], ids=["temperature-only", "filtered"])
-def test_fused_draw_picks_the_torch_paths_token(mode):
+def test_race_picks_the_torch_paths_token(mode):
     params = params_for(FILTERS, seed=5)
     logits = random_logits(len(FILTERS), seed=2)
-    keep = sorted_row_filter(scaled_logits(logits, params.temperature), params) if mode.filtering else None
-    got = draw(logits, params, keep)  # CUDA: the fused kernel, noise in registers
-    want = draw(logits.cpu(), on_cpu(params), None if keep is None else on_cpu(keep))  # the torch path
-    # The fused kernel's exp/log run in the GPU's fast float32 forms: a row whose two best noisy scores lie within
-    # that rounding may pick the other one. Such near-ties are rare; every pick must still be an allowed token.
+    got = sampled_tokens(logits, params, mode.filtering)  # CUDA: the split race, noise in registers
+    want = sampled_tokens(logits.cpu(), on_cpu(params), mode.filtering)  # the torch path, sorted filter
     differ = (got.cpu() != want).nonzero().flatten().tolist()
     assert len(differ) <= len(FILTERS) // 50, f"rows {differ} picked other tokens"
-    if keep is not None:
+    if mode.filtering:
+        keep = sorted_row_filter(scaled_logits(logits, params.temperature), params)
         allowed = keep.keep(scaled_logits(logits, params.temperature)).cpu()
         assert all(bool(allowed[row, got[row]]) for row in differ)
+
+
+def test_exact_draw_picks_the_torch_paths_token():
+    params = params_for(FILTERS, seed=5)
+    logits = random_logits(len(FILTERS), seed=2)
+    keep = sorted_row_filter(scaled_logits(logits, params.temperature), params)
+    filters = (keep.threshold, keep.row_max, keep.min_p)
+    got = triton_sampling.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
+    want = draw(logits.cpu(), on_cpu(params), on_cpu(keep))
+    differ = (got.cpu() != want).nonzero().flatten().tolist()
+    assert len(differ) <= len(FILTERS) // 50, f"rows {differ} picked other tokens"
 
 
 @pytest.mark.parametrize("mode", [GREEDY, TEMPERATURE, FILTERING], ids=["greedy", "temperature-only", "filtered"])
@@ -142,14 +207,21 @@ def test_sampler_step_times_at_256_rows(monkeypatch):
     rows = 256
     logits = torch.randn(rows, VOCAB, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0)) * 3
     top_p = params_for([(0.8, 0, 0.95, 0.0)] * rows)
-    plain = params_for([(0.8, 0, 1.0, 0.0)] * rows)
-    ms = {
-        "greedy": graph_ms(lambda: sample(logits, top_p, GREEDY), reps=50),
-        "temperature only": graph_ms(lambda: sample(logits, plain, TEMPERATURE), reps=50),
-        "top_p=0.95": graph_ms(lambda: sample(logits, top_p, FILTERING), reps=50),
+    modes = {
+        "greedy": (top_p, GREEDY),
+        "temperature only": (params_for([(0.8, 0, 1.0, 0.0)] * rows), TEMPERATURE),
+        "top_p=0.95": (top_p, FILTERING),
+        "top_k=50": (params_for([(0.8, 50, 1.0, 0.0)] * rows), FILTERING),
+        "min_p=0.05": (params_for([(0.8, 0, 1.0, 0.05)] * rows), FILTERING),
+        "top_k=50 top_p=0.95": (params_for([(0.8, 50, 0.95, 0.0)] * rows), FILTERING),
     }
-    ms["a full sort (what filtering used to start with)"] = graph_ms(lambda: logits.sort(dim=-1), reps=50)
+    ms = {name: graph_ms(lambda p=p, m=m: sample(logits, p, m), reps=50) for name, (p, m) in modes.items()}
+    ms["the exact search alone, every row"] = graph_ms(
+        lambda: triton_filter.filter_thresholds(logits, top_p.temperature, top_p.top_k, top_p.top_p, top_p.min_p),
+        reps=20,
+    )
+    ms["a full sort (what filtering used to start with)"] = graph_ms(lambda: logits.sort(dim=-1), reps=20)
     print(f"\nsampler step, {rows} x {VOCAB} float32 logits, T=0.8, CUDA graph:")
     for name, value in ms.items():
         print(f"  {value:7.3f} ms  {name}")
-    assert ms["top_p=0.95"] < 0.6 * ms["a full sort (what filtering used to start with)"]
+    assert ms["top_p=0.95"] < 0.25 * ms["a full sort (what filtering used to start with)"]

@@ -1,7 +1,9 @@
-"""The sampler's sort-free CUDA path, on CPU through the Triton interpreter: the threshold search keeps exactly
-the tokens the sorted filter keeps (top-k, top-p, min-p and their combinations, per-row parameters, ties and
--inf logits), the fused draw picks the torch path's token, and the whole sampler draws the tokens the former
-sort-based sampler drew wherever no tie sits at a boundary."""
+"""The sampler's sort-free CUDA path, on CPU through the Triton interpreter: the split race with the filter checked
+at its winner draws the token of a float64 reference (top-k, top-p, min-p and their combinations, per-row
+parameters, ties, all-equal rows and -inf logits), whether a row settles in the checks or takes the exact
+search; that search keeps exactly the tokens the sorted filter keeps; the per-row draw picks the torch path's
+token; and the whole sampler draws the tokens the former sort-based sampler drew wherever no tie sits at a
+boundary."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import importlib  # noqa: E402
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from batchjob.engine.native import triton_filter, triton_sampling  # noqa: E402
+from batchjob.engine.native import triton_filter, triton_race, triton_sampling  # noqa: E402
 from batchjob.engine.native.sampler import (  # noqa: E402
     RowFilter,
     SamplerMode,
@@ -34,8 +36,9 @@ from batchjob.engine.native.sampler import (  # noqa: E402
 )
 
 if not isinstance(triton_sampling._draw_kernel, InterpretedFunction):
-    # Imported compiled by another module: CPU needs them interpreted.
+    # Imported compiled by another module: CPU needs them interpreted (triton_race imports the other two's).
     triton_filter, triton_sampling = importlib.reload(triton_filter), importlib.reload(triton_sampling)
+    triton_race = importlib.reload(triton_race)
 
 VOCAB = 1500
 
@@ -184,3 +187,113 @@ def test_sampler_draws_the_former_sort_based_samplers_tokens():
         want = torch.where(sampled, (race / noise).argmax(dim=-1), logits.argmax(dim=-1))
         got = sample(logits, params, SamplerMode(sampling=True, filtering=True)).tokens
         assert torch.equal(got, want), f"position {position}"
+
+
+# Every filter on its own and together, p = 1 and k = 1, k past the vocabulary, greedy rows with filters set.
+RACE_FILTERS = FILTERS + [
+    (0.8, 0, 1.0, 0.0),  # temperature only, in a filtering step
+    (1.0, 1, 0.5, 0.0),  # k = 1 with top-p: the top-k and top-p case
+    (0.6, 20, 0.95, 0.0),
+    (1.0, 3000, 0.9, 0.0),  # k past the vocabulary: top-p alone
+    (1.0, 10, 1.0, 0.3),
+    (2.0, 0, 0.2, 0.01),
+    (0.0, 0, 1.0, 0.0),
+]
+
+
+def reference_tokens(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The race among the tokens the filters keep, each filter tested at every token value in float64, ties
+    never split: top-k keeps a token with at most k - 1 tokens strictly above it, top-p (over the top-k
+    survivors) one whose survivors strictly above weigh at most top_p of all survivors, min-p one at least
+    min_p times as probable as the most probable."""
+    scaled = scaled_logits(logits, params.temperature).double()
+    noise = torch_exponential_noise(noise_keys(params.seeds, params.positions), logits.shape[-1]).double()
+    tokens = []
+    for row, values in enumerate(scaled):
+        if params.temperature[row] == 0:
+            tokens.append(int(logits[row].argmax()))
+            continue
+        above = values[None, :] > values[:, None]  # [token, other]: other strictly above token
+        weight = (values - values.max()).exp()
+        k, p = int(params.top_k[row]), float(params.top_p[row])
+        keep = values > float("-inf")
+        if 0 < k < len(values):
+            keep &= above.sum(dim=1) <= k - 1
+        if p < 1:
+            survivors = weight * keep
+            keep &= (above * survivors[None, :]).sum(dim=1) <= p * survivors.sum()
+        keep &= weight >= float(params.min_p[row])
+        tokens.append(int(torch.where(keep, values - noise[row].log(), float("-inf")).argmax()))
+    return torch.tensor(tokens)
+
+
+def equal_rows_logits(rows: int, seed: int) -> torch.Tensor:
+    """Rows whose tokens all share one value, but for a few -inf (a grammar mask) in every other row."""
+    logits = torch.full((rows, VOCAB), 1.5)
+    logits[::2, : VOCAB // 3] = float("-inf")
+    return logits
+
+
+def race(logits: torch.Tensor, params: SamplingTensors, filtering: bool = True, **kwargs) -> torch.Tensor:
+    filters = (params.top_k, params.top_p, params.min_p) if filtering else None
+    keys = noise_keys(params.seeds, params.positions)
+    return triton_race.sample_tokens(logits, params.temperature, keys, filters, **kwargs)
+
+
+# A chunk of 512 splits the 1500 tokens over three programs per row, the last one partly past the vocabulary.
+@pytest.mark.parametrize(
+    "make_logits", [random_logits, tied_logits, equal_rows_logits], ids=["distinct", "ties-and-inf", "all-equal"]
+)
+def test_race_draws_the_reference_token(make_logits):
+    params = params_for(RACE_FILTERS, seed=11)
+    logits = make_logits(len(RACE_FILTERS), seed=7)
+    assert torch.equal(race(logits, params, chunk=512), reference_tokens(logits, params))
+
+
+def test_most_rows_settle_at_the_races_winner_and_match_the_exact_search():
+    params = params_for(RACE_FILTERS, seed=12)
+    logits = random_logits(len(RACE_FILTERS), seed=8)
+    keys = noise_keys(params.seeds, params.positions)
+    filters = (params.top_k, params.top_p, params.min_p)
+    tokens, state = triton_race.settle(logits, params.temperature, keys, filters, chunk=512)
+    settled = state == 0
+    want = reference_tokens(logits, params)
+    assert torch.equal(tokens[settled], want[settled])
+    # Rows with top-k and top-p together go to the search unless the row's best token won; of the others only
+    # the top_p = 1e-4 row is still open after four checks (each about halves the candidates left).
+    both = (params.top_k > 0) & (params.top_k < VOCAB) & (params.top_p < 1) & (params.temperature > 0)
+    assert torch.equal(state == 2, both & (tokens != logits.argmax(dim=-1)))
+    assert (state == 1).nonzero().flatten().tolist() == [RACE_FILTERS.index((1.3, 0, 1e-4, 0.0))]
+    # With no checks at all every filtered row takes the exact search, and draws the same tokens.
+    assert torch.equal(race(logits, params, chunk=512, rounds=0), want)
+
+
+def test_rejected_candidates_move_up_until_one_is_kept():
+    # A flat tail holding half the mass: the unfiltered winner is mostly a tail token, which each filter rejects,
+    # and so may the next winners, among the few values above it.
+    logits = torch.zeros(8, VOCAB)
+    logits[:, 100] = 7.0
+    logits[:, 200:204] = torch.tensor([6.0, 5.0, 4.0, 3.0])
+    params = params_for([(1.0, 0, 0.5, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 3, 1.0, 0.0), (1.0, 0, 1.0, 0.04)] * 2)
+    keys = noise_keys(params.seeds, params.positions)
+    filters = (params.top_k, params.top_p, params.min_p)
+    _, after_one = triton_race.settle(logits, params.temperature, keys, filters, chunk=512, rounds=1)
+    tokens, state = triton_race.settle(logits, params.temperature, keys, filters, chunk=512, rounds=6)
+    assert (after_one == 1).any() and (state == 0).all()
+    assert torch.equal(tokens, reference_tokens(logits, params))
+
+
+def test_temperature_only_race_draws_the_torch_paths_token():
+    params = params_for(RACE_FILTERS, seed=13)
+    logits = random_logits(len(RACE_FILTERS), seed=9)
+    got = race(logits, params, filtering=False, chunk=512)
+    assert got.dtype == torch.int64 and torch.equal(got, draw(logits, params, None))
+
+
+def test_a_rows_token_does_not_depend_on_the_rest_of_the_batch():
+    params = params_for(RACE_FILTERS, seed=14)
+    logits = random_logits(len(RACE_FILTERS), seed=10)
+    together = race(logits, params, chunk=512)
+    for row in (0, 10, 14):
+        alone = SamplingTensors(*(getattr(params, f)[row : row + 1] for f in params.__dataclass_fields__))
+        assert race(logits[row : row + 1], alone, chunk=512).item() == together[row].item()

@@ -48,7 +48,7 @@ log = logging.getLogger("batchjob.engine.native")
 
 GREEDY = SamplerMode()
 # Temperature-only steps get their own graphs: their draw is one pass over the logits, as cheap as greedy,
-# while a filtering step adds the threshold search. Rows without a filter draw the same token in either mode,
+# while a filtering step adds the filter's checks. Rows without a filter draw the same token in either mode,
 # and greedy rows stay greedy in both.
 SAMPLING = SamplerMode(sampling=True)
 FILTERING = SamplerMode(sampling=True, filtering=True)

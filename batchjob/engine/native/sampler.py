@@ -5,11 +5,13 @@ generator, so a request's samples depend only on its own seed and logits: the sa
 batch, and graph-capturable (no generator state). A token is drawn by the exponential race
 `argmax(p_i / E_i)` with `E_i = -log(u_i)`, which picks token i with probability p_i.
 
-Stages, one function each: the structured-outputs mask (token_mask.py: -inf over the tokens a constrained row's
-grammar forbids, before anything else looks at the logits), `row_filter` (which tokens each row may draw: a
-per-row threshold and min-p), `draw` (the race among them, or the argmax for greedy rows), then the
-log-probabilities (of the unmasked logits). The draw does not renormalise the kept probabilities: the
-race's winner among the kept tokens is the same either way.
+Stages: the structured-outputs mask (token_mask.py: -inf over the tokens a constrained row's grammar forbids,
+before anything else looks at the logits), the draw (the race among the tokens the row's top-k/top-p/min-p
+filter keeps, or the argmax for greedy rows), then the log-probabilities (of the unmasked logits). The draw
+does not renormalise the kept probabilities: the race's winner among the kept tokens is the same either way.
+On CUDA the draw is triton_race's kernels, which check the filter at the race's winner instead of searching
+the row for it; elsewhere it is the torch path here, with the filter read off the sorted row (`draw`,
+`sorted_row_filter`), the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -98,26 +100,13 @@ def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
     return logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
 
 
-def row_filter(logits: torch.Tensor, params: SamplingTensors) -> RowFilter:
-    """The top-k/top-p/min-p filter of each row: found by search on CUDA (batchjob.engine.native.triton_filter),
-    by a sort elsewhere; both keep the same tokens (up to float rounding of the probability sums)."""
-    if logits.is_cuda:
-        from batchjob.engine.native import triton_filter
-
-        threshold, row_max = triton_filter.filter_thresholds(
-            logits, params.temperature, params.top_k, params.top_p, params.min_p
-        )
-        return RowFilter(threshold, row_max, params.min_p)
-    return sorted_row_filter(scaled_logits(logits, params.temperature), params)
-
-
 def sorted_row_filter(scaled: torch.Tensor, params: SamplingTensors) -> RowFilter:
     """The filter read off the sorted row. Top-k keeps the k largest values and every token tied with the k-th;
     top-p then keeps, among those, each token whose probability mass strictly above it is at most top_p; min-p
     keeps tokens at least min_p times as probable as the most probable. A tie is never split."""
     values = scaled.sort(dim=-1, descending=True).values
     vocab = values.shape[-1]
-    row_max = values[:, 0]
+    row_max = values[:, 0].contiguous()  # the kernels read per-row tensors as contiguous
     neg_inf = torch.tensor(float("-inf"), device=scaled.device)
     kth = values.gather(1, (params.top_k.clamp(1, vocab) - 1)[:, None])
     top_k_threshold = torch.where(values < kth, values, neg_inf).max(dim=-1).values
@@ -135,20 +124,28 @@ def sorted_row_filter(scaled: torch.Tensor, params: SamplingTensors) -> RowFilte
 
 
 def draw(logits: torch.Tensor, params: SamplingTensors, keep: RowFilter | None) -> torch.Tensor:
-    """One token per row: the exponential race among the tokens `keep` allows, or the argmax where
-    temperature is 0. On CUDA one fused pass over the logits (triton_sampling.draw)."""
+    """One token per row, in torch: the exponential race among the tokens `keep` allows, or the argmax where
+    temperature is 0."""
     keys = noise_keys(params.seeds, params.positions)
-    if logits.is_cuda:
-        from batchjob.engine.native import triton_sampling
-
-        filters = None if keep is None else (keep.threshold, keep.row_max, keep.min_p)
-        return triton_sampling.draw(logits, params.temperature, keys, filters)
     scaled = scaled_logits(logits, params.temperature)
     # argmax(p / E) = argmax(log p - log E); the softmax normaliser is the same for the whole row.
     score = scaled - torch_exponential_noise(keys, logits.shape[-1]).log()
     if keep is not None:
         score = score.masked_fill(~keep.keep(scaled), float("-inf"))
     return torch.where(params.temperature > 0, score.argmax(dim=-1), logits.argmax(dim=-1))
+
+
+def sampled_tokens(logits: torch.Tensor, params: SamplingTensors, filtering: bool) -> torch.Tensor:
+    """The race's token of each row (the argmax for greedy rows), among the tokens each row's filter keeps
+    when `filtering`; without it the filters are ignored. CUDA and the torch path agree up to float rounding."""
+    if logits.is_cuda:
+        from batchjob.engine.native import triton_race
+
+        filters = (params.top_k, params.top_p, params.min_p) if filtering else None
+        keys = noise_keys(params.seeds, params.positions)
+        return triton_race.sample_tokens(logits, params.temperature, keys, filters)
+    keep = sorted_row_filter(scaled_logits(logits, params.temperature), params) if filtering else None
+    return draw(logits, params, keep)
 
 
 def sample(
@@ -159,10 +156,7 @@ def sample(
     raw = logits
     if mask is not None:
         logits = mask.apply_(logits.clone() if mode.logprobs is not None else logits)
-    if mode.sampling:
-        tokens = draw(logits, params, row_filter(logits, params) if mode.filtering else None)
-    else:
-        tokens = logits.argmax(dim=-1)
+    tokens = sampled_tokens(logits, params, mode.filtering) if mode.sampling else logits.argmax(dim=-1)
     out = SamplerOutput(tokens=tokens)
     if mode.logprobs is not None:
         logprobs = raw.log_softmax(dim=-1)

@@ -1,4 +1,7 @@
-"""The sampler's top-k/top-p filter on CUDA: a per-row threshold found by search, never a sort.
+"""The sampler's exact top-k/top-p filter on CUDA: a per-row threshold found by search, never a sort.
+
+The sampler's usual path (triton_race) checks the filter at the race's winner and needs no threshold; it comes
+here for the rows that check leaves open (few; `rows_to_search` marks them and every other row exits at once).
 
 `filter_thresholds` finds, per row, the value `x` such that the kept tokens are exactly those with a scaled
 logit `l > x` (a sort of the vocabulary cost 2.4 ms of a 4.1 ms sampler step at 256 x 128k on an H200).
@@ -191,8 +194,8 @@ def _largest_failing(
 
 @triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr"])
 def _threshold_kernel(
-    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, threshold_ptr, row_max_ptr,
-    wide_ptr, narrow_ptr, vocab,
+    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, pending_ptr, threshold_ptr, row_max_ptr,
+    wide_ptr, narrow_ptr, vocab, SOME_ROWS: tl.constexpr,
     P: tl.constexpr, WIDE_: tl.constexpr, NARROW_: tl.constexpr, MAX_PASSES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -206,7 +209,10 @@ def _threshold_kernel(
     use_p = top_p < 1.0
     threshold = float("-inf")
     row_max = 0.0
-    if (temperature > 0) & (use_k | use_p | (tl.load(min_p_ptr + row) > 0)):
+    todo = True
+    if SOME_ROWS:
+        todo = tl.load(pending_ptr + row) != 0
+    if (temperature > 0) & (use_k | use_p | (tl.load(min_p_ptr + row) > 0)) & todo:
         # One pass for the row's range, its count of tokens and its softmax denominator (online, as in flash
         # attention: rescaled whenever the running max grows).
         row_max = float("-inf")
@@ -247,11 +253,13 @@ def filter_thresholds(
     min_p: torch.Tensor,
     wide: int = WIDE,
     narrow: int = NARROW,
+    rows_to_search: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of float32 `logits` [S, V]: (threshold, row max) of the scaled logits `logits / temperature`;
     the top-k/top-p survivors are the tokens above the threshold. Greedy rows and rows without a filter get
-    threshold -inf (and row max 0 when they have no min-p either). `wide` and `narrow` (powers of two,
-    narrow >= 32) set when the search moves to a copy of the bracket and when it tests each token."""
+    threshold -inf (and row max 0 when they have no min-p either), as do rows `rows_to_search` (int32 [S])
+    leaves at 0 when given. `wide` and `narrow` (powers of two, narrow >= 32) set when the search moves to a
+    copy of the bracket and when it tests each token."""
     rows, vocab = logits.shape
     threshold = torch.empty(rows, dtype=torch.float32, device=logits.device)
     row_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -259,8 +267,9 @@ def filter_thresholds(
     narrow_scratch = torch.empty((rows, narrow), dtype=torch.float32, device=logits.device)
     if rows:
         _threshold_kernel[(rows,)](
-            logits, logits.stride(0), temperature, top_k, top_p, min_p, threshold, row_max,
-            wide_scratch, narrow_scratch, vocab,
+            logits, logits.stride(0), temperature, top_k, top_p, min_p,
+            rows_to_search if rows_to_search is not None else top_k, threshold, row_max,
+            wide_scratch, narrow_scratch, vocab, SOME_ROWS=rows_to_search is not None,
             P=PIVOTS, WIDE_=wide, NARROW_=narrow, MAX_PASSES=_MAX_PASSES, BLOCK=_BLOCK, num_warps=8,
         )  # fmt: skip
     return threshold, row_max
