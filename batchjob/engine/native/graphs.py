@@ -129,11 +129,12 @@ class StepGraphs:
                     del graphs[key]
             torch.cuda.synchronize(self.runner.device)
 
-    def _record(self, work: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+    def _record(self, work: Callable[[], None], pool, warm_up: bool = True) -> torch.cuda.CUDAGraph:
         compute = self.runner.compute
-        with torch.cuda.stream(compute):
-            work()  # warm-up: autotuning, lazy init
-        compute.synchronize()
+        if warm_up:
+            with torch.cuda.stream(compute):
+                work()  # autotuning, lazy initialisation, compiles: nothing of the kind may happen mid-capture
+            compute.synchronize()
         graph = torch.cuda.CUDAGraph()
         # All graphs share one pool: safe because they only ever run one at a time, on `compute`.
         with _capturing(graph, pool, compute):
@@ -168,4 +169,6 @@ class StepGraphs:
         for slot, prev in self._slots(shape):
             # A query bound above 1 selects the varlen prefill kernel, the one that runs every mix of chunks.
             step = partial(runner.run_step, slot, prev, shape, bucket, runner.max_model_len, mode)
-            self.mixed[(slot.index, bucket, mode)] = self._record(step, pool)
+            # The second slot's step launches the kernels the first slot's warm-up ran, at the same sizes: a
+            # second eager run of thousands of tokens would only lengthen the start-up.
+            self.mixed[(slot.index, bucket, mode)] = self._record(step, pool, warm_up=slot.index == 0)
