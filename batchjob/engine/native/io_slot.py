@@ -2,9 +2,9 @@
 
 The asynchronous loop has two slots: the CPU fills one while the GPU computes from the other. Inputs are
 packed into a few buffers so a step needs four host-to-device copies. Inside a packed buffer, fields sit at
-offsets that depend only on the step's token and row counts (`StepShape` lays them out), so a decode step of
-a given batch-size bucket always uses the same device addresses, which is what a CUDA graph of that bucket
-was captured with.
+offsets that depend only on the step's token and row counts (`StepShape` lays them out), so a step padded to a
+graph bucket (step_layout.py) always uses the same device addresses, which is what the CUDA graph of that
+bucket was captured with.
 
 A step with constrained rows (structured outputs) also has a token bitmask: one row per constrained sampled row,
 packed at the front of a fixed-size buffer, written by the host once the tokens its constraint depends on are
