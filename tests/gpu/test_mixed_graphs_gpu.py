@@ -21,7 +21,7 @@ from batchjob.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# 512-token steps: mixed buckets of 256 and 512 tokens; prompts up to 400 tokens chunk beside decodes.
+# 512-token steps: mixed buckets of 256 and 512 tokens; prompts up to 300 tokens chunk beside decodes.
 OPTIONS = {"dtype": "float32", "max_num_seqs": 32, "max_num_batched_tokens": 512}
 
 
@@ -41,7 +41,7 @@ def _tokens(completions: dict) -> dict:
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
 def test_every_step_of_a_greedy_mixed_run_replays_a_graph_and_equals_transformers(tmp_path, arch):
     model_dir = make_tiny_model(tmp_path / arch, arch=arch)
-    requests = mixed_requests(60, seed=9, max_prompt=400, max_new=24)
+    requests = mixed_requests(60, seed=9, max_prompt=300, max_new=24)
     expected = hf_greedy(model_dir, requests, device="cuda")
 
     graphed, stats = _run(model_dir, requests)
@@ -57,7 +57,7 @@ def test_every_step_of_a_greedy_mixed_run_replays_a_graph_and_equals_transformer
 def test_sampled_mixed_steps_replay_graphs_and_only_log_probability_steps_run_eagerly(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     modes = [dict(temperature=0.8), dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=20, min_p=0.05)]
-    prompts = [r.prompt_ids for r in mixed_requests(48, seed=11, max_prompt=400)]
+    prompts = [r.prompt_ids for r in mixed_requests(48, seed=11, max_prompt=300)]
     sampled = [
         Request(i, prompt, SamplingParams(max_new_tokens=16, ignore_eos=True, seed=i, **modes[i % 3]))
         for i, prompt in enumerate(prompts)
