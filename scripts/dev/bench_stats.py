@@ -10,6 +10,8 @@ for name, s in d["workloads"][0]["systems"].items():
     keep = (
         "steps",
         "graph_steps",
+        "mixed_graph_steps",
+        "eager_steps",
         "prep_ms_per_step",
         "fill_ms_per_step",
         "graph_launch_ms_per_step",

@@ -25,7 +25,7 @@ from engine_cases import (  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.engine.native.engine import graph_buckets  # noqa: E402
+from batchjob.engine.native.step_layout import decode_buckets  # noqa: E402
 from batchjob.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -74,8 +74,8 @@ def test_graph_replay_equals_eager_for_every_bucket_greedy_and_sampling(tmp_path
     graphed_engine = create_engine("native", str(model_dir), options)
     eager_engine = create_engine("native", str(model_dir), {**options, "cuda_graphs": False})
     try:
-        assert graphed_engine.stats()["graph_modes"] == 3, graphed_engine.runner.capture_errors
-        for bucket in graph_buckets(max_seqs):
+        assert graphed_engine.stats()["graph_modes"] == 3, graphed_engine.runner.graphs.errors
+        for bucket in decode_buckets(max_seqs):
             # greedy, temperature only, and filtering: each graph mode against the eager step of the same mode
             for temperature, top_p in ((0.0, 1.0), (0.8, 1.0), (0.8, 0.95)):
                 params = SamplingParams(

@@ -68,7 +68,7 @@ def _run(model_dir, top_p, engine="native", **options):
     eng = create_engine(engine, str(model_dir), {"dtype": "float32", "max_num_seqs": 64, **options})
     try:
         done = {c.id: c for c in eng.generate(_requests(top_p))}
-        return done, eng.stats(), len(eng.runner.masked_graphs)
+        return done, eng.stats(), len(eng.runner.graphs.masked)
     finally:
         eng.close()
 

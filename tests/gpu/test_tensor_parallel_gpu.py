@@ -51,6 +51,7 @@ def test_two_gpus_greedy_fp32_equals_one_gpu_with_graphs(case):
     got, stats = run(model_dir, requests, tensor_parallel=2)
     assert token_ids(got) == expected
     assert stats["graph_steps"] > 0 and stats["tensor_parallel"] == 2
+    assert stats["mixed_graph_steps"] > 0  # mixed steps replay graphs on every rank, collectives captured
     assert 0 < stats["gpu_busy_fraction_rank1"] <= 1
 
 

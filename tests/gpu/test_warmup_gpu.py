@@ -51,25 +51,34 @@ def compiled_kernel_variants() -> dict[str, int]:
     return counts
 
 
-def mixed_workload(n: int, seed: int, constrained: bool = False) -> list[Request]:
-    """Prompts of 1-700 tokens, outputs of 1-80, every sampler mode (log-probabilities included); with
-    `constrained`, every fifth request under a regular expression (split steps)."""
+def mixed_workload(n: int, seed: int, constrained: bool = False, logprobs: bool = True) -> list[Request]:
+    """Prompts of 1-700 tokens, outputs of 1-80, every sampler mode (log-probabilities included unless not
+    `logprobs`); with `constrained`, every fifth request under a regular expression (split steps)."""
     rng = np.random.default_rng(seed)
+    samplings = SAMPLINGS if logprobs else [s for s in SAMPLINGS if "logprobs" not in s]
     requests = []
     for i in range(n):
         prompt = tuple(int(t) for t in rng.integers(6, 500, int(rng.integers(1, 700))))
         regex = CODE_REGEX if constrained and i % 5 == 0 else None
         params = SamplingParams(
-            max_new_tokens=int(rng.integers(1, 80)), ignore_eos=True, seed=i, regex=regex, **SAMPLINGS[i % 6]
+            max_new_tokens=int(rng.integers(1, 80)),
+            ignore_eos=True,
+            seed=i,
+            regex=regex,
+            **samplings[i % len(samplings)],
         )
         requests.append(Request(i, prompt, params))
     return requests
 
 
 @pytest.mark.parametrize(
-    ("dtype", "constrained"), [("bfloat16", False), ("float32", False), ("bfloat16", True)], ids=str
+    ("dtype", "constrained", "logprobs"),
+    [("bfloat16", False, True), ("float32", False, True), ("bfloat16", True, True), ("bfloat16", False, False)],
+    ids=str,
 )
-def test_a_mixed_run_after_start_up_compiles_nothing_and_allocates_no_device_memory(tmp_path, dtype, constrained):
+def test_a_mixed_run_after_start_up_compiles_nothing_and_allocates_no_device_memory(
+    tmp_path, dtype, constrained, logprobs
+):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     # The KV cache sized from memory (not a block count), so the KV-sizing profile runs as in a real job.
     options = {"dtype": dtype, "max_num_seqs": 48, "max_num_batched_tokens": 1024, "gpu_memory_utilization": 0.25}
@@ -78,14 +87,19 @@ def test_a_mixed_run_after_start_up_compiles_nothing_and_allocates_no_device_mem
         assert engine.stats()["warmup_s"] > 0
         kernels_before = compiled_kernel_variants()
         memory_before = torch.cuda.memory_stats()
-        completions = list(engine.generate(mixed_workload(300, seed=7, constrained=constrained)))
+        completions = list(engine.generate(mixed_workload(300, seed=7, constrained=constrained, logprobs=logprobs)))
         memory_after = torch.cuda.memory_stats()
         kernels_after = compiled_kernel_variants()
         stats = engine.stats()
     finally:
         engine.close()
     assert len(completions) == 300
-    assert stats["steps"] > stats["graph_steps"] > 0  # both graphed decodes and eager mixed steps ran
+    if logprobs or constrained:
+        # Steps with log-probabilities or constrained chunks run eagerly; the others replay graphs.
+        assert stats["steps"] > stats["graph_steps"] > 0
+    else:
+        # Every step replays a graph, decode or mixed.
+        assert stats["eager_steps"] == 0 and stats["mixed_graph_steps"] > 0
     assert (stats.get("constrained_steps", 0) > 0) == constrained
     new = {
         k: kernels_after[k] - kernels_before.get(k, 0)

@@ -14,9 +14,8 @@ from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 def test_every_field_of_every_shape_is_16_byte_aligned_and_apart():
     limits = SlotLimits(max_tokens=70, max_rows=19, max_blocks_per_seq=5, max_top_logprobs=0, bitmask_words=3)
     slot = IOSlot(0, limits, torch.device("cpu"))
+    # Mixed graphs pad the sequences to the limit, which may exceed the tokens of a small bucket.
     for tokens, seqs in itertools.product([1, 2, 3, 5, 16, 17, 70], [1, 2, 3, 4, 7, 8, 19]):
-        if seqs > tokens:
-            continue
         shape = StepShape(tokens=tokens, seqs=seqs, rows=seqs)
         ints, meta, params = slot.device_views(shape, max_query_len=1, max_seq_len=1)
         views = [*ints.values(), meta.cu_query_lens, meta.seq_lens, meta.block_tables, meta.slot_mapping]

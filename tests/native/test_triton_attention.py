@@ -19,7 +19,7 @@ from interpreted_attention import (  # noqa: E402
     triton_prefill,
 )
 
-from batchjob.engine.native.attention import AttentionMetadata  # noqa: E402
+from batchjob.engine.native.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 
 
 @pytest.mark.parametrize("block_size", [16, 1])
@@ -87,6 +87,42 @@ def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan():
 
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert not out[:2].isnan().any()
+
+
+def _pad_like_a_mixed_graph(step, tokens: int, seqs: int):
+    """`step` padded as io_slot.py pads a mixed graph's step: a one-token sequence in the scratch block per
+    padding token while sequences last, zero-length sequences after that, and tokens past the last sequence's
+    that belong to none. Padding q/k/v are NaN, as whatever an earlier graph left in the memory pool may be."""
+    q, k, v, k_cache, v_cache, meta = step
+    t, n = q.shape[0], meta.seq_lens.shape[0]
+    padding = torch.arange(1, seqs - n + 1, dtype=torch.int32)
+    padded = AttentionMetadata(
+        cu_query_lens=torch.cat([meta.cu_query_lens, t + padding.clamp(max=tokens - t)]),
+        seq_lens=torch.cat([meta.seq_lens, (padding <= tokens - t).to(torch.int32)]),
+        block_tables=torch.cat(
+            [meta.block_tables, torch.zeros((seqs - n, meta.block_tables.shape[1]), dtype=torch.int32)]
+        ),
+        slot_mapping=torch.cat([meta.slot_mapping, torch.zeros(tokens - t, dtype=torch.int64)]),
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+    )
+    q, k, v = (torch.cat([x, torch.full((tokens - t, *x.shape[1:]), float("nan"))]) for x in (q, k, v))
+    return q, k, v, k_cache, v_cache, padded
+
+
+@pytest.mark.parametrize("backend", [TritonPagedAttention(), TorchPagedAttention()], ids=["triton", "torch"])
+@pytest.mark.parametrize(("tokens", "seqs"), [(17, 7), (48, 5)], ids=["zero-length sequences", "tokens of no sequence"])
+def test_a_step_padded_for_a_mixed_graph_leaves_every_real_token_bit_for_bit(backend, tokens, seqs):
+    step = random_step([5, 1, 9], [5, 20, 30], 16, 2, seed=5)
+    scale = 0.25
+    unpadded = backend.forward(*step, scale)
+    q, k, v, k_cache, v_cache, meta = _pad_like_a_mixed_graph(step, tokens, seqs)
+
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+    assert out.shape == q.shape
+    assert torch.equal(out[:15], unpadded)
+    assert not unpadded.isnan().any()
 
 
 def test_store_puts_each_new_token_at_its_slot_and_nowhere_else():

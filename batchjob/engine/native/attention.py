@@ -21,7 +21,9 @@ class AttentionMetadata:
 
     Query token j of sequence b (j in [0, q_len_b)) sits at position seq_len_b - q_len_b + j and attends
     causally to cache positions [0, that position]. Padding tokens (CUDA graphs) write to block 0, which the
-    block manager reserves as a scratch block; their outputs are ignored.
+    block manager reserves as a scratch block; their outputs are ignored. A padded step may have sequences of
+    no new token, and tokens past `cu_query_lens[B]` that belong to no sequence: their output is undefined
+    (zero on the CPU backend; the Triton kernels leave it unwritten).
     """
 
     cu_query_lens: torch.Tensor  # int32 [B+1], prefix sums of new-token counts (decode sequence: 1 token)
@@ -119,10 +121,11 @@ class TorchPagedAttention:
 
         cu = meta.cu_query_lens.long()
         query_lens = cu[1:] - cu[:-1]
+        owned = int(cu[-1])  # the tokens of some sequence; those after them are a padded step's spare ones
         token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
-        token_idx = torch.arange(num_tokens, device=device) - cu[token_seq]
+        token_idx = torch.arange(owned, device=device) - cu[token_seq]
         q_pad = q.new_zeros(num_seqs, meta.max_query_len, num_heads, head_dim)
-        q_pad[token_seq, token_idx] = q
+        q_pad[token_seq, token_idx] = q[:owned]
 
         num_blocks = -(-meta.max_seq_len // block_size)
         blocks = meta.block_tables[:, :num_blocks].long()
@@ -152,7 +155,8 @@ class TorchPagedAttention:
                 scale=scale,
                 enable_gqa=num_heads != keys.shape[2],
             )
-        return out.transpose(1, 2)[token_seq, token_idx]
+        out = out.transpose(1, 2)[token_seq, token_idx]
+        return F.pad(out, (0, 0, 0, 0, 0, num_tokens - owned))
 
 
 def _softcapped_attention(

@@ -29,11 +29,12 @@ from batchjob.engine.native.admission import AdmissionQueue
 from batchjob.engine.native.block_manager import KVBlockManager
 from batchjob.engine.native.io_slot import SlotLimits
 from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
-from batchjob.engine.native.model_runner import GRAPH_MODES, ModelRunner, StepHandle
+from batchjob.engine.native.model_runner import ModelRunner, StepHandle
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.sequence import RequestGroup, Sequence, Status
+from batchjob.engine.native.step_layout import GRAPH_MODES, decode_buckets, mixed_buckets
 from batchjob.engine.native.token_mask import one_hot_bitmask_
 from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
 
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
     from batchjob.engine.native.rank_group import RankGroup
 
 log = logging.getLogger("batchjob.engine.native")
-
-
-def graph_buckets(max_batch: int) -> list[int]:
-    small = [b for b in (1, 2, 4, 8) if b <= max_batch]
-    return sorted(set(small + list(range(16, max_batch + 1, 16)) + [max_batch]))
 
 
 def _check_gpu_count(opts: NativeOptions) -> None:
@@ -165,16 +161,20 @@ class NativeEngine:
             modes = GRAPH_MODES if opts.graph_sampling else GRAPH_MODES[:1]
             # The ranks of a tensor-parallel engine never split a step: constrained requests are refused there.
             split = opts.graph_constrained and opts.tensor_parallel == 1
-            seconds, nbytes = self.runner.capture_graphs(graph_buckets(max_batch), modes, split)
+            mixed = mixed_buckets(opts.max_num_batched_tokens) if opts.graph_mixed else []
+            graphs = self.runner.graphs
+            seconds, nbytes = graphs.capture(decode_buckets(max_batch), modes, split, mixed)
             kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
             log.info(
-                "captured %d CUDA graphs (2 slots x %d buckets x %d sampler modes, plus %d for steps with "
-                "constrained rows) in %.1f s using %.1f MiB, plus %.1f MiB for the second IO slot "
-                "(%.2f%% of the KV cache together)",
-                len(self.runner.graphs),
-                len(self.runner.graph_buckets),
-                len(self.runner.graph_modes),
-                len(self.runner.forward_graphs) + len(self.runner.masked_graphs),
+                "captured %d CUDA graphs (2 slots x %d decode buckets x %d sampler modes, plus %d for steps with "
+                "constrained rows and %d for mixed steps, token buckets: %s) in %.1f s using %.1f MiB, plus %.1f MiB "
+                "for the second IO slot (%.2f%% of the KV cache together)",
+                len(graphs.decode),
+                len(graphs.buckets.decode),
+                len(graphs.buckets.modes),
+                len(graphs.forward) + len(graphs.masked),
+                len(graphs.mixed),
+                ", ".join(map(str, graphs.buckets.mixed)) or "none",
                 seconds,
                 nbytes / 2**20,
                 self._stats["slot_bytes"] / 2**20,
@@ -184,7 +184,8 @@ class NativeEngine:
                 graph_capture_s=seconds,
                 graph_bytes=nbytes,
                 kv_cache_bytes=kv_bytes,
-                graph_modes=len(self.runner.graph_modes),
+                graph_modes=len(graphs.buckets.modes),
+                mixed_graph_modes=len(graphs.buckets.mixed_modes),
             )
         # On a CPU nothing compiles and there is no caching allocator to prime: the warm-up would be pure cost.
         if opts.warmup if opts.warmup is not None else self.device.type == "cuda":
@@ -372,6 +373,8 @@ class NativeEngine:
             prep_ms_per_step=1000 * runner.prep_s / max(runner.steps, 1),
             fill_ms_per_step=1000 * runner.fill_s / max(runner.steps, 1),
             graph_steps=runner.graph_steps,
+            mixed_graph_steps=runner.mixed_graph_steps,
+            eager_steps=runner.steps - runner.graph_steps,
             graph_launch_ms_per_step=1000 * runner.launch_s[0] / max(runner.graph_steps, 1),
             eager_launch_ms_per_step=1000 * runner.launch_s[1] / max(runner.steps - runner.graph_steps, 1),
             output_tokens=self.outputs.tokens_out + self.outputs.forced_tokens,

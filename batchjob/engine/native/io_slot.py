@@ -2,9 +2,9 @@
 
 The asynchronous loop has two slots: the CPU fills one while the GPU computes from the other. Inputs are
 packed into a few buffers so a step needs four host-to-device copies. Inside a packed buffer, fields sit at
-offsets that depend only on the step's token and row counts (`StepShape` lays them out), so a decode step of
-a given batch-size bucket always uses the same device addresses, which is what a CUDA graph of that bucket
-was captured with.
+offsets that depend only on the step's token and row counts (`StepShape` lays them out), so a step padded to a
+graph bucket (step_layout.py) always uses the same device addresses, which is what the CUDA graph of that
+bucket was captured with.
 
 A step with constrained rows (structured outputs) also has a token bitmask: one row per constrained sampled row,
 packed at the front of a fixed-size buffer, written by the host once the tokens its constraint depends on are
@@ -146,8 +146,11 @@ class IOSlot:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def fill(self, plan: StepPlan, shape: StepShape, block_size: int) -> int:
-        """Write `plan` into the host buffers, padded to `shape` (padding: scratch block 0, no carry-over).
-        Returns how many sampled rows are constrained (the bitmask rows the step needs)."""
+        """Write `plan` into the host buffers, padded to `shape`. Padding tokens write their K/V into the scratch
+        block 0 and carry nothing over; a padding sequence has one padding token while they last (a decode
+        bucket: every one) and none after that; padding tokens past the last sequence's belong to none (a mixed
+        bucket); padding rows sample the first token's logits. Returns how many sampled rows are constrained
+        (the bitmask rows the step needs)."""
         n, t, rows = len(plan.seqs), plan.num_tokens, int(plan.samples.sum())
         counts, starts = plan.counts, plan.starts
         cu = np.zeros(n + 1, dtype=np.int64)
@@ -178,7 +181,7 @@ class IOSlot:
 
         sampled = [s for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
         view["logits_indices"][:rows] = cu[1:][plan.samples] - 1
-        view["logits_indices"][rows:] = np.arange(rows, shape.rows)
+        view["logits_indices"][rows:] = 0
         view["seeds"][:rows] = [s.seed for s in sampled]
         # The sampled token's index in the output: its position minus the prompt length.
         view["out_positions"][:rows] = [s.num_tokens - 1 - s.prompt_len for s in sampled]
@@ -193,9 +196,10 @@ class IOSlot:
 
         meta = _views(self.host_meta.numpy(), shape.meta_fields())
         meta["cu_query_lens"][: n + 1] = cu
-        meta["cu_query_lens"][n + 1 :] = t + np.arange(1, shape.seqs - n + 1)
+        padding_seqs = np.arange(1, shape.seqs - n + 1)
+        meta["cu_query_lens"][n + 1 :] = t + np.minimum(padding_seqs, shape.tokens - t)
         meta["seq_lens"][:n] = starts + counts
-        meta["seq_lens"][n:] = 1
+        meta["seq_lens"][n:] = padding_seqs <= shape.tokens - t
 
         temperature, top_p, min_p = _views(self.host_float.numpy(), shape.float_fields()).values()
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]

@@ -9,7 +9,9 @@ A step goes H2D stream -> compute stream -> D2H stream. Ordering is by events on
 
 Consecutive steps use alternate slots, so the CPU fills slot B while the GPU computes from slot A. The next
 step's carry-over reads the previous slot's sampled tokens on the compute stream, after the previous forward.
-On CPU the same code runs without streams or events (all work is synchronous there).
+On CPU the same code runs without streams or events (all work is synchronous there). Which steps replay a
+CUDA graph, and how they are padded to its shape: step_layout.py; the graphs themselves: graphs.py. A step
+laid out for a graph that was never captured (a CPU runner given buckets, in tests) runs the same work eagerly.
 
 Structured outputs split a step with constrained rows in two. `launch` enqueues the forward, which writes the
 logits to a shared buffer; the bitmask of a constrained row depends on the token the previous step sampled,
@@ -23,95 +25,25 @@ A tensor-parallel engine never has constrained rows (the engine refuses them), s
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from batchjob.engine.native.busy_clock import BusyClock
+from batchjob.engine.native.graphs import StepGraphs
 from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.sampler import SamplerMode, sample
 from batchjob.engine.native.scheduler import StepPlan
+from batchjob.engine.native.step_layout import StepLayout, layout_step
 from batchjob.engine.native.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from batchjob.engine.native.packed_step import PackedStep
-
-log = logging.getLogger("batchjob.engine.native")
-
-
-GREEDY = SamplerMode()
-# Temperature-only steps get their own graphs: their draw is one pass over the logits, as cheap as greedy,
-# while a filtering step adds the filter's checks. Rows without a filter draw the same token in either mode,
-# and greedy rows stay greedy in both.
-SAMPLING = SamplerMode(sampling=True)
-FILTERING = SamplerMode(sampling=True, filtering=True)
-GRAPH_MODES = (GREEDY, SAMPLING, FILTERING)
-
-
-def has_constrained_rows(plan: StepPlan) -> bool:
-    return any(s.matcher is not None for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep)
-
-
-def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
-    """The captured mode that can run a decode step needing `mode`, if any (log-probabilities: none)."""
-    if mode.logprobs is not None:
-        return None
-    if mode.filtering:
-        return FILTERING
-    return SAMPLING if mode.sampling else GREEDY
-
-
-def sampler_mode(plan: StepPlan) -> SamplerMode:
-    sampled = [s.sampling for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
-    logprobs = [p.logprobs for p in sampled if p.logprobs is not None]
-    return SamplerMode(
-        sampling=any(p.temperature > 0 for p in sampled),
-        filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in sampled),
-        logprobs=max(logprobs) if logprobs else None,
-    )
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """How a step runs: its padded shape, the graph bucket that replays it (None: eager), the sampler mode, its
-    sampled rows and tokens, and the host-side bounds of an eager step's attention."""
-
-    shape: StepShape
-    bucket: int | None
-    mode: SamplerMode
-    rows: int
-    tokens: int
-    max_query_len: int
-    max_seq_len: int
-
-
-def layout_step(
-    plan: StepPlan,
-    graph_buckets: list[int],
-    graph_modes: set[SamplerMode],
-    masked_graph_modes: set[SamplerMode] = frozenset(),
-) -> StepLayout:
-    """How `plan` runs. A decode step with constrained rows replays graphs only where its split halves were
-    captured (`masked_graph_modes`; none with engine.graph_constrained=false): otherwise it runs eagerly."""
-    rows = int(plan.samples.sum())
-    mode = sampler_mode(plan)
-    n, t = len(plan.seqs), plan.num_tokens
-    graph_mode = graph_mode_for(mode)
-    usable = masked_graph_modes if has_constrained_rows(plan) else graph_modes
-    bucket = None
-    if plan.is_decode and graph_mode in usable:
-        bucket = next((b for b in graph_buckets if b >= n), None)
-    if bucket:
-        mode = graph_mode
-    shape = StepShape(bucket, bucket, bucket) if bucket else StepShape(t, n, rows)
-    return StepLayout(shape, bucket, mode, rows, t, int(plan.counts.max()), int((plan.starts + plan.counts).max()))
 
 
 @dataclass
@@ -145,19 +77,6 @@ class _SlotEvents:
         self.bitmask_done = torch.cuda.Event()
 
 
-@contextmanager
-def _capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream) -> Iterator[None]:
-    """`torch.cuda.graph` without its `empty_cache()` on entry: that would hand back the blocks the KV-sizing
-    profile and the warm-up left cached for eager steps, which would then cudaMalloc next to a nearly full
-    card, blocking the CPU until the step in flight ends (measured on W2: eager launches 33 ms instead of 9)."""
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            yield
-        finally:
-            graph.capture_end()
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -182,14 +101,7 @@ class ModelRunner:
         # runs on the compute stream between a step's forward and its sampler.
         self.logits = torch.zeros((limits.max_rows, vocab_size), dtype=torch.float32, device=device)
         self.step_index = 0
-        self.graphs: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
-        # Split steps (constrained rows): the forward per (slot, bucket), the masked sampler per (slot, bucket, mode).
-        self.forward_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.masked_graphs: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
-        self.graph_buckets: list[int] = []
-        self.graph_modes: set[SamplerMode] = set()
-        self.masked_graph_modes: set[SamplerMode] = set()
-        self.capture_errors: list[str] = []
+        self.graphs = StepGraphs(self)
         if self.cuda:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
             for slot in self.slots:
@@ -203,7 +115,8 @@ class ModelRunner:
         self.mask_s = 0.0
         self.launch_s = [0.0, 0.0]  # graph steps, eager steps
         self.steps = 0
-        self.graph_steps = 0
+        self.graph_steps = 0  # replayed a graph (decode or mixed); the rest ran eagerly
+        self.mixed_graph_steps = 0
         self.masked_steps = 0
         self.tokens_fed = 0
         self.clock = BusyClock() if self.cuda else None
@@ -234,95 +147,19 @@ class ModelRunner:
             slot.dev_top_ids[: shape.rows, :k].copy_(out.top_ids)
             slot.dev_top_logprobs[: shape.rows, :k].copy_(out.top_logprobs)
 
-    def _forward(
+    def run_step(
         self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int, mode: SamplerMode
     ) -> None:
+        """A whole step: forward and sampler."""
         self._sample(slot, shape, mode, self._logits(slot, prev, shape, max_query_len, max_seq_len), masked=False)
 
-    def _split_forward(
-        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int
-    ) -> None:
+    def run_forward(self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int) -> None:
+        """The first half of a split step: the forward, its logits left in `self.logits`."""
         self.logits[: shape.rows].copy_(self._logits(slot, prev, shape, max_query_len, max_seq_len))
 
-    def _masked_sample(self, slot: IOSlot, shape: StepShape, mode: SamplerMode) -> None:
+    def run_masked_sampler(self, slot: IOSlot, shape: StepShape, mode: SamplerMode) -> None:
+        """The second half of a split step: the sampler, over `self.logits` under the step's bitmask."""
         self._sample(slot, shape, mode, self.logits[: shape.rows], masked=True)
-
-    # ---- CUDA graphs ----
-
-    def capture_graphs(
-        self, buckets: list[int], modes: tuple[SamplerMode, ...], split: bool = True
-    ) -> tuple[float, int]:
-        """Capture decode steps for every bucket, sampler mode and slot into one memory pool; with `split`, also
-        the two halves of decode steps with constrained rows. Returns the seconds and device bytes it took. A
-        mode other than greedy that fails to capture is logged and left to run eagerly; greedy must capture."""
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for mode in modes:
-            try:
-                for bucket in sorted(buckets, reverse=True):
-                    self._capture(bucket, mode, pool)
-                    if split:
-                        self._capture_split(bucket, mode, pool)
-            except RuntimeError as exc:
-                if mode == GREEDY:
-                    raise
-                log.warning("decode steps with %s run eagerly: capturing them failed (%s)", mode, exc)
-                self.graphs = {key: g for key, g in self.graphs.items() if key[2] != mode}
-                self.masked_graphs = {key: g for key, g in self.masked_graphs.items() if key[2] != mode}
-                self.capture_errors.append(f"{mode}: {exc}")
-                torch.cuda.synchronize(self.device)
-        self.graph_buckets = sorted(buckets)
-        self.graph_modes = {key[2] for key in self.graphs}
-        self.masked_graph_modes = {key[2] for key in self.masked_graphs}
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start, torch.cuda.memory_reserved(self.device) - before
-
-    def _record(self, pool, work: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        with torch.cuda.stream(self.compute):
-            work()  # warm-up: autotuning, lazy init
-        self.compute.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # All graphs share one pool: safe because they only ever run one at a time, on `compute`.
-        with _capturing(graph, pool, self.compute):
-            work()
-        return graph
-
-    def _capture(self, bucket: int, mode: SamplerMode, pool) -> None:
-        shape = StepShape(tokens=bucket, seqs=bucket, rows=bucket)
-        for slot in self.slots:
-            prev = self.slots[1 - slot.index]
-            self._prepare_dummy(slot, shape)
-            self.graphs[(slot.index, bucket, mode)] = self._record(
-                pool, partial(self._forward, slot, prev, shape, 1, self.max_model_len, mode)
-            )
-
-    def _capture_split(self, bucket: int, mode: SamplerMode, pool) -> None:
-        shape = StepShape(tokens=bucket, seqs=bucket, rows=bucket)
-        for slot in self.slots:
-            prev = self.slots[1 - slot.index]
-            self._prepare_dummy(slot, shape)
-            if (slot.index, bucket) not in self.forward_graphs:
-                self.forward_graphs[(slot.index, bucket)] = self._record(
-                    pool, partial(self._split_forward, slot, prev, shape, 1, self.max_model_len)
-                )
-            self.masked_graphs[(slot.index, bucket, mode)] = self._record(
-                pool, partial(self._masked_sample, slot, shape, mode)
-            )
-
-    def _prepare_dummy(self, slot: IOSlot, shape: StepShape) -> None:
-        """Valid inputs for a capture: every token a padding token in the scratch block, no constrained row."""
-        slot.dev_int.zero_()
-        slot.dev_tables.zero_()
-        slot.dev_float.zero_()
-        ints, meta, params = slot.device_views(shape, 1, self.max_model_len)
-        meta.cu_query_lens.copy_(torch.arange(shape.seqs + 1, dtype=torch.int32, device=self.device))
-        meta.seq_lens.fill_(1)
-        ints["logits_indices"].copy_(torch.arange(shape.rows, device=self.device))
-        ints["mask_rows"].fill_(-1)
-        params.top_p.fill_(1.0)
-        self.slots[1 - slot.index].dev_tokens.zero_()
 
     # ---- launching, sampling and collecting steps ----
 
@@ -330,7 +167,7 @@ class ModelRunner:
         """Enqueue `plan`: the whole step, or for a step with constrained rows only its forward (then
         `sample_masked`)."""
         began = time.perf_counter()
-        layout = layout_step(plan, self.graph_buckets, self.graph_modes, self.masked_graph_modes)
+        layout = layout_step(plan, self.graphs.buckets)
         slot = self._take_slot()
         masked_rows = slot.fill(plan, layout.shape, self.block_size)
         return self._enqueue(slot, layout, plan, began, masked_rows)
@@ -361,10 +198,11 @@ class ModelRunner:
         """H2D copy, forward and sampling, D2H copy of a step whose inputs are in `slot`'s host buffers; with
         `masked_rows`, only the H2D copy and the forward (`sample_masked` enqueues the rest)."""
         prev = self.slots[1 - slot.index]
-        shape, bucket, mode, rows = layout.shape, layout.bucket, layout.mode, layout.rows
+        shape, mode, rows = layout.shape, layout.mode, layout.rows
         filled = time.perf_counter()
         self.fill_s += filled - began
-        step = StepHandle(plan, slot, shape, rows, mode, masked_rows=masked_rows, graphed=bool(bucket))
+        graph = self.graphs.for_step(slot.index, layout, split=masked_rows > 0)
+        step = StepHandle(plan, slot, shape, rows, mode, masked_rows=masked_rows, graphed=graph is not None)
 
         with self._stream(self.h2d if self.cuda else None):
             if self.cuda:
@@ -381,15 +219,12 @@ class ModelRunner:
                 self.compute.wait_event(slot.events.d2h_done)
                 timing = self.clock.pair()
                 timing[0].record(self.compute)
-            if masked_rows:
-                if bucket:
-                    self.forward_graphs[(slot.index, bucket)].replay()
-                else:
-                    self._split_forward(slot, prev, shape, layout.max_query_len, layout.max_seq_len)
-            elif bucket:
-                self.graphs[(slot.index, bucket, mode)].replay()
+            if graph is not None:
+                graph.replay()
+            elif masked_rows:
+                self.run_forward(slot, prev, shape, layout.max_query_len, layout.max_seq_len)
             else:
-                self._forward(slot, prev, shape, layout.max_query_len, layout.max_seq_len, mode)
+                self.run_step(slot, prev, shape, layout.max_query_len, layout.max_seq_len, mode)
             if self.cuda:
                 timing[1].record(self.compute)
                 if not masked_rows:
@@ -400,9 +235,10 @@ class ModelRunner:
             self._enqueue_d2h(step)
         done = time.perf_counter()
         self.prep_s += done - began
-        self.launch_s[0 if bucket else 1] += done - filled
+        self.launch_s[0 if graph is not None else 1] += done - filled
         self.steps += 1
-        self.graph_steps += 1 if bucket else 0
+        self.graph_steps += graph is not None
+        self.mixed_graph_steps += graph is not None and layout.mixed
         self.tokens_fed += layout.tokens
         return step
 
@@ -424,9 +260,9 @@ class ModelRunner:
                 timing = self.clock.pair()
                 timing[0].record(self.compute)
             if step.graphed:
-                self.masked_graphs[(slot.index, shape.rows, step.mode)].replay()
+                self.graphs.masked[(slot.index, shape.rows, step.mode)].replay()
             else:
-                self._masked_sample(slot, shape, step.mode)
+                self.run_masked_sampler(slot, shape, step.mode)
             if self.cuda:
                 timing[1].record(self.compute)
                 slot.events.compute_done.record(self.compute)

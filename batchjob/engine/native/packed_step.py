@@ -17,7 +17,7 @@ import numpy as np
 from batchjob.engine.native.io_slot import IOSlot
 
 if TYPE_CHECKING:
-    from batchjob.engine.native.model_runner import StepLayout
+    from batchjob.engine.native.step_layout import StepLayout
 
 
 @dataclass(frozen=True)

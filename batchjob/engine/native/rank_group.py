@@ -38,9 +38,10 @@ import torch
 import batchjob
 from batchjob.engine.api import EngineFailure
 from batchjob.engine.native.io_slot import IOSlot
-from batchjob.engine.native.model_runner import StepHandle, StepResult, layout_step
+from batchjob.engine.native.model_runner import StepHandle, StepResult
 from batchjob.engine.native.packed_step import PackedStep
 from batchjob.engine.native.scheduler import StepPlan
+from batchjob.engine.native.step_layout import layout_step
 from batchjob.engine.native.tp_rank import RankReady, RankSetup
 
 log = logging.getLogger("batchjob.engine.native")
@@ -80,7 +81,7 @@ class RankGroup:
         self._torn = False
         self._store_dir = tempfile.mkdtemp(prefix="batchjob-tp-")
         # Counters the engine's statistics read, as of a ModelRunner (here: this process's share of a step).
-        self.steps = self.graph_steps = self.tokens_fed = 0
+        self.steps = self.graph_steps = self.mixed_graph_steps = self.tokens_fed = 0
         self.prep_s = self.fill_s = 0.0
         # Always zero: the engine refuses constrained requests under tensor parallelism, so no step is split.
         self.masked_steps = 0
@@ -115,7 +116,7 @@ class RankGroup:
             raise
         first = ready[0]
         self.num_blocks = first.num_blocks
-        self.graph_buckets, self.graph_modes = first.graph_buckets, first.graph_modes
+        self.graphs = first.graphs
         self.startup_stats = first.stats
         self.block_size = int(options.get("block_size", 16))
         self._slot = IOSlot(0, first.limits, torch.device("cpu"))
@@ -124,7 +125,7 @@ class RankGroup:
 
     def launch(self, plan: StepPlan) -> StepHandle:
         began = time.perf_counter()
-        layout = layout_step(plan, self.graph_buckets, self.graph_modes)
+        layout = layout_step(plan, self.graphs)
         self._slot.fill(plan, layout.shape, self.block_size)
         width = max(len(seq.block_table) for seq in plan.seqs)
         message = ForkingPickler.dumps(("step", PackedStep.pack(self._slot, layout, width)))
@@ -136,6 +137,7 @@ class RankGroup:
         self.launch_s[0 if layout.bucket else 1] += done - filled
         self.steps += 1
         self.graph_steps += 1 if layout.bucket else 0
+        self.mixed_graph_steps += 1 if layout.mixed else 0
         self.tokens_fed += layout.tokens
         return StepHandle(plan=plan, slot=None, shape=layout.shape, rows=layout.rows, mode=layout.mode)
 

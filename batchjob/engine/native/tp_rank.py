@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: a rank ignores stop signals before it loads torch
     from batchjob.engine.native.io_slot import SlotLimits
-    from batchjob.engine.native.sampler import SamplerMode
+    from batchjob.engine.native.step_layout import GraphBuckets
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -50,8 +50,7 @@ class RankSetup:
 class RankReady:
     num_blocks: int  # the smallest any rank can hold, which every rank allocated
     limits: SlotLimits  # of the IO slots, so the job process packs steps into buffers of the same size
-    graph_buckets: list[int]
-    graph_modes: set[SamplerMode]
+    graphs: GraphBuckets  # what every rank captured (the same options, so the same graphs)
     stats: dict[str, float]
 
 
@@ -132,8 +131,7 @@ def main(argv: list[str]) -> int:
                 RankReady(
                     engine.blocks.num_blocks,
                     runner.slots[0].limits,
-                    runner.graph_buckets,
-                    runner.graph_modes,
+                    runner.graphs.buckets,
                     dict(engine.stats()),
                 ),
             )

@@ -5,7 +5,9 @@ device-to-host copy, both IO slots) of every kind the run can launch: eager deco
 sizes, prefill and mixed prefill+decode steps, for each sampler mode (greedy, temperature, top-k/top-p/min-p
 filters, log-probabilities), split steps with constrained rows (structured outputs: the forward, then the masked
 sampler, with an allow-all bitmask), a sweep of step sizes up to the token budget, and the largest step the
-budget allows with the heaviest sampler. Two reasons:
+budget allows with the heaviest sampler. A step that a captured graph can replay runs its kernels only as they
+were compiled for the capture, so the steps meant to compile eager variants ask for log-probabilities, which
+keeps them eager (no graph returns them). Two reasons:
 
 - Triton compiles a kernel the first time it meets a new variant (dtype, constexprs, and the specialisation
   of integer arguments on 1 and on divisibility by 16). A compile in the middle of the run blocks the CPU
@@ -47,6 +49,8 @@ _MODE_PARAMS = {
     "temperature": dict(temperature=1.0),
     "filters": dict(temperature=1.0, top_k=20, top_p=0.9, min_p=0.01),
 }
+# Greedy, with the sampled token's log-probability: a step no graph can replay.
+_EAGER_GREEDY = SamplingParams(max_new_tokens=1, logprobs=0)
 # One of each integer class Triton specialises on: 1, not a multiple of 16, a multiple of 16.
 _SMALL_BATCHES = (1, 3, 16)
 # The matcher of a warm-up step's constrained rows: the runner only asks whether a row has one, and the warm-up
@@ -110,8 +114,8 @@ def _batches_and_mixed(limits: WarmupLimits) -> tuple[list[int], list[tuple[int,
 
 
 def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
-    """Eager decodes of 1, 3, 16 and the most sequences, and small prefill and mixed steps, in every sampler
-    mode."""
+    """Eager decodes of 1, 3, 16 and the most sequences, and small prefill and mixed steps (with and without
+    log-probabilities), in every sampler mode."""
     batches, mixed = _batches_and_mixed(limits)
     steps = []
     for params in _MODE_PARAMS.values():
@@ -119,7 +123,8 @@ def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
         # Log-probabilities make a decode step run eagerly (no graph has them): the eager decode kernels.
         eager = dataclasses.replace(plain, logprobs=0)
         steps += [WarmupStep((1,) * b, eager) for b in batches]
-        steps += [WarmupStep(counts, plain, last_unsampled=len(counts) == 5) for counts in mixed]
+        for sampling in (plain, eager):  # replayed by a mixed graph where one was captured; eager
+            steps += [WarmupStep(counts, sampling, last_unsampled=len(counts) == 5) for counts in mixed]
     return steps
 
 
@@ -134,24 +139,24 @@ def constrained_steps(limits: WarmupLimits) -> list[WarmupStep]:
 
 
 def size_sweep(limits: WarmupLimits) -> list[WarmupStep]:
-    """Greedy prefill steps of 32, 64, 128, ... tokens below the budget."""
+    """Greedy prefill steps of 32, 64, 128, ... tokens below the budget, eager."""
     steps, tokens = [], 32
     while tokens < limits.max_num_batched_tokens:
         counts = _prefill_counts(tokens, limits, max(1, tokens // 32))
         if counts is not None:
-            steps.append(WarmupStep(counts, SamplingParams(max_new_tokens=1)))
+            steps.append(WarmupStep(counts, _EAGER_GREEDY))
         tokens *= 2
     return steps
 
 
 def batch_sweep(limits: WarmupLimits) -> list[WarmupStep]:
-    """Greedy mixed steps of 2, 4, 8, ... sequences up to the limit (decodes and one 2-token chunk): a launch
-    configuration chosen by the sequence count (a power of two above it, say) meets each of its values."""
+    """Greedy mixed steps of 2, 4, 8, ... sequences up to the limit (decodes and one 2-token chunk), eager: a
+    launch configuration chosen by the sequence count (a power of two above it, say) meets each of its values."""
     steps, seqs = [], 2
     while seqs < 2 * limits.max_num_seqs:
         seqs = min(seqs, limits.max_num_seqs)
         if seqs + 1 <= limits.max_num_batched_tokens and limits.max_model_len > 2:
-            steps.append(WarmupStep((1,) * (seqs - 1) + (2,), SamplingParams(max_new_tokens=1)))
+            steps.append(WarmupStep((1,) * (seqs - 1) + (2,), _EAGER_GREEDY))
         seqs *= 2
     return steps
 

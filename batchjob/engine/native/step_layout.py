@@ -1,0 +1,135 @@
+"""How a step runs: eagerly at its own size, or padded to the shape of a captured CUDA graph.
+
+Two kinds of graph, each captured per sampler mode and IO slot (model_runner.py):
+
+- decode graphs, per batch-size bucket: B one-token sequences padded up to the bucket with one-token padding
+  sequences, so tokens T, sequences B and sampled rows S all equal the bucket; attention by the decode kernels.
+- mixed graphs, per token-count bucket, for steps that carry prefill chunks (or decodes beyond the largest
+  decode bucket): T padded up to the bucket, B and S to `max_num_seqs`. Attention always by the varlen prefill
+  kernel, whose grid depends only on T and B and which finds each program's sequence on the device, so one
+  graph serves every mix of chunk lengths that fits its bucket.
+
+Padding (io_slot.py fills it): a padding sequence takes one padding token while they last and none after
+that; padding tokens past the last sequence's belong to no sequence; every padding token writes its K/V into
+the scratch block 0 and no real sequence reads it. Padding rows are sampled and discarded.
+
+A step with log-probabilities runs eagerly (no graph returns them), and so does a step with constrained rows
+unless it is a decode whose split halves were captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchjob.engine.native.io_slot import StepShape
+from batchjob.engine.native.sampler import SamplerMode
+from batchjob.engine.native.scheduler import StepPlan
+
+GREEDY = SamplerMode()
+# Temperature-only steps get their own graphs: their draw is one pass over the logits, as cheap as greedy,
+# while a filtering step adds the filter's checks. Rows without a filter draw the same token in either mode,
+# and greedy rows stay greedy in both.
+SAMPLING = SamplerMode(sampling=True)
+FILTERING = SamplerMode(sampling=True, filtering=True)
+GRAPH_MODES = (GREEDY, SAMPLING, FILTERING)
+
+# Below this many tokens a mixed step pads up to it: a smaller step is launch-bound, not compute-bound, so
+# finer buckets would buy little for the graphs they cost.
+SMALLEST_MIXED_BUCKET = 256
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes of the decode graphs: 1, 2, 4, 8, every multiple of 16, and `max_batch`."""
+    small = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    return sorted(set(small + list(range(16, max_batch + 1, 16)) + [max_batch]))
+
+
+def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the mixed graphs: powers of two from `SMALLEST_MIXED_BUCKET`, and the token budget. A
+    step pads at most to twice its tokens; a full-budget step (the start of a run) pads nothing."""
+    if max_num_batched_tokens < 2:
+        return []  # no step can carry a chunk of two tokens
+    buckets, size = [], SMALLEST_MIXED_BUCKET
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_num_batched_tokens]
+
+
+@dataclass(frozen=True)
+class GraphBuckets:
+    """The graphs a runner captured: decode buckets and the sampler modes captured whole (`modes`) and as split
+    halves for constrained rows (`masked_modes`), mixed token buckets with their sampler modes, and the
+    sequence count every mixed graph pads to. The default captures nothing: every step runs eagerly."""
+
+    decode: tuple[int, ...] = ()
+    modes: frozenset[SamplerMode] = frozenset()
+    masked_modes: frozenset[SamplerMode] = frozenset()
+    mixed: tuple[int, ...] = ()
+    mixed_modes: frozenset[SamplerMode] = frozenset()
+    mixed_seqs: int = 0
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How a step runs: its padded shape, the graph bucket that replays it (None: eager) and whether that is a
+    mixed graph, the sampler mode, its sampled rows and tokens, and the host-side bounds of an eager step's
+    attention."""
+
+    shape: StepShape
+    bucket: int | None
+    mode: SamplerMode
+    rows: int
+    tokens: int
+    max_query_len: int
+    max_seq_len: int
+    mixed: bool = False
+
+
+def has_constrained_rows(plan: StepPlan) -> bool:
+    return any(s.matcher is not None for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep)
+
+
+def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
+    """The captured mode that can run a step needing `mode`, if any (log-probabilities: none)."""
+    if mode.logprobs is not None:
+        return None
+    if mode.filtering:
+        return FILTERING
+    return SAMPLING if mode.sampling else GREEDY
+
+
+def sampler_mode(plan: StepPlan) -> SamplerMode:
+    sampled = [s.sampling for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
+    logprobs = [p.logprobs for p in sampled if p.logprobs is not None]
+    return SamplerMode(
+        sampling=any(p.temperature > 0 for p in sampled),
+        filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in sampled),
+        logprobs=max(logprobs) if logprobs else None,
+    )
+
+
+def _first_fitting(buckets: tuple[int, ...], size: int) -> int | None:
+    return next((b for b in buckets if b >= size), None)
+
+
+def layout_step(plan: StepPlan, graphs: GraphBuckets) -> StepLayout:
+    """How `plan` runs with the graphs `graphs` describes: a decode step in the smallest decode bucket that
+    holds it, any other step (or a decode too wide for every decode bucket) in the smallest mixed bucket that
+    holds its tokens, else eagerly at its own size."""
+    rows = int(plan.samples.sum())
+    mode = sampler_mode(plan)
+    n, t = len(plan.seqs), plan.num_tokens
+    bounds = (int(plan.counts.max()), int((plan.starts + plan.counts).max()))
+    graph_mode = graph_mode_for(mode)
+    constrained = has_constrained_rows(plan)
+    if plan.is_decode and graph_mode in (graphs.masked_modes if constrained else graphs.modes):
+        bucket = _first_fitting(graphs.decode, n)
+        if bucket:
+            return StepLayout(StepShape(bucket, bucket, bucket), bucket, graph_mode, rows, t, *bounds)
+    if not constrained and graph_mode in graphs.mixed_modes and n <= graphs.mixed_seqs:
+        bucket = _first_fitting(graphs.mixed, t)
+        if bucket:
+            shape = StepShape(bucket, graphs.mixed_seqs, graphs.mixed_seqs)
+            return StepLayout(shape, bucket, graph_mode, rows, t, *bounds, mixed=True)
+    return StepLayout(StepShape(t, n, rows), None, mode, rows, t, *bounds)

@@ -1,0 +1,143 @@
+"""Steps laid out for CUDA graphs: which graph bucket a step pads to (mixed prefill+decode steps by token count,
+up to the sequence limit), which steps stay eager, and that padded steps, run eagerly through the real runner
+(the work a graph records), generate exactly what unpadded steps do, for a dense, a sliding-window and an MoE
+family."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from engine_cases import mixed_requests
+
+from batchjob.engine import Request, SamplingParams, create_engine
+from batchjob.engine.native.io_slot import StepShape
+from batchjob.engine.native.scheduler import StepPlan
+from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.engine.native.step_layout import (
+    FILTERING,
+    GRAPH_MODES,
+    GREEDY,
+    SAMPLING,
+    GraphBuckets,
+    decode_buckets,
+    layout_step,
+    mixed_buckets,
+)
+from batchjob.tiny_model import make_tiny_model
+
+EVERY_MODE = frozenset(GRAPH_MODES)
+CAPTURED = GraphBuckets(
+    decode=(1, 2, 4, 8),
+    modes=EVERY_MODE,
+    masked_modes=EVERY_MODE,
+    mixed=(256, 512, 1000),
+    mixed_modes=EVERY_MODE,
+    mixed_seqs=16,
+)
+GREEDY_PARAMS = SamplingParams(max_new_tokens=4)
+
+
+def _plan(counts: tuple[int, ...], sampling: SamplingParams = GREEDY_PARAMS, constrained: bool = False) -> StepPlan:
+    """A step of one fresh sequence per chunk of `counts` tokens (a count of 1: a decode after 3 cached tokens);
+    every chunk samples."""
+    seqs = []
+    starts = np.array([3 if c == 1 else 0 for c in counts], dtype=np.int64)
+    for i, (start, count) in enumerate(zip(starts.tolist(), counts, strict=True)):
+        request = Request(i, (5,) * (start + count), sampling)
+        seq = Sequence.create(i, RequestGroup(request, start + count), 0, start + count + 4, 0, 16)
+        seq.matcher = "a grammar" if constrained and i == 0 else None
+        seqs.append(seq)
+    n = len(counts)
+    return StepPlan(seqs, starts, np.array(counts), np.ones(n, dtype=bool), np.full(n, -1, dtype=np.int64))
+
+
+def test_mixed_buckets_double_from_256_up_to_the_token_budget_which_is_the_last():
+    assert mixed_buckets(8192) == [256, 512, 1024, 2048, 4096, 8192]
+    assert mixed_buckets(3000) == [256, 512, 1024, 2048, 3000]
+    assert mixed_buckets(100) == [100]
+    assert mixed_buckets(1) == []  # no step can carry a two-token chunk
+
+
+def test_the_default_limits_add_few_graphs_beside_the_decode_graphs():
+    # 256 sequences and 8192 tokens: per sampler mode and IO slot, 6 mixed graphs beside 20 decode graphs.
+    assert len(mixed_buckets(8192)) == 6 and len(decode_buckets(256)) == 20
+
+
+def test_a_step_with_a_chunk_pads_its_tokens_to_the_next_bucket_and_its_sequences_to_the_limit():
+    layout = layout_step(_plan((1, 1, 1, 300)), CAPTURED)
+    assert layout.mixed and layout.bucket == 512 and layout.mode == GREEDY
+    assert layout.shape == StepShape(tokens=512, seqs=16, rows=16)
+    assert (layout.rows, layout.tokens, layout.max_query_len, layout.max_seq_len) == (4, 303, 300, 300)
+    assert layout_step(_plan((256,)), CAPTURED).shape.tokens == 256
+    assert layout_step(_plan((1, 1000)), CAPTURED).bucket is None  # past the largest bucket
+
+
+def test_a_mixed_step_replays_the_graph_of_its_sampler_mode():
+    cases = [(dict(temperature=0.7), SAMPLING), (dict(temperature=0.7, top_p=0.9), FILTERING)]
+    for params, mode in cases:
+        layout = layout_step(_plan((1, 40), SamplingParams(max_new_tokens=4, **params)), CAPTURED)
+        assert layout.mixed and layout.mode == mode
+    greedy_only = dataclasses.replace(CAPTURED, mixed_modes=frozenset({GREEDY}))
+    assert layout_step(_plan((1, 40), SamplingParams(max_new_tokens=4, temperature=0.7)), greedy_only).bucket is None
+
+
+def test_decodes_keep_their_batch_buckets_and_wider_decodes_take_a_mixed_graph():
+    narrow = layout_step(_plan((1,) * 3), CAPTURED)
+    assert not narrow.mixed and narrow.shape == StepShape(4, 4, 4)
+    wide = layout_step(_plan((1,) * 12), CAPTURED)
+    assert wide.mixed and wide.shape == StepShape(256, 16, 16)
+
+
+def test_log_probabilities_constrained_chunks_and_too_many_sequences_run_eagerly():
+    logprobs = SamplingParams(max_new_tokens=4, logprobs=0)
+    assert layout_step(_plan((1, 40), logprobs), CAPTURED).bucket is None
+    assert layout_step(_plan((1, 40), constrained=True), CAPTURED).bucket is None
+    assert layout_step(_plan((1,) * 16 + (2,)), CAPTURED).bucket is None  # 17 sequences, graphs hold 16
+    eager = layout_step(_plan((1, 40)), GraphBuckets())
+    assert eager.bucket is None and eager.shape == StepShape(41, 2, 2)
+    # A constrained decode still replays its split halves.
+    assert layout_step(_plan((1, 1), constrained=True), CAPTURED).shape == StepShape(2, 2, 2)
+
+
+def _requests() -> list[Request]:
+    """Greedy requests and sampled ones (temperature only, and filtered), prompts longer than the token budget."""
+    greedy = mixed_requests(16, seed=4, max_prompt=40, max_new=10)
+    sampled = [
+        Request(100 + i, tuple(range(7, 7 + 3 * i + 2)), SamplingParams(max_new_tokens=8, seed=i, **params))
+        for i, params in enumerate([dict(temperature=0.9), dict(temperature=0.8, top_p=0.9, top_k=30)] * 3)
+    ]
+    return greedy + sampled
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
+def test_steps_padded_to_graph_shapes_generate_exactly_what_unpadded_steps_do(tmp_path, arch):
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch)
+    options = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 32}
+    plain = create_engine("native", str(model_dir), options)
+    expected = {c.id: c.token_ids for c in plain.generate(_requests())}
+
+    padded = create_engine("native", str(model_dir), options)
+    runner = padded.runner
+    # Buckets as a GPU runner would have captured them; on the CPU the padded steps run eagerly.
+    runner.graphs.buckets = GraphBuckets(
+        decode=(2, 4), modes=EVERY_MODE, mixed=(16, 32), mixed_modes=EVERY_MODE, mixed_seqs=8
+    )
+    launched = []
+    launch = runner.launch
+
+    def launch_and_record(plan):
+        handle = launch(plan)
+        launched.append((len(plan.seqs), plan.num_tokens, handle.shape))
+        return handle
+
+    runner.launch = launch_and_record
+    got = {c.id: c.token_ids for c in padded.generate(_requests())}
+
+    assert got == expected
+    mixed = [(n, t, shape) for n, t, shape in launched if shape.seqs == 8 and shape.tokens in (16, 32)]
+    # Both kinds of padding ran: sequences left without a token, and tokens left without a sequence.
+    assert any(shape.tokens - t < shape.seqs - n for n, t, shape in mixed)
+    assert any(shape.tokens - t > shape.seqs - n for n, t, shape in mixed)
+    assert any(shape == StepShape(4, 4, 4) for _, _, shape in launched)  # a padded decode
