@@ -248,6 +248,11 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         limit = _positive_int(limit, "data.limit", minimum=0)
     sampling = _sampling(cfg)
     _check_constraints_supported(engine_cfg, sampling, data.json_schema_column)
+    may_constrain = sampling.constraint is not None or data.json_schema_column or data.format == "openai_batch"
+    if not may_constrain and "graph_constrained" in engine_cfg:
+        # No row of this job can carry a constraint: the graphs of its split steps would only cost start-up
+        # (more than half the graphs a native engine captures).
+        engine_cfg["graph_constrained"] = False
     return JobSettings(
         model_path=cfg.model.path,
         engine_name=engine_name,
