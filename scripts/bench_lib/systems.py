@@ -91,6 +91,9 @@ def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
 
     engine_name, every = NATIVE_ENGINES[name]
     options = {"dtype": settings.dtype, "detokenize": False, **settings.engine_options}
+    if not every:
+        # What a job without constraints does (batchjob/config.py): no graphs for split steps it never runs.
+        options.setdefault("graph_constrained", False)
     started = time.perf_counter()
     engine = create_engine(engine_name, str(model_dir), options)
     startup_s = time.perf_counter() - started
