@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "dummy"),
         default=None,
         help="dummy: the model directory holds only config.json and a tokenizer, and the native engines make "
-        "seeded random weights on the GPU (no disk; transformers systems are skipped). Default: the workload's "
+        "seeded random weights on the GPU and transformers its own random initialisation there (no disk). "
+        "Default: the workload's "
         "(W7: dummy), else auto",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
@@ -168,8 +169,8 @@ def run_workload(
     skipped, errors = {}, {}
     for system in systems:
         reason = unavailable_reason(system)
-        if reason is None and system not in NATIVE_SYSTEMS and (dummy or gpus > 1):
-            reason = "runs only with weight files on one GPU (this workload: dummy weights or tensor_parallel > 1)"
+        if reason is None and system not in NATIVE_SYSTEMS and gpus > 1:
+            reason = "runs on one GPU only (this workload: tensor_parallel > 1)"
         if reason is None and system in NATIVE_ENGINES and NATIVE_ENGINES[system][1] and gpus > 1:
             reason = "structured outputs run on one GPU only (this workload: tensor_parallel > 1)"
         if reason:

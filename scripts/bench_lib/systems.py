@@ -150,9 +150,19 @@ def _load_hf_model(model_dir: Path, settings: RunSettings):
     from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": settings.hf_attn_implementation} if settings.hf_attn_implementation else {}
-    # Loaded on the CPU then moved: `device_map` would need `accelerate`, which the project does not require.
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype), **extra)
-    model.to(settings.device)
+    dtype = getattr(torch, settings.dtype)
+    if settings.engine_options.get("load_format") == "dummy":
+        # No weight files (a config-only model directory): transformers' own random initialisation, made on the
+        # device. Which random weights does not change the work: EOS is ignored and every output length forced.
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device(settings.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    else:
+        # Loaded on the CPU then moved: `device_map` would need `accelerate`, which the project does not require.
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **extra)
+        model.to(settings.device)
     # EOS is ignored so that every system does the same work; generate() would otherwise stop at it.
     model.generation_config.eos_token_id = None
     return model.eval()
