@@ -3,8 +3,10 @@
 The table (`moe_configs.json`, written by scripts/tune_moe.py on the GPU it describes) maps
 device name -> shape key (experts, intermediate size, hidden size, top-k, dtype) -> token count -> config.
 A step's config is the entry whose token count is nearest to the step's in ratio, so a decode bucket between
-two tuned counts takes the closer one. The choice reads host integers and a cached device name only: no
-synchronisation, and a CUDA graph captured for a batch bucket replays with the config it was captured with.
+two tuned counts takes the closer one (tuned counts are powers of two: the engine's warm-up, sweeping step
+sizes by doubling, then meets every config a run can choose and compiles it before the run). The choice reads
+host integers and a cached device name only: no synchronisation, and a CUDA graph captured for a batch bucket
+replays with the config it was captured with.
 
 The two grouped GEMMs (gate/up with SiLU-and-mul, down with the routing weight) share `block_m`, which is also
 the alignment of each expert's rows, so one alignment serves both; their column and depth tiles, warps and
@@ -76,7 +78,7 @@ def shape_key(num_experts: int, intermediate: int, hidden: int, top_k: int, dtyp
     return f"E={num_experts},I={intermediate},H={hidden},top_k={top_k},dtype={str(dtype).removeprefix('torch.')}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: moe_config's cache takes it as an argument
 class MoEConfigTable:
     """device name -> shape key -> {token count: config}."""
 
@@ -125,6 +127,8 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+# Eager steps (prefills) ask once per layer: the answer for a step size is kept.
+@functools.lru_cache(maxsize=4096)
 def moe_config(
     num_tokens: int,
     num_experts: int,
