@@ -104,3 +104,33 @@ def test_decode_batch_time_and_weight_bandwidth(experts, monkeypatch):
         f"{touched} experts' weights ({weight_bytes / 1e9:.2f} GB) at {weight_bytes / ms / 1e6:.0f} GB/s"
     )
     assert ms > 0
+
+
+def test_alignment_equals_the_torch_stable_sort(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from bench_lib.moe_timing import torch_alignment
+
+    from batchjob.engine.native.triton_moe_align import moe_align_block_size
+
+    for num_tokens, block_m in [(1, 16), (256, 16), (256, 32), (3000, 64), (8192, 128)]:
+        _, ids = routing(num_tokens, seed=num_tokens)
+        ours, theirs = moe_align_block_size(ids, E, block_m), torch_alignment(ids, E, block_m)
+        end = int(theirs[2])
+        assert int(ours[2]) == end
+        assert torch.equal(ours[0][:end], theirs[0][:end])
+        assert torch.equal(ours[1][: end // block_m], theirs[1][: end // block_m])
+
+
+def test_every_tuned_config_for_this_gpu_computes_the_reference(experts):
+    from batchjob.engine.native.moe_configs import device_name, package_table, shape_key
+
+    key = shape_key(E, INTER, H, K, torch.bfloat16)
+    tuned = package_table().entries.get(device_name(DEVICE), {}).get(key, {})
+    if not tuned:
+        pytest.skip(f"no tuned configs for {key} on {device_name(DEVICE)}")
+    w13, w2 = (w.to(torch.bfloat16) for w in experts)
+    for num_tokens, config in sorted(tuned.items()):
+        hidden = torch.randn(num_tokens, H, device=DEVICE, dtype=torch.bfloat16)
+        weights, ids = routing(num_tokens, seed=num_tokens)
+        got = fused_moe(hidden, w13, w2, weights, ids, config=config)
+        torch.testing.assert_close(got.double(), reference(hidden, w13, w2, weights, ids), rtol=2e-2, atol=2e-2)
