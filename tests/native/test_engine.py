@@ -257,3 +257,21 @@ def test_an_engine_option_of_the_wrong_type_is_named_before_loading():
         create_engine("native", "/nonexistent", {"max_num_seqs": "many"})
     with pytest.raises(ValueError, match=r"engine.cuda_graphs=1: must be bool"):
         create_engine("native", "/nonexistent", {"cuda_graphs": 1})
+
+
+def test_a_closed_engine_frees_its_runner_without_the_garbage_collector(llama_case):
+    """The KV cache is most of a card: it must go when the engine closes, not when a collection happens to run
+    (a second engine in the same process would otherwise find no memory)."""
+    import gc
+    import weakref
+
+    model_dir = llama_case[0]
+    eng = create_engine("native", str(model_dir), {"dtype": "float32", "device": "cpu"})
+    list(eng.generate([Request(id=0, prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2))]))
+    runner = weakref.ref(eng.runner)
+    gc.disable()
+    try:
+        eng.close()
+        assert runner() is None
+    finally:
+        gc.enable()

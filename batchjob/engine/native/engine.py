@@ -13,6 +13,7 @@ advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -406,4 +407,5 @@ class NativeEngine:
         self.kv_caches = []
         self.runner = None
         if self.device.type == "cuda":
+            gc.collect()  # whatever still holds device memory through a reference cycle goes before the cache
             torch.cuda.empty_cache()

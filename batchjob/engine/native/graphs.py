@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -64,7 +65,9 @@ class StepGraphs:
     """Every captured graph of one runner, and the buckets (`buckets`) that step layouts may use."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+        # A proxy: the runner holds this object, and a reference cycle would keep the runner's KV cache (most of
+        # the card) allocated after the engine closes, until the garbage collector happens to run.
+        self.runner = weakref.proxy(runner)
         self.decode: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
         self.mixed: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
         self.forward: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
