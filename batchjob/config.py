@@ -253,6 +253,10 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         # No row of this job can carry a constraint: the graphs of its split steps would only cost start-up
         # (more than half the graphs a native engine captures).
         engine_cfg["graph_constrained"] = False
+    if sampling.temperature == 0 and data.format != "openai_batch" and "graph_sampling" in engine_cfg:
+        # Every row of this job is greedy (an OpenAI batch file may set a temperature per line): the graphs of
+        # the two sampling modes would be two thirds of the start-up's capture, never replayed.
+        engine_cfg["graph_sampling"] = False
     return JobSettings(
         model_path=cfg.model.path,
         engine_name=engine_name,

@@ -90,14 +90,17 @@ def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
     from batchjob.engine import Request, SamplingParams, create_engine
 
     engine_name, every = NATIVE_ENGINES[name]
+    spec = requests.spec
     options = {"dtype": settings.dtype, "detokenize": False, **settings.engine_options}
     if not every:
-        # What a job without constraints does (batchjob/config.py): no graphs for split steps it never runs.
+        # What a job without constraints does (batchjob/config.py): no graphs for split steps it never runs,
+        # and for a job whose rows are all greedy none for the sampling modes.
         options.setdefault("graph_constrained", False)
+        if not spec.temperature:
+            options.setdefault("graph_sampling", False)
     started = time.perf_counter()
     engine = create_engine(engine_name, str(model_dir), options)
     startup_s = time.perf_counter() - started
-    spec = requests.spec
     schema = json.dumps(RECORDS_SCHEMA)
 
     def sampling(i: int, n: int) -> SamplingParams:

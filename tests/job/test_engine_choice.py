@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from jobtools import CONF_DIR, REPO, bookkeeping, cli_env, read_output, read_report, write_prompts
+from jobtools import CONF_DIR, REPO, bookkeeping, cli_env, job_config, read_output, read_report, write_prompts
 
 from batchjob.job import run_job
 from batchjob.slurm import register_resolvers
@@ -111,3 +111,34 @@ def test_a_job_auto_ran_natively_resumes_under_an_explicit_engine_native(tmp_pat
 
     assert run(*args, "engine=native") == 0
     assert read_output(tmp_path / "o").num_rows == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "captured"),
+    [
+        ((), False),
+        (('sampling.choice=["yes","no"]',), True),
+        (("data.json_schema_column=schema",), True),
+        (("data.format=openai_batch",), True),
+    ],
+)
+def test_split_step_graphs_are_captured_only_for_jobs_whose_rows_can_carry_a_constraint(
+    tmp_path: Path, overrides: tuple[str, ...], captured: bool
+) -> None:
+    from batchjob.config import load_settings
+
+    cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
+    assert load_settings(cfg).engine_options["graph_constrained"] is captured
+
+
+@pytest.mark.parametrize(
+    ("overrides", "captured"),
+    [((), False), (("sampling.temperature=0.7",), True), (("data.format=openai_batch",), True)],
+)
+def test_sampling_graphs_are_captured_only_for_jobs_whose_rows_can_sample(
+    tmp_path: Path, overrides: tuple[str, ...], captured: bool
+) -> None:
+    from batchjob.config import load_settings
+
+    cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
+    assert load_settings(cfg).engine_options["graph_sampling"] is captured

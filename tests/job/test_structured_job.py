@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from jobtools import job_config, read_output, read_report, run_in_process, write_prompts
+from jobtools import read_output, read_report, run_in_process, write_prompts
 from structured_cases import CHOICES, PET_SCHEMA, POINT_SCHEMA, valid_json
 
 NATIVE = ("engine=native", "engine.dtype=float32", "sampling.max_new_tokens=160")
@@ -90,21 +90,3 @@ def test_openai_batch_response_formats_constrain_their_lines(tmp_path: Path) -> 
     assert rows["text"]["error"] is None
     assert rows["no-schema"]["finish_reason"] == "error" and "json_schema.schema" in rows["no-schema"]["error"]
     assert read_report(tmp_path / "o")["engine"]["grammars_compiled"] == 3  # pet, point, object: once each
-
-
-@pytest.mark.parametrize(
-    ("overrides", "captured"),
-    [
-        ((), False),
-        (('sampling.choice=["yes","no"]',), True),
-        (("data.json_schema_column=schema",), True),
-        (("data.format=openai_batch",), True),
-    ],
-)
-def test_split_step_graphs_are_captured_only_for_jobs_whose_rows_can_carry_a_constraint(
-    tmp_path: Path, overrides: tuple[str, ...], captured: bool
-) -> None:
-    from batchjob.config import load_settings
-
-    cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
-    assert load_settings(cfg).engine_options["graph_constrained"] is captured
