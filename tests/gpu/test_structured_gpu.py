@@ -1,6 +1,6 @@
 """Structured outputs on a GPU: the Triton mask kernel equals the torch mask at a 128k vocabulary, and a constrained
-run with CUDA graphs (split steps: forward graph, then masked-sampler graph) gives the same tokens as eager and as
-the synchronous loop, every `stop` row valid.
+run with CUDA graphs (split decode and mixed steps: forward graph, then masked-sampler graph) gives the same tokens
+as eager and as the synchronous loop, every `stop` row valid.
 
 Run on the GPU machine:  python -m pytest tests/gpu -q
 """
@@ -68,7 +68,7 @@ def _run(model_dir, top_p, engine="native", **options):
     eng = create_engine(engine, str(model_dir), {"dtype": "float32", "max_num_seqs": 64, **options})
     try:
         done = {c.id: c for c in eng.generate(_requests(top_p))}
-        return done, eng.stats(), len(eng.runner.graphs.masked)
+        return done, eng.stats(), len(eng.runner.graphs.mixed_masked)
     finally:
         eng.close()
 
@@ -77,8 +77,10 @@ def _run(model_dir, top_p, engine="native", **options):
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_constrained_run_with_graphs_equals_eager_and_sync_and_stops_valid(tmp_path, top_p):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
-    graphed, stats, masked_graphs = _run(model_dir, top_p)
-    assert masked_graphs > 0 and stats["constrained_steps"] > 0
+    graphed, stats, mixed_masked_graphs = _run(model_dir, top_p)
+    assert mixed_masked_graphs > 0 and stats["constrained_steps"] > 0
+    # Jump-forward chunks make constrained steps mixed: they replay the split mixed graphs, none runs eagerly.
+    assert stats["eager_steps"] == 0 and stats["mixed_graph_steps"] > 0
     tokens = {i: c.token_ids for i, c in graphed.items()}
     for options in ({"cuda_graphs": False}, {"graph_constrained": False}, {"debug_poison_slots": True}):
         assert {i: c.token_ids for i, c in _run(model_dir, top_p, **options)[0].items()} == tokens, options

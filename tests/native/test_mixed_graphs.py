@@ -90,15 +90,24 @@ def test_decodes_keep_their_batch_buckets_and_wider_decodes_take_a_mixed_graph()
     assert wide.mixed and wide.shape == StepShape(256, 16, 16)
 
 
-def test_log_probabilities_constrained_chunks_and_too_many_sequences_run_eagerly():
+def test_log_probabilities_uncaptured_constrained_chunks_and_too_many_sequences_run_eagerly():
     logprobs = SamplingParams(max_new_tokens=4, logprobs=0)
     assert layout_step(_plan((1, 40), logprobs), CAPTURED).bucket is None
-    assert layout_step(_plan((1, 40), constrained=True), CAPTURED).bucket is None
+    assert layout_step(_plan((1, 40), constrained=True), CAPTURED).bucket is None  # no split mixed graphs
     assert layout_step(_plan((1,) * 16 + (2,)), CAPTURED).bucket is None  # 17 sequences, graphs hold 16
     eager = layout_step(_plan((1, 40)), GraphBuckets())
     assert eager.bucket is None and eager.shape == StepShape(41, 2, 2)
     # A constrained decode still replays its split halves.
     assert layout_step(_plan((1, 1), constrained=True), CAPTURED).shape == StepShape(2, 2, 2)
+
+
+def test_a_constrained_step_with_chunks_replays_the_split_halves_of_its_mixed_bucket():
+    # Jump-forward feeds forced tokens as chunks: such steps must not fall back to eager launches.
+    split = dataclasses.replace(CAPTURED, mixed_masked_modes=frozenset({SAMPLING}))
+    sampled = SamplingParams(max_new_tokens=4, temperature=1.0)
+    layout = layout_step(_plan((1, 3, 1, 2), sampled, constrained=True), split)
+    assert layout.mixed and layout.mode == SAMPLING and layout.shape == StepShape(256, 16, 16)
+    assert layout_step(_plan((1, 3), constrained=True), split).bucket is None  # greedy halves not captured
 
 
 def _requests() -> list[Request]:
@@ -125,14 +134,14 @@ def test_steps_padded_to_graph_shapes_generate_exactly_what_unpadded_steps_do(tm
         decode=(2, 4), modes=EVERY_MODE, mixed=(16, 32), mixed_modes=EVERY_MODE, mixed_seqs=8
     )
     launched = []
-    launch = runner.launch
+    prepare = runner.prepare
 
-    def launch_and_record(plan):
-        handle = launch(plan)
-        launched.append((len(plan.seqs), plan.num_tokens, handle.shape))
-        return handle
+    def prepare_and_record(plan):
+        prepared = prepare(plan)
+        launched.append((len(plan.seqs), plan.num_tokens, prepared.layout.shape))
+        return prepared
 
-    runner.launch = launch_and_record
+    runner.prepare = prepare_and_record
     got = {c.id: c.token_ids for c in padded.generate(_requests())}
 
     assert got == expected

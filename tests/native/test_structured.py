@@ -137,3 +137,41 @@ def test_an_engine_that_does_not_detokenize_loads_the_tokenizer_for_its_first_co
     with_text, _ = _run(model_dir, reqs)
     assert {i: c.token_ids for i, c in done.items()} == {i: c.token_ids for i, c in with_text.items()}
     assert stats["constrained_steps"] > 0
+
+
+def test_constrained_steps_padded_to_split_graph_shapes_generate_what_unpadded_steps_do(model_dir):
+    """Jump-forward chunks make most constrained steps mixed: laid out for the split halves of mixed and decode
+    graphs (run eagerly on the CPU at the graph's padded shape), they sample exactly the same tokens."""
+    from batchjob.engine.native.step_layout import GRAPH_MODES, GraphBuckets
+
+    reqs = _mixed(0.9)
+    expected, _ = _run(model_dir, reqs, max_num_seqs=16)
+    every = frozenset(GRAPH_MODES)
+    eng = create_engine("native", model_dir, {"dtype": "float32", "max_num_seqs": 16})
+    runner = eng.runner
+    # Buckets as a GPU runner would have captured them, split halves included.
+    runner.graphs.buckets = GraphBuckets(
+        decode=(4, 16),
+        modes=every,
+        masked_modes=every,
+        mixed=(64, 128),
+        mixed_modes=every,
+        mixed_masked_modes=every,
+        mixed_seqs=16,
+    )
+    shapes = []
+    prepare = runner.prepare
+
+    def prepare_and_record(plan):
+        prepared = prepare(plan)
+        shapes.append((prepared.masked_rows, prepared.layout))
+        return prepared
+
+    runner.prepare = prepare_and_record
+    try:
+        got = {c.id: c.token_ids for c in eng.generate(reqs)}
+    finally:
+        eng.close()
+    assert got == {i: c.token_ids for i, c in expected.items()}
+    assert any(masked and layout.mixed and layout.shape.tokens == 64 for masked, layout in shapes)
+    assert any(masked and not layout.mixed and layout.bucket == 16 for masked, layout in shapes)

@@ -7,7 +7,13 @@ are admitted sorted by prompt within a bounded look-ahead window (admission.py),
 ends with a warm-up of every kind of step (warmup.py).
 
 Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have
-advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why).
+advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why). In
+the asynchronous loop the bitmasks are filled by a worker thread (llguidance computes them off the GIL, in its
+own threads) while this thread admits, schedules and fills step N+2; then step N+1's sampler and step N+2's
+forward are enqueued back to back, so the GPU waits for neither the scheduler nor the host's step filling:
+
+    host:  process N | masks N+1 (worker) + schedule/fill N+2 | sampler N+1, forward N+2 | wait N+1 | process N+1
+    GPU:   forward N+1 ...............................| sampler N+1 | forward N+2 ..................
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,10 +37,10 @@ from batchjob.engine.native.admission import AdmissionQueue
 from batchjob.engine.native.block_manager import KVBlockManager
 from batchjob.engine.native.io_slot import SlotLimits
 from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
-from batchjob.engine.native.model_runner import ModelRunner, StepHandle
+from batchjob.engine.native.model_runner import ModelRunner, PreparedStep, StepHandle
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
-from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
+from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig, StepPlan
 from batchjob.engine.native.sequence import RequestGroup, Sequence, Status
 from batchjob.engine.native.step_layout import GRAPH_MODES, decode_buckets, mixed_buckets
 from batchjob.engine.native.token_mask import one_hot_bitmask_
@@ -173,7 +180,7 @@ class NativeEngine:
                 len(graphs.decode),
                 len(graphs.buckets.decode),
                 len(graphs.buckets.modes),
-                len(graphs.forward) + len(graphs.masked),
+                graphs.split_count,
                 len(graphs.mixed),
                 ", ".join(map(str, graphs.buckets.mixed)) or "none",
                 seconds,
@@ -237,6 +244,11 @@ class NativeEngine:
             self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids, self.spec.model_dir
         )
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
+        # The asynchronous loop's bitmask filling: one worker, started with the first constrained step.
+        self._mask_worker: ThreadPoolExecutor | None = None
+        self._mask_job: tuple[StepHandle, Future] | None = None
+        self.mask_fill_s = 0.0  # filling bitmasks, wherever it ran
+        self.mask_wait_s = 0.0  # the loop waiting for the worker's bitmasks
 
     # ---- the loop ----
 
@@ -259,13 +271,17 @@ class NativeEngine:
                         yield refused
                 plan = self.scheduler.schedule()
                 if plan is not None:
-                    inflight.append(self.runner.launch(plan))
+                    prepared = self._prepare(plan)
+                    # The previous step's masked sampler first: this step's forward carries its tokens over.
+                    self._finish_mask()
+                    inflight.append(self._launch(prepared))
                 # Async: keep one step in flight while this one's results are processed.
                 while len(inflight) > (depth if plan is not None else 0):
                     yield from self._process(inflight.popleft())
                 if inflight and not inflight[-1].sampled:
-                    # Every step before it is processed: its constrained rows' masks can be computed now.
-                    self._sample_masked(inflight[-1])
+                    # Every step before it is processed: its constrained rows' masks can be computed now, by the
+                    # worker, while this thread prepares the next step.
+                    self._start_mask(inflight[-1])
                 if plan is None and not inflight:
                     if not self.scheduler.has_unfinished:
                         if exhausted:
@@ -282,6 +298,10 @@ class NativeEngine:
             finished = True
             self.blocks.check_invariants()
         finally:
+            if self._mask_job is not None:
+                # Stopped early: the worker may still hold the matchers; let it finish before they are dropped.
+                self._mask_job[1].exception()
+                self._mask_job = None
             self.runner.finish()
             if not finished:
                 # The caller stopped early (a signal, an error): drop every request in flight so the engine
@@ -340,16 +360,53 @@ class NativeEngine:
             self.scheduler.add(seq)
         return None
 
+    def _prepare(self, plan: StepPlan) -> PreparedStep | StepPlan:
+        # The ranks of a tensor-parallel engine lay steps out themselves, and never have a mask to wait for.
+        return plan if self.ranks is not None else self.runner.prepare(plan)
+
+    def _launch(self, prepared: PreparedStep | StepPlan) -> StepHandle:
+        if self.ranks is not None:
+            return self.runner.launch(prepared)
+        return self.runner.launch_prepared(prepared)
+
     def _process(self, step: StepHandle) -> Iterator[Completion]:
         if not step.sampled:
-            self._sample_masked(step)
+            if self._mask_job is not None and self._mask_job[0] is step:
+                self._finish_mask()
+            else:
+                self._sample_masked(step)
         yield from self.outputs.process(step, self.runner.collect(step), self.scheduler)
 
     def _sample_masked(self, step: StepHandle) -> None:
-        self.runner.sample_masked(step, lambda bitmask: self._fill_bitmask(step, bitmask))
+        """Fill `step`'s bitmask here and enqueue its sampler (the synchronous loop)."""
+        bitmask = self.runner.bitmask_rows(step)
+        self._fill_bitmask(self._mask_rows(step, bitmask), bitmask)
+        self.runner.enqueue_masked_sampler(step)
 
-    def _fill_bitmask(self, step: StepHandle, bitmask: torch.Tensor) -> None:
-        """Row k of `bitmask`: what the k-th constrained sampled row of `step` may sample."""
+    def _start_mask(self, step: StepHandle) -> None:
+        """Have the worker fill `step`'s bitmask; `_finish_mask` enqueues its sampler. Until then this thread
+        touches no matcher of the step (the worker holds them)."""
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjob-masks")
+        bitmask = self.runner.bitmask_rows(step)
+        rows = self._mask_rows(step, bitmask)
+        self._mask_job = (step, self._mask_worker.submit(self._fill_bitmask, rows, bitmask))
+
+    def _finish_mask(self) -> None:
+        """Wait for the worker's bitmask, if one is being filled, and enqueue that step's masked sampler."""
+        if self._mask_job is None:
+            return
+        step, job = self._mask_job
+        self._mask_job = None
+        began = time.perf_counter()
+        job.result()
+        self.mask_wait_s += time.perf_counter() - began
+        self.runner.enqueue_masked_sampler(step)
+
+    def _mask_rows(self, step: StepHandle, bitmask: torch.Tensor) -> list:
+        """Row k of `bitmask` is what the k-th constrained sampled row of `step` may sample. Writes the rows that
+        need no matcher (a stopped row, a token jump-forward already chose) and returns `(matcher, k)` for the
+        others."""
         by_matcher, k = [], 0
         for seq, sampled in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True):
             if not sampled or seq.matcher is None:
@@ -363,7 +420,12 @@ class NativeEngine:
                 else:
                     by_matcher.append((seq.matcher, k))
             k += 1
-        self.grammars.fill_bitmasks(by_matcher, bitmask)
+        return by_matcher
+
+    def _fill_bitmask(self, rows: list, bitmask: torch.Tensor) -> None:
+        began = time.perf_counter()
+        self.grammars.fill_bitmasks(rows, bitmask)
+        self.mask_fill_s += time.perf_counter() - began
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
@@ -386,7 +448,9 @@ class NativeEngine:
         if runner.masked_steps:
             stats.update(
                 constrained_steps=runner.masked_steps,
-                mask_ms_per_constrained_step=1000 * runner.mask_s / runner.masked_steps,
+                mask_ms_per_constrained_step=1000 * self.mask_fill_s / runner.masked_steps,
+                mask_wait_ms_per_constrained_step=1000 * self.mask_wait_s / runner.masked_steps,
+                sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,
                 grammars_compiled=self.grammars.compiled,
                 grammar_cache_hits=self.grammars.cache_hits,
@@ -402,6 +466,8 @@ class NativeEngine:
         return list(self.runner.clock.timeline) if self.runner.clock is not None else []
 
     def close(self) -> None:
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown()
         if self.ranks is not None:
             self.ranks.close()
         self.kv_caches = []

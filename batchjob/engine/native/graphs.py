@@ -1,11 +1,12 @@
 """The CUDA graphs of a runner's steps: what is captured, how, and which graph replays a laid-out step.
 
 Per IO slot (a graph is bound to the addresses of its slot's buffers) and per sampler mode: a decode graph per
-batch-size bucket, the two halves of a split decode step (for constrained rows: the forward per bucket, the
-masked sampler per bucket and mode), and a mixed graph per token-count bucket. step_layout.py says how a step
-is padded to a graph's shape. All graphs share one memory pool (`torch.cuda.graph_pool_handle()`), which is
-safe because they only ever replay one at a time, on the compute stream; the largest steps are captured first,
-so the smaller ones reuse their memory.
+batch-size bucket, a mixed graph per token-count bucket, and for steps with constrained rows the two halves of
+a split step (the forward per bucket, the masked sampler per bucket and mode), of decode and of mixed steps:
+jump-forward feeds a constrained row its forced tokens as one chunk, so most constrained steps are mixed.
+step_layout.py says how a step is padded to a graph's shape. All graphs share one memory pool
+(`torch.cuda.graph_pool_handle()`), which is safe because they only ever replay one at a time, on the compute
+stream; the largest steps are captured first, so the smaller ones reuse their memory.
 
 A capture runs its step once eagerly (lazy initialisation, autotuning), then records it, from inputs whose
 every token is padding in the scratch block.
@@ -72,6 +73,8 @@ class StepGraphs:
         self.mixed: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
         self.forward: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.masked: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
+        self.mixed_forward: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.mixed_masked: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
         self.errors: list[str] = []
         self.buckets = GraphBuckets()
 
@@ -81,25 +84,38 @@ class StepGraphs:
         if layout.bucket is None:
             return None
         if layout.mixed:
+            if split:
+                return self.mixed_forward.get((slot, layout.bucket))
             return self.mixed.get((slot, layout.bucket, layout.mode))
         if split:
             return self.forward.get((slot, layout.bucket))
         return self.decode.get((slot, layout.bucket, layout.mode))
 
+    def masked_sampler(self, slot: int, layout: StepLayout) -> torch.cuda.CUDAGraph:
+        """The masked-sampler half of a split step whose forward replayed a graph."""
+        if layout.mixed:
+            return self.mixed_masked[(slot, layout.bucket, layout.mode)]
+        return self.masked[(slot, layout.bucket, layout.mode)]
+
+    @property
+    def split_count(self) -> int:
+        """How many graphs are halves of split steps (steps with constrained rows)."""
+        return len(self.forward) + len(self.masked) + len(self.mixed_forward) + len(self.mixed_masked)
+
     def capture(
         self, decode: list[int], modes: tuple[SamplerMode, ...], split: bool, mixed: list[int]
     ) -> tuple[float, int]:
         """Capture, for both slots and each mode, the largest first: mixed steps of every `mixed` token bucket,
-        decode steps of every `decode` bucket (with `split`, also the halves of decode steps with constrained
-        rows). Returns the seconds and device bytes it took. Greedy decode graphs must capture; any other graph
-        that fails is logged and its steps left to run eagerly."""
+        decode steps of every `decode` bucket (with `split`, also the halves of both kinds of steps with
+        constrained rows). Returns the seconds and device bytes it took. Greedy decode graphs must capture; any
+        other graph that fails is logged and its steps left to run eagerly."""
         device = self.runner.device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for mode in modes:
-            mixed_steps = [partial(self._mixed, b, mode, pool) for b in sorted(mixed, reverse=True)]
+            mixed_steps = [partial(self._mixed, b, mode, pool, split) for b in sorted(mixed, reverse=True)]
             self._capture_all(f"mixed steps with {mode}", mode, mixed_steps)
             decode_steps = [partial(self._decode, b, mode, pool, split) for b in sorted(decode, reverse=True)]
             self._capture_all(f"decode steps with {mode}", mode, decode_steps, required=mode == GREEDY)
@@ -109,6 +125,7 @@ class StepGraphs:
             masked_modes=frozenset(key[2] for key in self.masked),
             mixed=tuple(sorted(mixed)),
             mixed_modes=frozenset(key[2] for key in self.mixed),
+            mixed_masked_modes=frozenset(key[2] for key in self.mixed_masked),
             mixed_seqs=self.runner.slots[0].limits.max_rows,
         )
         torch.cuda.synchronize(device)
@@ -125,8 +142,9 @@ class StepGraphs:
                 raise
             log.warning("%s run eagerly: capturing them failed (%s)", what, exc)
             self.errors.append(f"{what}: {exc}")
-            # A decode mode that failed drops its split halves too; a mixed mode, only its mixed graphs.
-            dropped = [self.mixed] if what.startswith("mixed") else [self.decode, self.masked]
+            # A mode that failed drops its split halves too (the forward halves serve every mode).
+            mixed = what.startswith("mixed")
+            dropped = [self.mixed, self.mixed_masked] if mixed else [self.decode, self.masked]
             for graphs in dropped:
                 for key in [key for key in graphs if key[2] == mode]:
                     del graphs[key]
@@ -165,7 +183,7 @@ class StepGraphs:
             sampler = partial(runner.run_masked_sampler, slot, shape, mode)
             self.masked[(slot.index, bucket, mode)] = self._record(sampler, pool)
 
-    def _mixed(self, bucket: int, mode: SamplerMode, pool) -> None:
+    def _mixed(self, bucket: int, mode: SamplerMode, pool, split: bool) -> None:
         runner = self.runner
         seqs = runner.slots[0].limits.max_rows
         shape = StepShape(tokens=bucket, seqs=seqs, rows=seqs)
@@ -175,3 +193,10 @@ class StepGraphs:
             # The second slot's step launches the kernels the first slot's warm-up ran, at the same sizes: a
             # second eager run of thousands of tokens would only lengthen the start-up.
             self.mixed[(slot.index, bucket, mode)] = self._record(step, pool, warm_up=slot.index == 0)
+            if not split:
+                continue
+            if (slot.index, bucket) not in self.mixed_forward:
+                forward = partial(runner.run_forward, slot, prev, shape, bucket, runner.max_model_len)
+                self.mixed_forward[(slot.index, bucket)] = self._record(forward, pool, warm_up=False)
+            sampler = partial(runner.run_masked_sampler, slot, shape, mode)
+            self.mixed_masked[(slot.index, bucket, mode)] = self._record(sampler, pool)

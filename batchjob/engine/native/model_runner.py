@@ -57,8 +57,23 @@ class StepHandle:
     rows: int
     mode: SamplerMode
     masked_rows: int = 0
-    graphed: bool = False
+    graph_layout: StepLayout | None = None  # the layout of the graph its forward replayed (None: eager)
     sampled: bool = True
+
+    @property
+    def graphed(self) -> bool:
+        return self.graph_layout is not None
+
+
+@dataclass
+class PreparedStep:
+    """A step written into its slot's host buffers (`fill_s` seconds), not yet enqueued."""
+
+    plan: StepPlan
+    slot: IOSlot
+    layout: StepLayout
+    masked_rows: int
+    fill_s: float
 
 
 @dataclass
@@ -112,7 +127,7 @@ class ModelRunner:
         """Step counters and the GPU-busy clock from zero (the warm-up's steps are not the run's)."""
         self.prep_s = 0.0
         self.fill_s = 0.0
-        self.mask_s = 0.0
+        self.sampler_launch_s = 0.0  # enqueuing the masked samplers of split steps
         self.launch_s = [0.0, 0.0]  # graph steps, eager steps
         self.steps = 0
         self.graph_steps = 0  # replayed a graph (decode or mixed); the rest ran eagerly
@@ -166,11 +181,20 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> StepHandle:
         """Enqueue `plan`: the whole step, or for a step with constrained rows only its forward (then
         `sample_masked`)."""
+        return self.launch_prepared(self.prepare(plan))
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Lay `plan` out and write it into the next slot's host buffers, enqueuing nothing yet: the engine
+        prepares a step while the bitmask of the step before it is still being computed."""
         began = time.perf_counter()
         layout = layout_step(plan, self.graphs.buckets)
         slot = self._take_slot()
         masked_rows = slot.fill(plan, layout.shape, self.block_size)
-        return self._enqueue(slot, layout, plan, began, masked_rows)
+        return PreparedStep(plan, slot, layout, masked_rows, time.perf_counter() - began)
+
+    def launch_prepared(self, prepared: PreparedStep) -> StepHandle:
+        """Enqueue a prepared step; every earlier step's sampler must be enqueued already (carry-over)."""
+        return self._enqueue(prepared.slot, prepared.layout, prepared.plan, prepared.fill_s, prepared.masked_rows)
 
     def launch_packed(self, packed: PackedStep) -> StepHandle:
         """Launch a step that another process laid out and filled (the job process of a tensor-parallel
@@ -178,7 +202,7 @@ class ModelRunner:
         began = time.perf_counter()
         slot = self._take_slot()
         packed.unpack_into(slot)
-        return self._enqueue(slot, packed.layout, None, began)
+        return self._enqueue(slot, packed.layout, None, time.perf_counter() - began)
 
     def _take_slot(self) -> IOSlot:
         slot = self.slots[self.step_index % 2]
@@ -193,16 +217,17 @@ class ModelRunner:
         return slot
 
     def _enqueue(
-        self, slot: IOSlot, layout: StepLayout, plan: StepPlan | None, began: float, masked_rows: int = 0
+        self, slot: IOSlot, layout: StepLayout, plan: StepPlan | None, fill_s: float, masked_rows: int = 0
     ) -> StepHandle:
         """H2D copy, forward and sampling, D2H copy of a step whose inputs are in `slot`'s host buffers; with
         `masked_rows`, only the H2D copy and the forward (`sample_masked` enqueues the rest)."""
         prev = self.slots[1 - slot.index]
         shape, mode, rows = layout.shape, layout.mode, layout.rows
         filled = time.perf_counter()
-        self.fill_s += filled - began
+        self.fill_s += fill_s
         graph = self.graphs.for_step(slot.index, layout, split=masked_rows > 0)
-        step = StepHandle(plan, slot, shape, rows, mode, masked_rows=masked_rows, graphed=graph is not None)
+        graphed = layout if graph is not None else None
+        step = StepHandle(plan, slot, shape, rows, mode, masked_rows=masked_rows, graph_layout=graphed)
 
         with self._stream(self.h2d if self.cuda else None):
             if self.cuda:
@@ -234,7 +259,7 @@ class ModelRunner:
         else:
             self._enqueue_d2h(step)
         done = time.perf_counter()
-        self.prep_s += done - began
+        self.prep_s += fill_s + done - filled
         self.launch_s[0 if graph is not None else 1] += done - filled
         self.steps += 1
         self.graph_steps += graph is not None
@@ -245,13 +270,22 @@ class ModelRunner:
     def sample_masked(self, step: StepHandle, fill_bitmask: Callable[[torch.Tensor], None]) -> None:
         """Enqueue the masked sampler of a split step: `fill_bitmask(rows)` writes its bitmask rows on the host
         (the caller has applied every token they depend on), then copy, sample and copy the tokens out."""
-        began = time.perf_counter()
-        slot, shape, k = step.slot, step.shape, step.masked_rows
+        fill_bitmask(self.bitmask_rows(step))
+        self.enqueue_masked_sampler(step)
+
+    def bitmask_rows(self, step: StepHandle) -> torch.Tensor:
+        """The host bitmask rows of a split step's constrained rows, free to be written (their slot's previous
+        copy has finished); `enqueue_masked_sampler` once they are."""
         if self.cuda:
-            slot.events.bitmask_done.synchronize()  # the host bitmask's previous copy has finished
-        fill_bitmask(slot.host_bitmask[:k])
+            step.slot.events.bitmask_done.synchronize()
+        return step.slot.host_bitmask[: step.masked_rows]
+
+    def enqueue_masked_sampler(self, step: StepHandle) -> None:
+        """Copy a split step's filled bitmask rows, enqueue its masked sampler and the copy of its tokens."""
+        began = time.perf_counter()
+        slot, shape = step.slot, step.shape
         with self._stream(self.h2d if self.cuda else None):
-            slot.copy_bitmask(k)
+            slot.copy_bitmask(step.masked_rows)
             if self.cuda:
                 slot.events.bitmask_done.record(self.h2d)
         with self._stream(self.compute if self.cuda else None):
@@ -260,7 +294,7 @@ class ModelRunner:
                 timing = self.clock.pair()
                 timing[0].record(self.compute)
             if step.graphed:
-                self.graphs.masked[(slot.index, shape.rows, step.mode)].replay()
+                self.graphs.masked_sampler(slot.index, step.graph_layout).replay()
             else:
                 self.run_masked_sampler(slot, shape, step.mode)
             if self.cuda:
@@ -269,7 +303,7 @@ class ModelRunner:
         self._enqueue_d2h(step)
         step.sampled = True
         self.masked_steps += 1
-        self.mask_s += time.perf_counter() - began
+        self.sampler_launch_s += time.perf_counter() - began
 
     def _enqueue_d2h(self, step: StepHandle) -> None:
         slot, rows = step.slot, step.rows

@@ -13,8 +13,8 @@ Padding (io_slot.py fills it): a padding sequence takes one padding token while 
 that; padding tokens past the last sequence's belong to no sequence; every padding token writes its K/V into
 the scratch block 0 and no real sequence reads it. Padding rows are sampled and discarded.
 
-A step with log-probabilities runs eagerly (no graph returns them), and so does a step with constrained rows
-unless it is a decode whose split halves were captured.
+A step with log-probabilities runs eagerly (no graph returns them). A step with constrained rows replays the
+split halves of its decode or mixed bucket (forward, then masked sampler) where they were captured.
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
 @dataclass(frozen=True)
 class GraphBuckets:
     """The graphs a runner captured: decode buckets and the sampler modes captured whole (`modes`) and as split
-    halves for constrained rows (`masked_modes`), mixed token buckets with their sampler modes, and the
-    sequence count every mixed graph pads to. The default captures nothing: every step runs eagerly."""
+    halves for constrained rows (`masked_modes`), mixed token buckets with their sampler modes, whole and split
+    (`mixed_masked_modes`), and the sequence count every mixed graph pads to. The default captures nothing:
+    every step runs eagerly."""
 
     decode: tuple[int, ...] = ()
     modes: frozenset[SamplerMode] = frozenset()
     masked_modes: frozenset[SamplerMode] = frozenset()
     mixed: tuple[int, ...] = ()
     mixed_modes: frozenset[SamplerMode] = frozenset()
+    mixed_masked_modes: frozenset[SamplerMode] = frozenset()
     mixed_seqs: int = 0
 
 
@@ -127,7 +129,7 @@ def layout_step(plan: StepPlan, graphs: GraphBuckets) -> StepLayout:
         bucket = _first_fitting(graphs.decode, n)
         if bucket:
             return StepLayout(StepShape(bucket, bucket, bucket), bucket, graph_mode, rows, t, *bounds)
-    if not constrained and graph_mode in graphs.mixed_modes and n <= graphs.mixed_seqs:
+    if graph_mode in (graphs.mixed_masked_modes if constrained else graphs.mixed_modes) and n <= graphs.mixed_seqs:
         bucket = _first_fitting(graphs.mixed, t)
         if bucket:
             shape = StepShape(bucket, graphs.mixed_seqs, graphs.mixed_seqs)
