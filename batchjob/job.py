@@ -324,9 +324,9 @@ def _generate(
         startup.lap("engine_s")
         builder = checks.result()
         startup.lap("wait_s")
+        phases = startup.summary(engine.stats())
         if record_run is not None:
             record_run()
-        phases = startup.summary(engine.stats())
         log.info("%s", startup.ready_line(phases))
         committed = output.committed_row_ids()
         total = job.source.num_rows()
