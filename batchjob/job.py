@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 from batchjob.config import JobSettings, load_settings
@@ -188,22 +189,32 @@ def prepare(settings: JobSettings, startup: StartupClock) -> PreparedJob:
     return PreparedJob(settings, model_path, source, passthrough, output, record, complete, scan_ids)
 
 
-def check_beside_engine(job: PreparedJob, startup: StartupClock) -> Builder:
+@dataclass(frozen=True)
+class ReadyToFeed:
+    """What the checks beside the engine hand the generation loop."""
+
+    builder: Builder
+    committed: np.ndarray  # row ids this shard committed in earlier runs, sorted
+
+
+def check_beside_engine(job: PreparedJob, startup: StartupClock) -> ReadyToFeed:
     """The start-up work a thread does while the engine loads: the duplicate-id scan and then the output's lock
-    and record (when `job.scan_ids`), and the tokenizer with the pipeline's check of it (a chat template). The
-    engine loads its own tokenizer: one shared between the feeder's thread and the engine's detokenizer would
-    be used from two threads at once."""
+    and record (when `job.scan_ids`), the row ids committed by earlier runs (a resume reads every part), and the
+    tokenizer with the pipeline's check of it (a chat template). The engine loads its own tokenizer: one shared
+    between the feeder's thread and the engine's detokenizer would be used from two threads at once."""
     settings = job.settings
     if job.scan_ids:
         with startup.timed("ids_s", beside_engine=True):
             check_unique_ids(job.source)
         with startup.timed("output_s", beside_engine=True):
             open_output(job.output, job.record, settings)
+    with startup.timed("resume_s", beside_engine=True):
+        committed = job.output.committed_row_ids()
     with startup.timed("tokenizer_s", beside_engine=True):
         tokenizer = load_tokenizer(job.model_path)
         builder = make_builder(settings.prompt, tokenizer, settings.sampling, settings.data.json_schema_column)
         builder.check(list(job.source.columns))
-    return builder
+    return ReadyToFeed(builder, committed)
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -299,7 +310,7 @@ def run_shard(cfg: DictConfig, startup: StartupClock | None = None) -> int:
             job.output.close()
 
 
-def _check_error(checks: Future[Builder]) -> BaseException | None:
+def _check_error(checks: Future[ReadyToFeed]) -> BaseException | None:
     """The error of the checks beside the engine once they end, if a user's (it says what to fix)."""
     wait_for([checks])
     error = checks.exception()
@@ -307,7 +318,7 @@ def _check_error(checks: Future[Builder]) -> BaseException | None:
 
 
 def _generate(
-    job: PreparedJob, checks: Future[Builder], startup: StartupClock, record_run: Callable[[], None] | None
+    job: PreparedJob, checks: Future[ReadyToFeed], startup: StartupClock, record_run: Callable[[], None] | None
 ) -> int:
     """`record_run`: when the checks beside the engine open the output, what starts saving the run's config
     and log once they have."""
@@ -322,13 +333,13 @@ def _generate(
         raise
     try:
         startup.lap("engine_s")
-        builder = checks.result()
+        ready = checks.result()
+        builder, committed = ready.builder, ready.committed
         startup.lap("wait_s")
         phases = startup.summary(engine.stats())
         if record_run is not None:
             record_run()
         log.info("%s", startup.ready_line(phases))
-        committed = output.committed_row_ids()
         total = job.source.num_rows()
         remaining = None if total is None else max(total - len(committed), 0)
         if len(committed):

@@ -27,10 +27,11 @@ BESIDE_ENGINE_PHASES = {
     "tokenizer_s": "tokenizer",
     "ids_s": "duplicate-id scan",
     "output_s": "output lock and record",
+    "resume_s": "committed row ids",
 }
 # The engine's own start-up, when its stats() report it: copied into the report as `engine_<key>`.
 ENGINE_PHASES = {
-    "load_s": "weights and tokenizer",
+    "load_s": "weights",
     "kv_sizing_s": "KV sizing",
     "graph_capture_s": "CUDA graphs",
     "warmup_s": "warm-up",

@@ -26,7 +26,7 @@ def test_phases_beside_the_engine_add_nothing_to_the_total() -> None:
     assert critical == pytest.approx(summary["total_s"], abs=0.01)
     line = clock.ready_line(summary)
     assert line.startswith(f"ready to generate {summary['total_s']:.1f} s after start: imports ")
-    assert f"engine {summary['engine_s']:.2f} s (weights and tokenizer 0.01 s)" in line
+    assert f"engine {summary['engine_s']:.2f} s (weights 0.01 s)" in line
     assert line.endswith(f"; beside the engine: tokenizer {summary['tokenizer_s']:.2f} s")
 
 
