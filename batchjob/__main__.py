@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
+
+from batchjob.startup import StartupClock
 
 # Start-up is reported from here (interpreter start is ~0.05 s earlier): imports and config count too.
-_STARTED = time.perf_counter()
+_STARTUP = StartupClock()
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
@@ -22,6 +23,8 @@ from batchjob.config_help import register_help_resolver  # noqa: E402
 from batchjob.errors import EXIT_USAGE, ConfigError  # noqa: E402
 from batchjob.run_files import register_sweep_dir_resolver  # noqa: E402
 from batchjob.slurm import register_resolvers  # noqa: E402
+
+_STARTUP.lap("imports_s")
 
 # Hydra reports an exception raised while composing the config itself (a trimmed traceback, exit 1)
 # unless this is "1"; `cli` sets it for the composition only, to report those errors as batchjob does.
@@ -67,7 +70,7 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    status = run_job(cfg, started=_STARTED)
+    status = run_job(cfg, _STARTUP)
     if status:
         sys.exit(status)
 

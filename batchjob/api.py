@@ -16,7 +16,6 @@ that did not complete raises `JobIncomplete`; otherwise the run's report is retu
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from batchjob.io.storage import Storage
 from batchjob.job import run_shard
 from batchjob.launch import plan_children, run_data_parallel
 from batchjob.slurm import register_resolvers
+from batchjob.startup import StartupClock
 
 
 class JobIncomplete(RuntimeError):
@@ -98,7 +98,7 @@ def compose(*args: str | Mapping[str, Any], **kwargs: Any) -> DictConfig:
 def run(*args: str | Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:
     """Run a job to the end and return its report (`_report.json`'s content; with `engine.data_parallel=N`,
     `{"shards": [one report per GPU process]}`). Resumes like the command line does when rerun."""
-    started = time.perf_counter()
+    startup = StartupClock()
     cfg = compose(*args, **kwargs)
     processes = data_parallel(cfg)
     settings = load_settings(cfg)
@@ -111,7 +111,7 @@ def run(*args: str | Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:
             (c.shard_index, c.shard_count) for c in plan_children(processes, settings.shard_index, settings.shard_count)
         ]
     else:
-        status = run_shard(cfg, started=started)
+        status = run_shard(cfg, startup)
         shards = [(settings.shard_index, settings.shard_count)]
     if status != 0:
         raise JobIncomplete(status)

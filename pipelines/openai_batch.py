@@ -16,11 +16,18 @@ from typing import Any
 
 import pyarrow as pa
 from batchjob.pipelines.openai_output import CHAT_URL, COMPLETIONS_URL, OpenAIRowLayout
-from batchjob.pipelines.prompts import OPENAI_BATCH_INPUT, BadRow, EncodedRows, render_chat
+from batchjob.pipelines.prompts import (
+    OPENAI_BATCH,
+    OPENAI_BATCH_INPUT,
+    BadRow,
+    EncodedRows,
+    PromptSpec,
+    check_columns,
+    render_chat,
+)
 from batchjob.pipelines.sampling import json_schema_override, overridden, row_sampling
 
 from batchjob.engine.api import SamplingParams
-from batchjob.errors import ConfigError
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 # Body fields whose other values would change the output in a way batchjob cannot reproduce, with the
@@ -56,9 +63,7 @@ class OpenAIBatchBuilder:
         return OPENAI_BATCH_INPUT
 
     def check(self, columns: list[str]) -> None:
-        missing = [c for c in OPENAI_BATCH_INPUT if c not in columns]
-        if missing:
-            raise ConfigError(f"an OpenAI batch input needs the columns {', '.join(missing)}; it has {columns}")
+        check_columns(PromptSpec(kind=OPENAI_BATCH), columns)
 
     def layout(self, token_ids: bool) -> OpenAIRowLayout:
         return OpenAIRowLayout(self.tokenizer, token_ids)

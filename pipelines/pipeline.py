@@ -10,7 +10,12 @@ import dataclasses
 from typing import Any, Protocol
 
 import pyarrow as pa
-from batchjob.pipelines.prompts import OPENAI_BATCH, EncodedRows, PromptBuilder, PromptSpec
+from batchjob.pipelines.prompts import (
+    OPENAI_BATCH,
+    EncodedRows,
+    PromptBuilder,
+    PromptSpec,
+)
 
 from batchjob.engine.api import Completion, SamplingParams
 from batchjob.errors import ConfigError
@@ -56,13 +61,9 @@ def for_openai_batch(spec: PromptSpec) -> PromptSpec:
 def make_builder(
     spec: PromptSpec, tokenizer: Any, sampling: SamplingParams, schema_column: str | None = None
 ) -> Builder:
-    """`schema_column`: data.json_schema_column, a column of per-row JSON schemas."""
+    """`schema_column`: data.json_schema_column, a column of per-row JSON schemas (refused for an OpenAI batch
+    input by `prompts.check_columns`, which a job runs first)."""
     if spec.kind == OPENAI_BATCH:
-        if schema_column is not None:
-            raise ConfigError(
-                "data.json_schema_column does not apply to an OpenAI batch input: give a line its schema in its "
-                "body's response_format, and unset data.json_schema_column"
-            )
         from batchjob.pipelines.openai_batch import OpenAIBatchBuilder
 
         return OpenAIBatchBuilder(tokenizer, sampling, spec.add_special_tokens)

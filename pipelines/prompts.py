@@ -60,6 +60,33 @@ class PromptSpec:
         return self.input_columns
 
 
+def check_columns(spec: PromptSpec, columns: list[str], schema_column: str | None = None) -> None:
+    """Raise `ConfigError` if the input lacks a column the prompts are built from. Needs no tokenizer, so a
+    job runs it before the tokenizer and the model load."""
+    if spec.kind == OPENAI_BATCH:
+        if schema_column is not None:
+            raise ConfigError(
+                "data.json_schema_column does not apply to an OpenAI batch input: give a line its schema in its "
+                "body's response_format, and unset data.json_schema_column"
+            )
+        missing = [c for c in OPENAI_BATCH_INPUT if c not in columns]
+        if missing:
+            raise ConfigError(f"an OpenAI batch input needs the columns {', '.join(missing)}; it has {columns}")
+        return
+    if not spec.input_columns:
+        raise ConfigError("no prompt source: set data.prompt_column, data.messages_column or pipeline.template")
+    missing = [c for c in spec.input_columns if c not in columns]
+    if missing:
+        raise ConfigError(
+            f"input has no column {', '.join(map(repr, missing))}; its columns are {', '.join(columns)} "
+            "(set data.prompt_column / data.messages_column / pipeline.template accordingly)"
+        )
+    if schema_column is not None and schema_column not in columns:
+        raise ConfigError(
+            f"data.json_schema_column={schema_column!r} is not in the input; its columns are {', '.join(columns)}"
+        )
+
+
 def _template_fields(template: str) -> tuple[str, ...]:
     try:
         parsed = list(string.Formatter().parse(template))
@@ -115,19 +142,7 @@ class PromptBuilder:
 
     def check(self, columns: list[str]) -> None:
         """Raise `ConfigError` if the input lacks a needed column or the tokenizer cannot render chats."""
-        if not self.spec.input_columns:
-            raise ConfigError("no prompt source: set data.prompt_column, data.messages_column or pipeline.template")
-        missing = [c for c in self.spec.input_columns if c not in columns]
-        if missing:
-            raise ConfigError(
-                f"input has no column {', '.join(map(repr, missing))}; its columns are {', '.join(columns)} "
-                "(set data.prompt_column / data.messages_column / pipeline.template accordingly)"
-            )
-        if self.schema_column is not None and self.schema_column not in columns:
-            raise ConfigError(
-                f"data.json_schema_column={self.schema_column!r} is not in the input; its columns are "
-                f"{', '.join(columns)}"
-            )
+        check_columns(self.spec, columns, self.schema_column)
         if self.spec.kind == "chat" and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
                 "pipeline.kind=chat but the model's tokenizer has no chat template: use a chat/instruct model "

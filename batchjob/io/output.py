@@ -17,11 +17,11 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob.io import manifest, recovery
@@ -43,6 +43,9 @@ from batchjob.io.manifest import PartEntry, Rewrite
 from batchjob.io.record_guard import RecordChange, record_is_stored, settle_job_record, settling
 from batchjob.io.recovery import ShardFiles
 from batchjob.io.storage import Storage, full_disk_reported
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as pads
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,9 @@ class OutputDataset:
         return np.unique(ids.astype(np.int64, copy=False))
 
     def _parts_dataset(self, names: list[str]) -> pads.Dataset:
+        # Imported here: a first run never reads its parts back, and the module (with pandas) costs start-up time.
+        import pyarrow.dataset as pads
+
         return pads.dataset([self._part(n) for n in names], format="parquet", filesystem=self.storage.pyarrow_fs())
 
     def commit(self, table: pa.Table) -> None:
@@ -228,7 +234,7 @@ class OutputDataset:
             for start in range(0, len(ids), rows_per_part):
                 lo, hi = int(ids[start]), int(ids[min(start + rows_per_part, len(ids)) - 1])
                 sources = [p.name for p in old if p.rows and p.row_id_max >= lo and p.row_id_min <= hi]
-                in_range = (pads.field("row_id") >= lo) & (pads.field("row_id") <= hi)
+                in_range = (pc.field("row_id") >= lo) & (pc.field("row_id") <= hi)
                 chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
                 name = self.shard.part_name(self._next_seq + len(new))
                 data = _parquet_bytes(chunk)

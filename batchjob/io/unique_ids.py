@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -93,6 +92,9 @@ def find_duplicates(
 
 def _partition_of(values: pa.Array, partitions: int) -> np.ndarray:
     # pandas' vectorised SipHash with its fixed key: the same value lands in the same partition in every piece.
+    # Imported here: only inputs too large for one partition need it, and it costs start-up time.
+    import pandas as pd
+
     hashed = np.concatenate(
         [
             pd.util.hash_array(values.slice(start, _HASH_ROWS).to_numpy(zero_copy_only=False), categorize=False)

@@ -41,9 +41,6 @@ def test_default_job_runs_end_to_end_and_marks_the_shard_complete(tmp_path: Path
     assert set(report["stage_s"]) == {"read", "tokenize", "generate", "write"}
     assert report["output_tokens_per_s"] > 0
     assert "gpu_busy_fraction" in report["engine"]
-    startup = report["startup_s"]
-    assert set(startup) == {"imports_config_s", "checks_s", "engine_s", "total_s"}
-    assert startup["total_s"] == sum(v for k, v in startup.items() if k != "total_s") > 0
     assert "ready to generate" in done.stderr + done.stdout
     visible = [p.name for p in out.iterdir() if not p.name.startswith(("_", "."))]
     assert all(name.endswith(".parquet") for name in visible)

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,6 +78,22 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
+    """The model's tokenizer, loading in a thread: about a second for a 128k vocabulary, spent while the weights
+    load and the engine sizes its KV cache, captures graphs and warms up (the output processor is its first user).
+    """
+    from transformers import AutoTokenizer
+
+    from batchjob.engine.native.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(model_path, with_weights=False)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="batchjob-engine-tokenizer")
+    try:
+        return pool.submit(AutoTokenizer.from_pretrained, str(model_dir))
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the load
+
+
 class NativeEngine:
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -97,8 +114,6 @@ class NativeEngine:
         return spec.architecture
 
     def __init__(self, model_path: str, **options: Any) -> None:
-        from transformers import AutoTokenizer
-
         from batchjob.engine.native.attention import TorchPagedAttention
         from batchjob.engine.native.loader import load_model
 
@@ -110,6 +125,8 @@ class NativeEngine:
             return
         self.device = _device(opts.device)
         started = time.perf_counter()
+        # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
+        tokenizer = _load_tokenizer_beside(model_path) if opts.detokenize else None
         if self.device.type == "cuda":
             from batchjob.engine.native.triton_attention import TritonPagedAttention
 
@@ -120,8 +137,6 @@ class NativeEngine:
             model_path, opts.dtype, self.device, attn, opts.max_model_len, opts.load_format
         )
         self.max_model_len = self.spec.max_model_len
-        # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir) if opts.detokenize else None
         loaded = time.perf_counter()
         num_blocks = decide_num_blocks(self.model, self.spec, opts, self.device)
         self.kv_caches = allocate_kv_cache(self.spec, num_blocks, opts.block_size, self.device)
@@ -161,7 +176,7 @@ class NativeEngine:
             "kv_blocks": num_blocks,
             "block_size": opts.block_size,
             "slot_bytes": self.runner.slots[1].device_bytes,
-            # where start-up goes: weights + tokenizer, then the KV sizing profile (first kernel compiles too)
+            # where start-up goes: weights, then the KV sizing profile (first kernel compiles too)
             "load_s": loaded - started,
             "kv_sizing_s": kv_sized - loaded,
         }
@@ -205,14 +220,13 @@ class NativeEngine:
             if opts.tensor_parallel > 1:
                 steps = [step for step in steps if not step.constrained]
             self._stats["warmup_s"] = warm_up(self.runner, steps, opts.block_size)
+        self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats["startup_s"] = time.perf_counter() - started
         self._start_loop(num_blocks)
 
     def _start_ranks(self, model_path: str) -> None:
         """The job process of a tensor-parallel engine: the ranks (`rank_group.py`) hold the model and run the
         steps; this process runs the scheduler and turns tokens into completions, as a single-device engine."""
-        from transformers import AutoTokenizer
-
         from batchjob.engine.native.loader import read_model_spec
         from batchjob.engine.native.rank_group import RankGroup
 
@@ -221,10 +235,11 @@ class NativeEngine:
         self.device = torch.device("cpu")  # this process computes nothing; the ranks have the devices
         self.spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
         self.max_model_len = self.spec.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir) if opts.detokenize else None
+        tokenizer = _load_tokenizer_beside(self.spec.model_dir) if opts.detokenize else None
         rank_options = {**dataclasses.asdict(opts), "detokenize": False}
         cuda = _device(opts.device).type == "cuda"
         self.runner = self.ranks = RankGroup(self.spec.model_dir, rank_options, opts.tensor_parallel, cuda)
+        self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats = {**self.ranks.startup_stats, "startup_s": time.perf_counter() - started}
         self._start_loop(self.ranks.num_blocks)
 

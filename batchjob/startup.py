@@ -1,0 +1,104 @@
+"""Where a job's start-up goes: seconds by phase, from process start to "ready to generate".
+
+Phases on the critical path are timed one after the other (`lap`) and add up to the total. Checks that run
+in a thread beside the engine while it loads (`timed(..., beside_engine=True)`) report their own seconds but
+add nothing to the total; what they cost the critical path is `wait_s`, the time the ready engine waited for
+them. Only the standard library here: `python -m batchjob` starts this clock before importing anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+# Critical path, in order, with the words of the log line.
+CRITICAL_PHASES = {
+    "imports_s": "imports",
+    "config_s": "config and model files",
+    "checks_s": "input and output checks",
+    "engine_s": "engine",
+    "wait_s": "waiting for the checks beside it",
+}
+# Checks run in a thread while the engine loads (job.py says which and why).
+BESIDE_ENGINE_PHASES = {
+    "tokenizer_s": "tokenizer",
+    "ids_s": "duplicate-id scan",
+    "output_s": "output lock and record",
+    "resume_s": "committed row ids",
+}
+# The engine's own start-up, when its stats() report it: copied into the report as `engine_<key>`.
+ENGINE_PHASES = {
+    "load_s": "weights",
+    "kv_sizing_s": "KV sizing",
+    "graph_capture_s": "CUDA graphs",
+    "warmup_s": "warm-up",
+}
+
+
+class StartupClock:
+    """Seconds by phase; a phase timed twice (imports before and after the config is composed) adds up."""
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = time.perf_counter() if started is None else started
+        self.phases: dict[str, float] = {}
+        self.beside_engine: set[str] = set()
+        self._last = self.started
+        self._lock = threading.Lock()  # `timed` phases are written from the checks' thread
+
+    def lap(self, phase: str) -> None:
+        """The seconds since the previous lap (or the start) go to `phase`."""
+        now = time.perf_counter()
+        self._add(phase, now - self._last)
+        self._last = now
+
+    @contextlib.contextmanager
+    def timed(self, phase: str, beside_engine: bool = False) -> Iterator[None]:
+        """Time the block as `phase`; `beside_engine`: it runs in a thread while the engine loads."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add(phase, time.perf_counter() - started, beside_engine)
+
+    def _add(self, phase: str, seconds: float, beside_engine: bool = False) -> None:
+        with self._lock:
+            self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+            if beside_engine:
+                self.beside_engine.add(phase)
+
+    def summary(self, engine_stats: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Every phase's seconds, the engine's own phases as `engine_<key>`, and `total_s`: the wall time from
+        process start to now."""
+        stats = engine_stats or {}
+        with self._lock:
+            phases = dict(self.phases)
+        engine = {f"engine_{key}": float(stats[key]) for key in ENGINE_PHASES if key in stats}
+        return {**phases, **engine, "total_s": time.perf_counter() - self.started}
+
+    def ready_line(self, summary: Mapping[str, float]) -> str:
+        """The log line of the moment the engine can take requests."""
+        critical = ", ".join(
+            f"{label} {summary[key]:.2f} s{self._engine_detail(summary) if key == 'engine_s' else ''}"
+            for key, label in CRITICAL_PHASES.items()
+            if key in summary
+        )
+        beside = ", ".join(
+            f"{label} {summary[key]:.2f} s"
+            for key, label in BESIDE_ENGINE_PHASES.items()
+            if key in summary and key in self.beside_engine
+        )
+        return f"ready to generate {summary['total_s']:.1f} s after start: {critical}" + (
+            f"; beside the engine: {beside}" if beside else ""
+        )
+
+    @staticmethod
+    def _engine_detail(summary: Mapping[str, float]) -> str:
+        shown = [
+            f"{label} {summary[f'engine_{key}']:.2f} s"
+            for key, label in ENGINE_PHASES.items()
+            if f"engine_{key}" in summary
+        ]
+        return f" ({', '.join(shown)})" if shown else ""

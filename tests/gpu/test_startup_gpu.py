@@ -1,0 +1,37 @@
+"""A job's start-up on a GPU, by phase: the engine's graph capture and warm-up are in the report, and the critical
+path adds up to the time from process start to "ready to generate".
+
+Run on the GPU machine:  python -m pytest tests/gpu/test_startup_gpu.py -q -s   (-s prints the phases)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from batchjob.startup import CRITICAL_PHASES  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_gpu_job_reports_every_start_up_phase(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "batchjob", "engine=native", f"output.dir={out}", "data.limit=32"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    startup = json.loads((out.parent / f"{out.name}.batchjob" / "_report.json").read_text())["startup_s"]
+    print(json.dumps(startup, indent=1))
+    assert {"engine_load_s", "engine_kv_sizing_s", "engine_graph_capture_s", "engine_warmup_s"} <= set(startup)
+    assert startup["engine_graph_capture_s"] > 0 and startup["engine_warmup_s"] > 0
+    assert startup["engine_s"] >= startup["engine_load_s"] + startup["engine_kv_sizing_s"]
+    assert sum(startup[key] for key in CRITICAL_PHASES) == pytest.approx(startup["total_s"], abs=0.1)
+    assert "tokenizer_s" in startup

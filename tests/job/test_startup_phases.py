@@ -1,0 +1,91 @@
+"""Start-up by phase: one log line at "ready to generate" and the same seconds in the report; the checks that run
+beside the engine (tokenizer, duplicate-id scan, output lock and record) still stop the job with exit 2."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from jobtools import bookkeeping, read_report, run_cli, run_in_process, write_prompts, write_table
+
+from batchjob.startup import CRITICAL_PHASES, StartupClock
+
+
+def test_phases_beside_the_engine_add_nothing_to_the_total() -> None:
+    clock = StartupClock()
+    clock.lap("imports_s")
+    with clock.timed("tokenizer_s", beside_engine=True):
+        time.sleep(0.05)
+    clock.lap("engine_s")
+    summary = clock.summary({"load_s": 0.01, "steps": 3})
+    assert summary["tokenizer_s"] >= 0.05
+    assert summary["engine_load_s"] == 0.01 and "engine_steps" not in summary
+    critical = summary["imports_s"] + summary["engine_s"]
+    assert critical == pytest.approx(summary["total_s"], abs=0.01)
+    line = clock.ready_line(summary)
+    assert line.startswith(f"ready to generate {summary['total_s']:.1f} s after start: imports ")
+    assert f"engine {summary['engine_s']:.2f} s (weights 0.01 s)" in line
+    assert line.endswith(f"; beside the engine: tokenizer {summary['tokenizer_s']:.2f} s")
+
+
+def test_a_repeated_lap_adds_to_its_phase() -> None:
+    clock = StartupClock()
+    clock.lap("imports_s")
+    first = clock.phases["imports_s"]
+    clock.lap("config_s")
+    clock.lap("imports_s")
+    assert clock.phases["imports_s"] >= first
+    assert sum(clock.phases.values()) == pytest.approx(clock.summary()["total_s"], abs=0.01)
+
+
+def test_the_command_logs_and_reports_every_start_up_phase(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_cli(f"output.dir={out}", "data.limit=4")
+    assert done.returncode == 0, done.stderr
+    startup = read_report(out)["startup_s"]
+    assert set(CRITICAL_PHASES) <= set(startup)
+    assert "tokenizer_s" in startup and "ids_s" not in startup  # no id column: nothing to scan
+    assert all(seconds >= 0 for seconds in startup.values())
+    # The critical path adds up to the wall time from process start (Hydra's own start-up is in it too).
+    critical = sum(startup[key] for key in CRITICAL_PHASES)
+    assert critical == pytest.approx(startup["total_s"], abs=0.05)
+    assert startup["imports_s"] > 0.5  # torch and transformers are imported in this phase, not in a check
+    [line] = [line for line in done.stderr.splitlines() if "ready to generate" in line]
+    assert f"ready to generate {startup['total_s']:.1f} s after start: imports {startup['imports_s']:.2f} s" in line
+    assert f"beside the engine: tokenizer {startup['tokenizer_s']:.2f} s" in line
+
+
+def test_a_first_run_with_an_id_column_scans_the_ids_beside_the_engine(tmp_path: Path) -> None:
+    path = write_prompts(tmp_path / "p.parquet", 4, uid=[10, 11, 12, 13])
+    out = tmp_path / "o"
+    assert run_in_process(f"data.path={path}", "data.id_column=uid", f"output.dir={out}") == 0
+    startup = read_report(out)["startup_s"]
+    assert {"ids_s", "output_s", "tokenizer_s", "wait_s"} <= set(startup)
+    assert (bookkeeping(out) / "_job.json").exists()
+
+
+def test_duplicate_ids_found_beside_a_failing_engine_are_the_error_reported(
+    tmp_path: Path, model_dir: str, capsys
+) -> None:
+    broken = tmp_path / "broken-model"
+    shutil.copytree(model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    path = write_table(tmp_path / "p.parquet", {"uid": [7, 8, 7], "prompt": ["a", "b", "c"]})
+    code = run_in_process(f"model.path={broken}", f"data.path={path}", "data.id_column=uid", f"output.dir={tmp_path}/o")
+    assert code == 2
+    assert "data.id_column='uid' repeats values (7)" in capsys.readouterr().err
+    assert not (bookkeeping(tmp_path / "o") / "_job.json").exists()
+
+
+def test_a_chat_pipeline_without_a_chat_template_is_refused_after_the_engine_loads(
+    tmp_path: Path, model_dir: str, capsys
+) -> None:
+    plain = tmp_path / "no-template"
+    shutil.copytree(model_dir, plain)
+    (plain / "chat_template.jinja").unlink()
+    path = write_prompts(tmp_path / "p.parquet", 2)
+    code = run_in_process(f"model.path={plain}", f"data.path={path}", "pipeline.kind=chat", f"output.dir={tmp_path}/o")
+    assert code == 2
+    assert "pipeline.kind=chat but the model's tokenizer has no chat template" in capsys.readouterr().err
