@@ -9,7 +9,8 @@ For each workload it builds (or reuses from --model-cache) a model with the real
 bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system on
 identical requests (EOS ignored), each run a fresh Python process: "cold" with empty compile caches (a
 user's first job, a fresh node), then "warm" with the caches the cold run filled (a second job). The parent
-process never touches the GPU. Writes OUT/bench.json and OUT/bench.png and prints a table. Exits 1 if any
+process never touches the GPU. Writes OUT/bench.json and OUT/bench.png and prints a table; OUT/runs.jsonl gets
+each run's result (engine statistics included) the moment it finishes. Exits 1 if any
 run failed (after writing everything else).
 
 `--constrained` measures structured outputs: the workload's model gets a 128k byte-level BPE tokenizer (trained
@@ -23,6 +24,7 @@ import argparse
 import ast
 import dataclasses
 import importlib
+import json
 import os
 import platform
 import sys
@@ -198,6 +200,9 @@ def run_workload(
                     print(f"{spec.name} {system} {run}: failed, {error}", flush=True)
                     continue
                 results.append(result)
+                # One line per finished run, written at once: a command stopped later keeps what it measured.
+                with open(args.out / "runs.jsonl", "a") as log:
+                    log.write(json.dumps({"workload": spec.name, **dataclasses.asdict(result)}) + "\n")
                 print(
                     f"{spec.name} {system} {run}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
                     f"{result.tok_per_s:,.0f} tok/s, start-up {result.startup_s:.1f} s"
@@ -210,8 +215,6 @@ def run_workload(
 
 
 def _read_json(path: Path) -> dict:
-    import json
-
     return json.loads(path.read_text())
 
 

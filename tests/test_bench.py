@@ -205,6 +205,12 @@ def test_tiny_run_with_dummy_weights_runs_the_native_engine_and_transformers_fro
     assert list(workload["systems"]) == ["native", "hf_generate"] and not workload["skipped"]
     for system in ("native", "hf_generate"):
         assert workload["systems"][system]["warm"]["output_tokens"] == 8 * 16
+    logged = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["workload"], r["system"], r["output_tokens"]) for r in logged] == [
+        ("tiny", "native", 128),
+        ("tiny", "hf_generate", 128),
+    ]
+    assert "steps" in logged[0]["engine_stats"]
 
 
 def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_its_70b_spec(bench_lib, tmp_path):
