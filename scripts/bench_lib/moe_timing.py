@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bench_lib.hardware import graph_ms
+
 
 @dataclass(frozen=True)
 class ExpertShape:
@@ -89,25 +91,12 @@ def time_launches(launches: list[Callable[[], object]], replays: int = 3) -> flo
         for launch in launches:
             launch()
         return (time.perf_counter() - start) / len(launches) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+
+    def run_all() -> None:
         for launch in launches:
             launch()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for launch in launches:
-            launch()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(launches))
+
+    return graph_ms(run_all, reps=replays) * 1e3 / len(launches)
 
 
 def torch_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple:
