@@ -48,6 +48,11 @@ class StartupClock:
         self._last = self.started
         self._lock = threading.Lock()  # `timed` phases are written from the checks' thread
 
+    def __reduce__(self):
+        # A clock sent to another process (submitit pickles the Hydra task for each Slurm task) starts there:
+        # perf_counter readings of two processes do not compare, and a lock does not pickle.
+        return (StartupClock, ())
+
     def lap(self, phase: str) -> None:
         """The seconds since the previous lap (or the start) go to `phase`."""
         now = time.perf_counter()

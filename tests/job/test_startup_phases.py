@@ -40,6 +40,17 @@ def test_a_repeated_lap_adds_to_its_phase() -> None:
     assert sum(clock.phases.values()) == pytest.approx(clock.summary()["total_s"], abs=0.01)
 
 
+def test_a_clock_sent_to_another_process_starts_afresh_there() -> None:
+    """submitit pickles the Hydra task, the clock with it, for every Slurm task it submits."""
+    import pickle
+
+    clock = StartupClock()
+    clock.lap("imports_s")
+    copy = pickle.loads(pickle.dumps(clock))
+    assert copy.phases == {} and copy.started > clock.started
+    copy.lap("imports_s")  # and works there
+
+
 def test_the_command_logs_and_reports_every_start_up_phase(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = run_cli(f"output.dir={out}", "data.limit=4")
