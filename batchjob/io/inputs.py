@@ -12,16 +12,20 @@ Either way ids must be unique: readers that can read the id column up front offe
 
 from __future__ import annotations
 
+import posixpath
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.io.sharding import keep_mask
+
+if TYPE_CHECKING:
+    from batchjob.io.storage import Storage
 
 FORMATS = ("auto", "parquet", "openai_batch", "hf_disk", "hf_hub")
 # A batch column a reader may add: why a row cannot be generated (e.g. a duplicate id found while
@@ -180,3 +184,25 @@ def _chunked_to_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(values, pa.ChunkedArray):
         return values.combine_chunks()
     return values
+
+
+def list_input_files(storage: Storage, path: str, shown: str, suffix: str, kind: str, help_text: str) -> list[str]:
+    """Sorted `suffix` files of a file, a directory (recursive, skipping `_`/`.` names like pyarrow) or a glob;
+    `InputError` naming `shown` and `help_text` when there is none. `kind` names them ("Parquet files")."""
+    if storage.isdir(path):
+        base = path.rstrip("/")
+        found = [p for p in storage.fs.find(path) if p.endswith(suffix)]
+        found = [p for p in found if not _is_hidden(posixpath.relpath(p, base))]
+    elif any(ch in path for ch in "*?["):
+        found = [p for p in storage.fs.glob(path) if storage.fs.isfile(p)]
+    elif storage.exists(path):
+        found = [path]
+    else:
+        raise InputError(f"no such file or directory: {shown}; {help_text}")
+    if not found:
+        raise InputError(f"no {kind} matched {shown}; {help_text}")
+    return sorted(found)
+
+
+def _is_hidden(relative: str) -> bool:
+    return any(part.startswith(("_", ".")) for part in relative.split("/"))

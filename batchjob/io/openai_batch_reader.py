@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.io.content_digest import relative_names
-from batchjob.io.inputs import INPUT_ERROR_COLUMN, InputError, InputSource, InputSpec
+from batchjob.io.inputs import INPUT_ERROR_COLUMN, InputError, InputSource, InputSpec, list_input_files
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
@@ -48,7 +47,8 @@ class Checkpoint:
 
 def open_openai_batch(spec: InputSpec) -> OpenAIBatchSource:
     storage, path = Storage.for_uri(spec.path)
-    return OpenAIBatchSource(spec, storage, _list_jsonl_files(storage, path, spec.path))
+    files = list_input_files(storage, path, spec.path, ".jsonl", ".jsonl files", FILE_HELP)
+    return OpenAIBatchSource(spec, storage, files)
 
 
 def looks_like_openai_batch(storage: Storage, path: str) -> bool:
@@ -62,26 +62,6 @@ def looks_like_openai_batch(storage: Storage, path: str) -> bool:
                     return False
                 return isinstance(first, dict) and "custom_id" in first and "body" in first
     return False
-
-
-def _list_jsonl_files(storage: Storage, path: str, shown: str) -> list[str]:
-    if storage.isdir(path):
-        base = path.rstrip("/")
-        found = [p for p in storage.fs.find(path) if p.endswith(".jsonl")]
-        found = [p for p in found if not _is_hidden(posixpath.relpath(p, base))]
-    elif any(ch in path for ch in "*?["):
-        found = [p for p in storage.fs.glob(path) if storage.fs.isfile(p)]
-    elif storage.exists(path):
-        found = [path]
-    else:
-        raise InputError(f"no such file or directory: {shown}; {FILE_HELP}")
-    if not found:
-        raise InputError(f"no .jsonl files matched {shown}; {FILE_HELP}")
-    return sorted(found)
-
-
-def _is_hidden(relative: str) -> bool:
-    return any(part.startswith(("_", ".")) for part in relative.split("/"))
 
 
 def parse_line(line: bytes) -> tuple[str | None, str | None, str | None, str | None, str | None]:

@@ -7,7 +7,6 @@ Memory stays bounded by one row group's requested columns, whatever the input si
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchjob.io.content_digest import parquet_footer_sha256, relative_names
-from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
+from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec, list_input_files
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
@@ -36,7 +35,7 @@ class RowGroup:
 
 def open_parquet(spec: InputSpec) -> ParquetSource:
     storage, path = Storage.for_uri(spec.path)
-    files = _list_parquet_files(storage, path, spec.path)
+    files = list_input_files(storage, path, spec.path, ".parquet", "Parquet files", PATH_HELP)
     return ParquetSource(spec, storage, files)
 
 
@@ -45,23 +44,6 @@ def open_parquet_files(spec: InputSpec, uris: list[str], revision: str | None) -
     dataset commit they were resolved at, kept in the fingerprint."""
     storage, _ = Storage.for_uri(uris[0])
     return ParquetSource(spec, storage, [Storage.for_uri(uri)[1] for uri in uris], revision)
-
-
-def _list_parquet_files(storage: Storage, path: str, shown: str) -> list[str]:
-    """Sorted Parquet files of a file, directory (recursive) or glob, skipping `_`/`.` names like pyarrow."""
-    if storage.isdir(path):
-        found = [p for p in storage.fs.find(path) if p.endswith(".parquet")]
-        base = path.rstrip("/")
-        found = [p for p in found if not _is_hidden(posixpath.relpath(p, base))]
-    elif any(ch in path for ch in "*?["):
-        found = [p for p in storage.fs.glob(path) if storage.fs.isfile(p)]
-    elif storage.exists(path):
-        found = [path]
-    else:
-        raise InputError(f"no such file or directory: {shown}; {PATH_HELP}")
-    if not found:
-        raise InputError(f"no Parquet files matched {shown}; {PATH_HELP}")
-    return sorted(found)
 
 
 def _footer(filesystem: pafs.FileSystem, file: str, name: str) -> tuple[pq.FileMetaData, dict[str, Any]]:
@@ -75,10 +57,6 @@ def _footer(filesystem: pafs.FileSystem, file: str, name: str) -> tuple[pq.FileM
         raise InputError(
             f"{file} is not a readable Parquet file ({err}): replace it with a good copy, or move it out of data.path"
         ) from err
-
-
-def _is_hidden(relative: str) -> bool:
-    return any(part.startswith(("_", ".")) for part in relative.split("/"))
 
 
 class ParquetSource(InputSource):

@@ -36,27 +36,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
             original_max_position_embeddings=8192,
         ),
     ),
-    "llama-3.1-70b": dict(
-        model_type="llama",
-        num_hidden_layers=80,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-    ),
     "llama-3.2-1b": dict(
         model_type="llama",
         num_hidden_layers=16,
@@ -112,6 +91,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+}
+# Llama 3.1 70B is the 8B's recipe, wider and deeper.
+ARCHITECTURES["llama-3.1-70b"] = {
+    **ARCHITECTURES["llama-3.1-8b"],
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
 }
 
 
