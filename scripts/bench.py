@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Default: the workload's "
         "(W7: dummy), else auto",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write OUT/profile-WORKLOAD-SYSTEM-RUN.txt: where each run's generating thread spent its time "
+        "(cProfile, start-up included; it slows the host side, so its tok/s is not comparable)",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
     parser.add_argument(
         "--constrained",
@@ -192,6 +198,8 @@ def run_workload(
                     "settings": dataclasses.asdict(settings),
                     "run": run,
                 }
+                if args.profile:
+                    task["profile"] = str(args.out / f"profile-{spec.name}-{system}-{run}.txt")
                 env = kernel_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
                 try:
                     result = result_from_json(run_child(task, env, timeout_s=args.time_limit_s + CHILD_STARTUP_S))

@@ -28,6 +28,10 @@ SCRIPTS = Path(__file__).resolve().parents[1]
 REPO = SCRIPTS.parent
 
 
+# Functions listed per ordering in a `--profile` file.
+PROFILE_LINES = 45
+
+
 class ChildFailed(RuntimeError):
     pass
 
@@ -85,7 +89,18 @@ def _system(task: dict[str, Any]) -> dict[str, Any]:
     spec = TINY_WORKLOAD if task["workload"] == TINY_WORKLOAD.name else WORKLOADS[task["workload"]]
     requests = draw_requests(spec, task["vocab"], task["special_ids"])
     settings = RunSettings(**task["settings"])
-    result = run_system(task["system"], Path(task["model_dir"]), requests, settings)
+    if task.get("profile"):
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        result = profile.runcall(run_system, task["system"], Path(task["model_dir"]), requests, settings)
+        with open(task["profile"], "w") as out:
+            stats = pstats.Stats(profile, stream=out)
+            for order in ("tottime", "cumulative"):
+                stats.sort_stats(order).print_stats(PROFILE_LINES)
+    else:
+        result = run_system(task["system"], Path(task["model_dir"]), requests, settings)
     # The native engine's package sets TRITON_CACHE_DIR on import when the environment did not.
     kernel_cache = os.environ.get("TRITON_CACHE_DIR")
     return dataclasses.asdict(dataclasses.replace(result, run=task["run"], kernel_cache=kernel_cache))

@@ -137,6 +137,7 @@ class NativeEngine:
             model_path, opts.dtype, self.device, attn, opts.max_model_len, opts.load_format
         )
         self.max_model_len = self.spec.max_model_len
+        self._make_grammars(tokenizer)
         loaded = time.perf_counter()
         num_blocks = decide_num_blocks(self.model, self.spec, opts, self.device)
         self.kv_caches = allocate_kv_cache(self.spec, num_blocks, opts.block_size, self.device)
@@ -236,12 +237,20 @@ class NativeEngine:
         self.spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
         self.max_model_len = self.spec.max_model_len
         tokenizer = _load_tokenizer_beside(self.spec.model_dir) if opts.detokenize else None
+        self._make_grammars(tokenizer)
         rank_options = {**dataclasses.asdict(opts), "detokenize": False}
         cuda = _device(opts.device).type == "cuda"
         self.runner = self.ranks = RankGroup(self.spec.model_dir, rank_options, opts.tensor_parallel, cuda)
         self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats = {**self.ranks.startup_stats, "startup_s": time.perf_counter() - started}
         self._start_loop(self.ranks.num_blocks)
+
+    def _make_grammars(self, tokenizer: Future[Any] | None) -> None:
+        """The constraint compiler. An engine that may see constraints (`graph_constrained`, which a job turns off
+        when none of its rows can carry one) builds the grammar library's vocabulary index during start-up."""
+        self.grammars = GrammarCompiler(None, self.spec.vocab_size, self.spec.eos_token_ids, self.spec.model_dir)
+        if self.options.graph_constrained:
+            self.grammars.prepare_beside(tokenizer)
 
     def _start_loop(self, num_blocks: int) -> None:
         opts = self.options
@@ -255,9 +264,8 @@ class NativeEngine:
             self.blocks,
         )
         self._next_seq_id = 0
-        self.grammars = GrammarCompiler(
-            self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids, self.spec.model_dir
-        )
+        if self.grammars.tokenizer is None:
+            self.grammars.tokenizer = self.tokenizer
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
         # The asynchronous loop's bitmask filling: one worker, started with the first constrained step.
         self._mask_worker: ThreadPoolExecutor | None = None

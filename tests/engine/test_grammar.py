@@ -1,0 +1,79 @@
+"""The host side of structured outputs: the finer string slices give exactly the masks a mask computation
+without any slices gives, along random walks through a schema with bounded strings; the vocabulary index built
+beside start-up is the one the first constraint uses."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from structured_cases import PET_SCHEMA
+from transformers import AutoTokenizer
+
+from batchjob.engine.api import Constraint
+from batchjob.engine.grammar import STRING_SLICE_LENGTHS, GrammarCompiler, bitmask_words, grammar_text, string_slices
+from batchjob.tiny_model import default_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_tiny_model())
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
+    return np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+def test_string_slices_replace_only_the_bounded_content_sets():
+    general = llguidance.LLTokenizer.general_slices()
+    slices = string_slices(general)
+    assert slices[0] == general[0] and slices[-1] == general[-1]  # whitespace first, unbounded content last
+    assert [s[s.rindex("{") :] for s in slices[1:-1]] == [f"{{1,{n}}}" for n in STRING_SLICE_LENGTHS]
+    assert string_slices(["[a-z]+"]) == ["[a-z]+"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masks_with_the_finer_slices_equal_masks_without_slices(tokenizer, seed):
+    vocab = len(tokenizer)
+    eos = [tokenizer.eos_token_id]
+    # Strings bounded near the slice lengths: the walk crosses every slice as the characters left shrink.
+    schema = {**PET_SCHEMA, "properties": {**PET_SCHEMA["properties"], "name": {"type": "string", "maxLength": 17}}}
+    constraint = Constraint("json_schema", json.dumps(schema))
+    compiler = GrammarCompiler(tokenizer, vocab, eos)
+    plain = llguidance.LLMatcher(
+        llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos, slices=[]),
+        grammar_text(constraint),
+        log_level=0,
+    )
+    sliced = compiler.matcher(constraint)
+    rng = np.random.default_rng(seed)
+    words = bitmask_words(vocab)
+    for _ in range(120):
+        got, want = torch.zeros((1, words), dtype=torch.int32), torch.zeros((1, words), dtype=torch.int32)
+        compiler.fill_bitmasks([(sliced, 0)], got)
+        plain.unsafe_compute_mask_ptr(want.data_ptr(), words * 4)
+        assert torch.equal(got, want)
+        allowed = np.flatnonzero(_allowed(want[0], vocab))
+        token = int(rng.choice(allowed))
+        assert compiler.consume([(sliced, token)]) == [True] and plain.consume_token(token)
+        if plain.is_stopped():
+            break
+    assert plain.is_stopped(), "the walk should finish the schema within its budget"
+
+
+def test_the_index_built_beside_start_up_is_the_one_constraints_use(tokenizer):
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    compiler = GrammarCompiler(None, len(tokenizer), [tokenizer.eos_token_id])
+    compiler.prepare_beside(future)
+    future.set_result(tokenizer)
+    matcher = compiler.matcher(Constraint("regex", "[a-z]{3}"))
+    assert compiler.tokenizer is tokenizer  # from the future, not loaded again from a model directory
+    built = compiler._lltokenizer
+    assert built is not None and compiler.matcher(Constraint("regex", "[0-9]+")) is not matcher
+    assert compiler._lltokenizer is built
