@@ -21,6 +21,7 @@ from batchjob.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TP_CASES = {**CASES, "llama_one_kv_head": ("llama", {"num_key_value_heads": 1})}
+MOE = {"qwen3_moe", "mixtral"}
 
 
 def run(model_dir, requests, engine="native", **options) -> tuple[dict, dict]:
@@ -77,11 +78,20 @@ def test_two_gpus_bf16_logprobs_agree_with_one_gpu(arch, tmp_path):
     ]
     one, _ = run(model_dir, requests, dtype="bfloat16")
     two, _ = run(model_dir, requests, dtype="bfloat16", tensor_parallel=2)
+    off = {}
     for i, completion in one.items():
         ref, got = completion.samples[0].top_logprobs[0], two[i].samples[0].top_logprobs[0]
         shared = ref.keys() & got.keys()
-        assert len(shared) >= 4, (i, ref, got)
-        assert max(abs(ref[t] - got[t]) for t in shared) < 0.1, (i, ref, got)
+        assert len(shared) >= (3 if arch in MOE else 4), (i, ref, got)
+        error = max(abs(ref[t] - got[t]) for t in shared)
+        assert error < 1.0, (i, ref, got)
+        if error >= 0.1:
+            off[i] = (error, ref, got)
+    # bf16 sums the two halves of each row-parallel product in another order than one GPU does. A dense model
+    # moves by a few hundredths. A MoE router that sits near a tie can then pick another expert for a token, and
+    # that row moves by tenths (measured on two H200s: one row of 32 off by 0.42 for the tiny Qwen3-MoE, whose
+    # fp32 output on two GPUs equals one GPU's exactly); so a MoE model may have a row or two off, no more.
+    assert len(off) <= (2 if arch in MOE else 0), off
 
 
 def test_dummy_weights_make_the_same_model_on_one_and_two_gpus(tmp_path):
