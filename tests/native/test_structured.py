@@ -88,14 +88,30 @@ def test_async_equals_sync_with_constrained_rows(model_dir, temperature):
     assert {i: c.token_ids for i, c in async_done.items()} == {i: c.token_ids for i, c in sync_done.items()}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_constrained_rows_that_sit_out_a_step_generate_what_sync_does(model_dir, temperature):
+    reqs = _mixed(temperature) + _requests(12, temperature, max_new_tokens=80, json_schema=PET)
+    reqs = [Request(i, r.prompt_ids, r.sampling) for i, r in enumerate(reqs)]
+    lagged, stats = _run(model_dir, reqs, "native", constrained_lag=True)
+    plain, plain_stats = _run(model_dir, reqs, "native")
+    sync_done, _ = _run(model_dir, reqs, "native_sync", constrained_lag=True)
+    assert {i: c.token_ids for i, c in lagged.items()} == {i: c.token_ids for i, c in sync_done.items()}
+    assert {i: c.token_ids for i, c in lagged.items()} == {i: c.token_ids for i, c in plain.items()}
+    # The masks of most constrained steps began at launch, beside the processing of the step before.
+    assert stats["constrained_steps_masked_at_launch"] > stats["constrained_steps"] // 2
+    assert plain_stats["constrained_steps_masked_at_launch"] == 0
+    check_stop_rows([lagged[r.id] for r in reqs if r.sampling.json_schema == PET], lambda t: valid_json(t, PET_SCHEMA))
+
+
 @pytest.mark.parametrize(
     "schedule",
     [
         dict(max_num_batched_tokens=7),  # forced-token chunks split over steps
         dict(num_kv_blocks=30, block_size=4, max_model_len=100, max_num_batched_tokens=24),  # preemption
         dict(debug_poison_slots=True),  # an unfilled bitmask row would forbid every token
+        dict(constrained_lag=True, num_kv_blocks=30, block_size=4, max_model_len=100, max_num_batched_tokens=24),
     ],
-    ids=["7-token budget", "tiny cache: preemption", "poisoned slots"],
+    ids=["7-token budget", "tiny cache: preemption", "poisoned slots", "sitting out steps, with preemption"],
 )
 def test_schedule_does_not_change_constrained_greedy_output(model_dir, schedule):
     reqs = _requests(10, 0.0, max_new_tokens=80, json_schema=PET)

@@ -260,6 +260,7 @@ class NativeEngine:
                 max_num_seqs=opts.max_num_seqs,
                 max_num_batched_tokens=opts.max_num_batched_tokens,
                 enable_chunked_prefill=opts.enable_chunked_prefill,
+                constrained_lag=opts.constrained_lag and opts.async_loop,
             ),
             self.blocks,
         )
@@ -272,6 +273,7 @@ class NativeEngine:
         self._mask_job: tuple[StepHandle, Future] | None = None
         self.mask_fill_s = 0.0  # filling bitmasks, wherever it ran
         self.mask_wait_s = 0.0  # the loop waiting for the worker's bitmasks
+        self.masks_at_launch = 0  # steps whose masks began filling at their launch (constrained_lag)
 
     # ---- the loop ----
 
@@ -298,10 +300,15 @@ class NativeEngine:
                     # The previous step's masked sampler first: this step's forward carries its tokens over.
                     self._finish_mask()
                     inflight.append(self._launch(prepared))
+                    if self.scheduler.config.constrained_lag and self._matchers_settled(inflight[-1]):
+                        # Its constrained rows sat out the step in flight: their masks fill while this thread
+                        # processes that step and prepares the next.
+                        self._start_mask(inflight[-1])
+                        self.masks_at_launch += 1
                 # Async: keep one step in flight while this one's results are processed.
                 while len(inflight) > (depth if plan is not None else 0):
                     yield from self._process(inflight.popleft())
-                if inflight and not inflight[-1].sampled:
+                if inflight and not inflight[-1].sampled and self._mask_job is None:
                     # Every step before it is processed: its constrained rows' masks can be computed now, by the
                     # worker, while this thread prepares the next step.
                     self._start_mask(inflight[-1])
@@ -415,6 +422,14 @@ class NativeEngine:
         rows = self._mask_rows(step, bitmask)
         self._mask_job = (step, self._mask_worker.submit(self._fill_bitmask, rows, bitmask))
 
+    @staticmethod
+    def _matchers_settled(step: StepHandle) -> bool:
+        """True when `step` needs masks and each of its constrained rows has every earlier token consumed by its
+        matcher (no other step of that row in flight)."""
+        plan = step.plan
+        rows = [seq for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True) if sampled and seq.matcher]
+        return not step.sampled and bool(rows) and all(len(seq.pending) == 1 for seq in rows)
+
     def _finish_mask(self) -> None:
         """Wait for the worker's bitmask, if one is being filled, and enqueue that step's masked sampler."""
         if self._mask_job is None:
@@ -473,6 +488,7 @@ class NativeEngine:
                 constrained_steps=runner.masked_steps,
                 mask_ms_per_constrained_step=1000 * self.mask_fill_s / runner.masked_steps,
                 mask_wait_ms_per_constrained_step=1000 * self.mask_wait_s / runner.masked_steps,
+                constrained_steps_masked_at_launch=self.masks_at_launch,
                 sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,
                 grammars_compiled=self.grammars.compiled,

@@ -44,6 +44,7 @@ class NativeOptions:
     cuda_graphs: bool = True
     graph_sampling: bool = True
     graph_constrained: bool = True
+    constrained_lag: bool = False
     graph_mixed: bool = True
     graph_max_batch: int | None = None
     warmup: bool | None = None

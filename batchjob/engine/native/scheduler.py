@@ -26,6 +26,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
+    # A constrained sequence whose last sampled token is still in flight sits the next step out, so its next mask
+    # can be computed while that step runs (the asynchronous loop's `engine.constrained_lag`).
+    constrained_lag: bool = False
 
 
 @dataclass
@@ -81,6 +84,9 @@ class Scheduler:
             count = min(seq.num_tokens - seq.num_computed, budget)
             if count == 0 or seq.num_tokens >= seq.max_len:
                 # Nothing new to feed, or the pending token already ends it (length): no wasted step.
+                i += 1
+                continue
+            if self.config.constrained_lag and seq.matcher is not None and seq.pending:
                 i += 1
                 continue
             if not self._reserve(seq, seq.num_computed + count, scheduled):
