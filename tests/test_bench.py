@@ -228,7 +228,7 @@ def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_it
 def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--constrained", "--systems", "native_json"]
-    command += ["--runs", "warm", "--out", str(out), "--model-cache", str(tmp_path)]
+    command += ["--runs", "warm", "--out", str(out), "--model-cache", str(tmp_path), "--profile"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (workload,) = json.loads((out / "bench.json").read_text())["workloads"]
@@ -236,3 +236,7 @@ def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
     # The schema's minItems cannot be met in 16 tokens: every request runs to its length, as unconstrained ones do.
     assert result["output_tokens"] == workload["output_tokens"] and not result["cut"]
     assert result["engine_stats"]["constrained_steps"] > 0
+    # --profile: where the run spent its time, by function, from the system's whole run down
+    profile = (out / "profile-tiny-native_json-warm.txt").read_text()
+    assert "Ordered by: internal time" in profile and "Ordered by: cumulative time" in profile
+    assert "(run_system)" in profile
