@@ -92,8 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="write OUT/profile-WORKLOAD-SYSTEM-RUN.txt: where each run's generating thread spent its time "
-        "(cProfile, start-up included; it slows the host side, so its tok/s is not comparable)",
+        help="write OUT/profile-WORKLOAD-SYSTEM-RUN.txt: where each run spent its time (cProfile, start-up "
+        "included; every thread from Python 3.12; it slows the host side, so its tok/s is not comparable)",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
     parser.add_argument(
