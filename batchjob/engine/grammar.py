@@ -124,6 +124,7 @@ class GrammarCompiler:
         self._lltokenizer = None
         self._executor = None
         self._building = threading.Lock()  # one build of the vocabulary index, whichever thread asks first
+        self._builder: threading.Thread | None = None
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self.compiled = 0
         self.cache_hits = 0
@@ -141,7 +142,15 @@ class GrammarCompiler:
             except Exception:  # noqa: BLE001 - the first constrained request builds it again and reports why
                 return
 
-        threading.Thread(target=build, name="batchjob-grammar-vocab", daemon=True).start()
+        # Not a daemon: an interpreter that exits while the build runs inside the tokenizer libraries crashes.
+        self._builder = threading.Thread(target=build, name="batchjob-grammar-vocab")
+        self._builder.start()
+
+    def close(self) -> None:
+        """Wait for a vocabulary index still being built beside start-up."""
+        if self._builder is not None:
+            self._builder.join()
+            self._builder = None
 
     def _ensure_tokenizer(self):
         if self._lltokenizer is not None:

@@ -7,10 +7,11 @@ are admitted sorted by prompt within a bounded look-ahead window (admission.py),
 ends with a warm-up of every kind of step (warmup.py).
 
 Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have
-advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why). In
-the asynchronous loop the bitmasks are filled by a worker thread (llguidance computes them off the GIL, in its
-own threads) while this thread admits, schedules and fills step N+2; then step N+1's sampler and step N+2's
-forward are enqueued back to back, so the GPU waits for neither the scheduler nor the host's step filling:
+advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why;
+step_masks.py fills them). In the asynchronous loop the bitmasks are filled by a worker thread (llguidance
+computes them off the GIL, in its own threads) while this thread admits, schedules and fills step N+2; then step
+N+1's sampler and step N+2's forward are enqueued back to back, so the GPU waits for neither the scheduler nor
+the host's step filling:
 
     host:  process N | masks N+1 (worker) + schedule/fill N+2 | sampler N+1, forward N+2 | wait N+1 | process N+1
     GPU:   forward N+1 ...............................| sampler N+1 | forward N+2 ..................
@@ -42,9 +43,9 @@ from batchjob.engine.native.model_runner import ModelRunner, PreparedStep, StepH
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig, StepPlan
-from batchjob.engine.native.sequence import RequestGroup, Sequence, Status
+from batchjob.engine.native.sequence import RequestGroup, Sequence
 from batchjob.engine.native.step_layout import GRAPH_MODES, decode_buckets, mixed_buckets
-from batchjob.engine.native.token_mask import one_hot_bitmask_
+from batchjob.engine.native.step_masks import StepMasks
 from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
 
 if TYPE_CHECKING:
@@ -268,12 +269,7 @@ class NativeEngine:
         if self.grammars.tokenizer is None:
             self.grammars.tokenizer = self.tokenizer
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
-        # The asynchronous loop's bitmask filling: one worker, started with the first constrained step.
-        self._mask_worker: ThreadPoolExecutor | None = None
-        self._mask_job: tuple[StepHandle, Future] | None = None
-        self.mask_fill_s = 0.0  # filling bitmasks, wherever it ran
-        self.mask_wait_s = 0.0  # the loop waiting for the worker's bitmasks
-        self.masks_at_launch = 0  # steps whose masks began filling at their launch (constrained_lag)
+        self.masks = StepMasks(self.runner, self.grammars)
 
     # ---- the loop ----
 
@@ -298,20 +294,19 @@ class NativeEngine:
                 if plan is not None:
                     prepared = self._prepare(plan)
                     # The previous step's masked sampler first: this step's forward carries its tokens over.
-                    self._finish_mask()
+                    self.masks.finish()
                     inflight.append(self._launch(prepared))
-                    if self.scheduler.config.constrained_lag and self._matchers_settled(inflight[-1]):
+                    if self.scheduler.config.constrained_lag and self.masks.matchers_settled(inflight[-1]):
                         # Its constrained rows sat out the step in flight: their masks fill while this thread
                         # processes that step and prepares the next.
-                        self._start_mask(inflight[-1])
-                        self.masks_at_launch += 1
+                        self.masks.start(inflight[-1], at_launch=True)
                 # Async: keep one step in flight while this one's results are processed.
                 while len(inflight) > (depth if plan is not None else 0):
                     yield from self._process(inflight.popleft())
-                if inflight and not inflight[-1].sampled and self._mask_job is None:
+                if inflight and not inflight[-1].sampled and not self.masks.busy:
                     # Every step before it is processed: its constrained rows' masks can be computed now, by the
                     # worker, while this thread prepares the next step.
-                    self._start_mask(inflight[-1])
+                    self.masks.start(inflight[-1])
                 if plan is None and not inflight:
                     if not self.scheduler.has_unfinished:
                         if exhausted:
@@ -328,10 +323,7 @@ class NativeEngine:
             finished = True
             self.blocks.check_invariants()
         finally:
-            if self._mask_job is not None:
-                # Stopped early: the worker may still hold the matchers; let it finish before they are dropped.
-                self._mask_job[1].exception()
-                self._mask_job = None
+            self.masks.abandon()  # stopped early: the worker may still hold matchers
             self.runner.finish()
             if not finished:
                 # The caller stopped early (a signal, an error): drop every request in flight so the engine
@@ -401,69 +393,11 @@ class NativeEngine:
 
     def _process(self, step: StepHandle) -> Iterator[Completion]:
         if not step.sampled:
-            if self._mask_job is not None and self._mask_job[0] is step:
-                self._finish_mask()
+            if self.masks.holds(step):
+                self.masks.finish()
             else:
-                self._sample_masked(step)
+                self.masks.fill_now(step)
         yield from self.outputs.process(step, self.runner.collect(step), self.scheduler)
-
-    def _sample_masked(self, step: StepHandle) -> None:
-        """Fill `step`'s bitmask here and enqueue its sampler (the synchronous loop)."""
-        bitmask = self.runner.bitmask_rows(step)
-        self._fill_bitmask(self._mask_rows(step, bitmask), bitmask)
-        self.runner.enqueue_masked_sampler(step)
-
-    def _start_mask(self, step: StepHandle) -> None:
-        """Have the worker fill `step`'s bitmask; `_finish_mask` enqueues its sampler. Until then this thread
-        touches no matcher of the step (the worker holds them)."""
-        if self._mask_worker is None:
-            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjob-masks")
-        bitmask = self.runner.bitmask_rows(step)
-        rows = self._mask_rows(step, bitmask)
-        self._mask_job = (step, self._mask_worker.submit(self._fill_bitmask, rows, bitmask))
-
-    @staticmethod
-    def _matchers_settled(step: StepHandle) -> bool:
-        """True when `step` needs masks and each of its constrained rows has every earlier token consumed by its
-        matcher (no other step of that row in flight)."""
-        plan = step.plan
-        rows = [seq for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True) if sampled and seq.matcher]
-        return not step.sampled and bool(rows) and all(len(seq.pending) == 1 for seq in rows)
-
-    def _finish_mask(self) -> None:
-        """Wait for the worker's bitmask, if one is being filled, and enqueue that step's masked sampler."""
-        if self._mask_job is None:
-            return
-        step, job = self._mask_job
-        self._mask_job = None
-        began = time.perf_counter()
-        job.result()
-        self.mask_wait_s += time.perf_counter() - began
-        self.runner.enqueue_masked_sampler(step)
-
-    def _mask_rows(self, step: StepHandle, bitmask: torch.Tensor) -> list:
-        """Row k of `bitmask` is what the k-th constrained sampled row of `step` may sample. Writes the rows that
-        need no matcher (a stopped row, a token jump-forward already chose) and returns `(matcher, k)` for the
-        others."""
-        by_matcher, k = [], 0
-        for seq, sampled in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True):
-            if not sampled or seq.matcher is None:
-                continue
-            if seq.status is Status.FINISHED:
-                bitmask[k].fill_(-1)  # stopped at the previous step: this row is discarded
-            else:
-                _, position = seq.pending[-1]
-                if position < seq.forced_until:
-                    one_hot_bitmask_(bitmask[k], int(seq.tokens[position]))  # jump-forward already chose it
-                else:
-                    by_matcher.append((seq.matcher, k))
-            k += 1
-        return by_matcher
-
-    def _fill_bitmask(self, rows: list, bitmask: torch.Tensor) -> None:
-        began = time.perf_counter()
-        self.grammars.fill_bitmasks(rows, bitmask)
-        self.mask_fill_s += time.perf_counter() - began
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
@@ -486,9 +420,9 @@ class NativeEngine:
         if runner.masked_steps:
             stats.update(
                 constrained_steps=runner.masked_steps,
-                mask_ms_per_constrained_step=1000 * self.mask_fill_s / runner.masked_steps,
-                mask_wait_ms_per_constrained_step=1000 * self.mask_wait_s / runner.masked_steps,
-                constrained_steps_masked_at_launch=self.masks_at_launch,
+                mask_ms_per_constrained_step=1000 * self.masks.fill_s / runner.masked_steps,
+                mask_wait_ms_per_constrained_step=1000 * self.masks.wait_s / runner.masked_steps,
+                constrained_steps_masked_at_launch=self.masks.started_at_launch,
                 sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,
                 grammars_compiled=self.grammars.compiled,
@@ -505,8 +439,8 @@ class NativeEngine:
         return list(self.runner.clock.timeline) if self.runner.clock is not None else []
 
     def close(self) -> None:
-        if self._mask_worker is not None:
-            self._mask_worker.shutdown()
+        self.masks.close()
+        self.grammars.close()
         if self.ranks is not None:
             self.ranks.close()
         self.kv_caches = []
