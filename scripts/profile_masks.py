@@ -1,0 +1,105 @@
+"""Time llguidance's token masks with the engine's string slices against the library's default slices and
+against none, on one schema and vocabulary, and check that all three give the same masks.
+
+    python scripts/profile_masks.py [--walks 6] [--tokenizer DIR]
+
+The vocabulary is `bench_lib.bpe`'s 128,256-id byte-level BPE (trained on first use, then cached under
+`--cache`), or the tokenizer in `--tokenizer`; the schema is the benchmark's `RECORDS_SCHEMA`. Each walk starts a
+fresh matcher per setting and takes up to `--steps` tokens, each the highest of seeded random scores among the
+allowed ones (as a random-weight model does greedily), or on every other walk a fresh random draw; forced tokens
+are taken at once (jump-forward). Every mask is timed on one thread. Prints the mean and 90th percentile per
+setting and the number of masks that differed (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib.workloads import RECORDS_SCHEMA  # noqa: E402
+
+DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--walks", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=200, help="tokens per walk at most")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer directory (default: the 128k BPE)")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the 128k BPE is kept")
+    args = parser.parse_args(argv)
+
+    import llguidance
+    import llguidance.hf
+    import torch
+    from transformers import AutoTokenizer
+
+    from batchjob.engine.api import Constraint
+    from batchjob.engine.grammar import bitmask_words, grammar_text, string_slices
+
+    if args.tokenizer is None:
+        from bench_lib.bpe import bpe_tokenizer
+
+        tokenizer = bpe_tokenizer(args.cache)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    vocab = len(tokenizer)
+    eos = [tokenizer.eos_token_id or 0]
+    settings = {
+        "none": [],
+        "library default": llguidance.LLTokenizer.general_slices(),
+        "engine": string_slices(llguidance.LLTokenizer.general_slices()),
+    }
+    built = {
+        name: llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos, slices=s)
+        for name, s in settings.items()
+    }
+    grammar = grammar_text(Constraint("json_schema", json.dumps(RECORDS_SCHEMA)))
+    words = bitmask_words(vocab)
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((64, vocab)).astype(np.float32)
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    differing = 0
+    for walk in range(args.walks):
+        matchers = {name: llguidance.LLMatcher(t, grammar, log_level=0) for name, t in built.items()}
+        for step in range(args.steps):
+            masks = {}
+            for name, matcher in matchers.items():
+                mask = torch.zeros(words, dtype=torch.int32)
+                began = time.perf_counter()
+                matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+                times[name].append(time.perf_counter() - began)
+                masks[name] = mask
+            differing += not all(torch.equal(masks["none"], m) for m in masks.values())
+            allowed = np.unpackbits(masks["none"].numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            row = rng.standard_normal(vocab) if walk % 2 else scores[(7 * step + walk) % len(scores)].copy()
+            row[~allowed] = -np.inf
+            token = int(np.argmax(row))
+            for matcher in matchers.values():
+                assert matcher.consume_token(token), matcher.get_error()
+                forced = matcher.compute_ff_tokens()
+                if forced:
+                    matcher.consume_tokens(forced)
+            if matchers["none"].is_stopped():
+                break
+    masks_timed = len(times["none"])
+    print(f"{masks_timed} masks over {args.walks} walks, vocabulary {vocab:,}; masks that differed: {differing}")
+    for name, seconds in times.items():
+        us = np.array(seconds) * 1e6
+        print(
+            f"  slices {name:<16} mean {us.mean():7.0f} us   p90 {np.percentile(us, 90):7.0f} us"
+            f"   max {us.max():7.0f} us"
+        )
+    return 1 if differing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
