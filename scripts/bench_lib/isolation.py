@@ -89,21 +89,25 @@ def _system(task: dict[str, Any]) -> dict[str, Any]:
     spec = TINY_WORKLOAD if task["workload"] == TINY_WORKLOAD.name else WORKLOADS[task["workload"]]
     requests = draw_requests(spec, task["vocab"], task["special_ids"])
     settings = RunSettings(**task["settings"])
-    if task.get("profile"):
-        import cProfile
-        import pstats
-
-        profile = cProfile.Profile()
-        result = profile.runcall(run_system, task["system"], Path(task["model_dir"]), requests, settings)
-        with open(task["profile"], "w") as out:
-            stats = pstats.Stats(profile, stream=out)
-            for order in ("tottime", "cumulative"):
-                stats.sort_stats(order).print_stats(PROFILE_LINES)
-    else:
-        result = run_system(task["system"], Path(task["model_dir"]), requests, settings)
+    args = (task["system"], Path(task["model_dir"]), requests, settings)
+    result = _profiled(task["profile"], run_system, *args) if task.get("profile") else run_system(*args)
     # The native engine's package sets TRITON_CACHE_DIR on import when the environment did not.
     kernel_cache = os.environ.get("TRITON_CACHE_DIR")
     return dataclasses.asdict(dataclasses.replace(result, run=task["run"], kernel_cache=kernel_cache))
+
+
+def _profiled(path: str, function, *args):
+    """`function(*args)` under cProfile; its top functions by own and by cumulative time go to `path`."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(function, *args)
+    with open(path, "w") as out:
+        stats = pstats.Stats(profile, stream=out)
+        for order in ("tottime", "cumulative"):
+            stats.sort_stats(order).print_stats(PROFILE_LINES)
+    return result
 
 
 def child_main(task_path: str, out_path: str) -> int:
