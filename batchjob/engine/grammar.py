@@ -205,8 +205,7 @@ class GrammarCompiler:
         self._executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in matchers], bitmask.data_ptr(), words * 4, rows)
 
     def consume(self, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:
-        """Advance each matcher by its token, in parallel threads; False where the token was not allowed."""
-        if not pairs:
-            return []
-        self._ensure_tokenizer()
-        return self._executor.consume_token_par([(m.inner, t) for m, t in pairs])
+        """Advance each matcher by its token; False where the token was not allowed. A token takes a couple of
+        microseconds, so this thread does it: the executor's threads may be filling another step's masks
+        (`engine.constrained_lag`), and its parallel call would queue behind them."""
+        return [m.inner.consume_token(t) for m, t in pairs]

@@ -82,7 +82,12 @@ def test_constrained_run_with_graphs_equals_eager_and_sync_and_stops_valid(tmp_p
     # Jump-forward chunks make constrained steps mixed: they replay the split mixed graphs, none runs eagerly.
     assert stats["eager_steps"] == 0 and stats["mixed_graph_steps"] > 0
     tokens = {i: c.token_ids for i, c in graphed.items()}
-    for options in ({"cuda_graphs": False}, {"graph_constrained": False}, {"debug_poison_slots": True}):
+    for options in (
+        {"cuda_graphs": False},
+        {"graph_constrained": False},
+        {"debug_poison_slots": True},
+        {"constrained_lag": True},
+    ):
         assert {i: c.token_ids for i, c in _run(model_dir, top_p, **options)[0].items()} == tokens, options
     assert {i: c.token_ids for i, c in _run(model_dir, top_p, "native_sync")[0].items()} == tokens
     for r in _requests(top_p):

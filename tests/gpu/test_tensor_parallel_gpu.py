@@ -25,7 +25,9 @@ MOE = {"qwen3_moe", "mixtral"}
 
 
 def run(model_dir, requests, engine="native", **options) -> tuple[dict, dict]:
-    eng = create_engine(engine, str(model_dir), {"dtype": "float32", "max_num_seqs": 64, **options})
+    # A small KV cache: the tiny models need little, and runs of this file can then share the two GPUs.
+    defaults = {"dtype": "float32", "max_num_seqs": 64, "kv_cache_gb": 2.0}
+    eng = create_engine(engine, str(model_dir), {**defaults, **options})
     try:
         completions = {c.id: c for c in eng.generate(requests)}
         return completions, eng.stats()
