@@ -67,7 +67,7 @@ class ShardRun:
         self.layout = layout
         self.previously_committed = len(already_committed)
         self.counts = RunCounts()
-        self.progress = Progress(total_rows, settings.log_every_s)
+        self.progress = Progress(total_rows, settings.log_every_s, live_tokens=engine.tokens_generated)
         self._pending: dict[int, dict[str, Any]] = {}
         self._finished: list[dict[str, Any]] = []
         self._last_commit = time.monotonic()

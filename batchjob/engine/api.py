@@ -181,6 +181,11 @@ class Engine(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
+    def tokens_generated(self) -> int:
+        """Output tokens generated so far by every `generate` call, those of requests still running included
+        where the backend knows them. Cheap, and safe to call from another thread (progress lines)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -122,6 +122,10 @@ class HFEngine:
             stats["gpu_busy_fraction"] = stats["forward_s"] / stats["wall_s"]
         return stats
 
+    def tokens_generated(self) -> int:
+        """Tokens of finished batches: a static batch's tokens are counted once all its rows are done."""
+        return self._stats["generated_tokens"]
+
     def close(self) -> None:
         self.model = None
         if self.device.type == "cuda":

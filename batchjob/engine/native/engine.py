@@ -434,6 +434,9 @@ class NativeEngine:
             stats.update(self.ranks.stats())
         return stats
 
+    def tokens_generated(self) -> int:
+        return self.outputs.tokens_out + self.outputs.forced_tokens
+
     def busy_timeline(self) -> list[tuple[float, float]]:
         """(start, end) seconds of the first few thousand steps' compute on the GPU (empty on CPU)."""
         return list(self.runner.clock.timeline) if self.runner.clock is not None else []

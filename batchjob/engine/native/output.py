@@ -3,7 +3,8 @@
 With the asynchronous loop a step's tokens arrive while the next step already runs; a sequence that stops
 here was scheduled once more, and that extra row is counted as wasted and dropped.
 
-A constrained sequence's matcher advances by each token here; it stops `stop` when its constraint is complete, and jumps forward over tokens its constraint forces.
+A constrained sequence's matcher advances by each token here; it stops `stop` when its constraint is complete,
+and jumps forward over tokens its constraint forces.
 """
 
 from __future__ import annotations
