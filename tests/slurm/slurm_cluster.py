@@ -16,15 +16,17 @@ import batchjob
 
 REPO = Path(batchjob.__file__).resolve().parents[1]
 TEMPLATE = REPO / "scripts" / "slurm" / "batchjob.sbatch"
-# Slow enough that a test can catch a task mid-run: one row at a time, every row forced to 512 tokens
-# (~0.2 s a row even with one uncontended thread) and committed on its own, so a task of 20 rows is
-# still generating for seconds after its first commits. Identical for every run: outputs compare row by row.
+# Slow enough that a test can catch a task mid-run: one row at a time, every row forced to 256 tokens
+# (0.5 s a row with hf, 0.7 s with native, on one uncontended core of a CI machine) and committed on its own,
+# so a task of 20 rows is still generating for seconds after its first commits; every Slurm test generates
+# all 80 rows at least once, on two cores shared with the rest of the suite, so each token more is CI time.
+# Identical for every run: outputs compare row by row.
 ENGINES = {
     "native": ["engine=native", "engine.max_num_seqs=1"],
     "hf": ["engine=hf", "engine.max_batch_size=1"],
 }
 JOB_OVERRIDES = [
-    "sampling.max_new_tokens=512",
+    "sampling.max_new_tokens=256",
     "sampling.ignore_eos=true",
     "output.commit_every_rows=1",
 ]
