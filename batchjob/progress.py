@@ -59,7 +59,7 @@ class Progress:
             now = time.perf_counter()
             if self._bar is not None:
                 self._bar.update(rows)
-                self._bar.set_postfix_str(f"{self._rate(now):.1f} tok/s", refresh=False)
+                self._bar.set_postfix_str(f"{self._rate(now, self._live()):.1f} tok/s", refresh=False)
             elif now - self._last_log >= self._log_every_s:
                 self._last_log = now
                 log.info("progress: %s", self.line())
@@ -67,8 +67,8 @@ class Progress:
     def line(self) -> str:
         now = time.perf_counter()
         elapsed = now - self.started
-        rate = self._rate(now)
         live = self._live()
+        rate = self._rate(now, live)
         generated = f"{live:,} tokens generated (running rows included), " if live is not None else ""
         if not self.total:
             return f"{self.rows} rows, {generated}{rate:.1f} output tok/s, {_duration(elapsed)} elapsed"
@@ -89,8 +89,7 @@ class Progress:
     def _live(self) -> int | None:
         return None if self._live_tokens is None else max(self._live_tokens(), self.tokens)
 
-    def _rate(self, now: float) -> float:
-        live = self._live()
+    def _rate(self, now: float, live: int | None) -> float:
         return (self.tokens if live is None else live) / max(now - self.started, 1e-9)
 
     def _eta(self, elapsed: float, rate: float, live: int | None) -> str:
@@ -110,6 +109,6 @@ class Progress:
                     continue  # a finished row logged meanwhile
                 self._last_log = now
                 if self._bar is not None:
-                    self._bar.set_postfix_str(f"{self._rate(now):.1f} tok/s")
+                    self._bar.set_postfix_str(f"{self._rate(now, self._live()):.1f} tok/s")
                 else:
                     log.info("progress: %s", self.line())
