@@ -77,6 +77,13 @@ def _positive_int(value: Any, key: str, minimum: int = 1) -> int:
     return value
 
 
+def _seconds(value: Any, key: str, zero: bool = False, meaning: str = "") -> float:
+    """A number of seconds, > 0 (or >= 0 with `zero`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (value == 0 and not zero):
+        raise ConfigError(f"{key}={value!r}: must be a number of seconds {'>= 0' if zero else '> 0'}{meaning}")
+    return float(value)
+
+
 def _flag(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: must be true or false")
@@ -231,18 +238,19 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     out = cfg.output
     if not out.dir:
         raise ConfigError("output.dir is empty: set output.dir=/path/to/results")
-    if float(out.commit_every_s) <= 0:
-        raise ConfigError(f"output.commit_every_s={out.commit_every_s!r}: must be > 0 seconds")
+    commit_every_s = _seconds(out.commit_every_s, "output.commit_every_s")
     try:
         bookkeeping_dir(str(out.dir))
     except OutputDirError as err:
         raise ConfigError(str(err)) from None
-    lock_timeout_s = out.lock_timeout_s
-    if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, int | float) or lock_timeout_s <= 0:
-        raise ConfigError(
-            f"output.lock_timeout_s={lock_timeout_s!r}: must be a number of seconds > 0 (e.g. 300); a lock not "
-            "refreshed for this long is taken over"
-        )
+    lock_timeout_s = _seconds(
+        out.lock_timeout_s,
+        "output.lock_timeout_s",
+        meaning=" (e.g. 300); a lock not refreshed for this long is taken over",
+    )
+    log_every_s = _seconds(
+        cfg.progress.log_every_s, "progress.log_every_s", zero=True, meaning=" (0: a line with every finished row)"
+    )
     limit = data.limit
     if limit is not None:
         limit = _positive_int(limit, "data.limit", minimum=0)
@@ -281,17 +289,17 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         output=OutputSettings(
             dir=str(out.dir),
             commit_every_rows=_positive_int(out.commit_every_rows, "output.commit_every_rows"),
-            commit_every_s=float(out.commit_every_s),
+            commit_every_s=commit_every_s,
             ordered=bool(out.ordered),
             token_ids=bool(out.token_ids),
             overwrite=_flag(out.overwrite, "output.overwrite"),
-            lock_timeout_s=float(lock_timeout_s),
+            lock_timeout_s=lock_timeout_s,
         ),
         shard_index=shard_index,
         shard_count=shard_count,
         resume=bool(cfg.resume),
         on_error=on_error,
-        log_every_s=float(cfg.progress.log_every_s),
+        log_every_s=log_every_s,
         tokenize_batch_rows=_positive_int(cfg.pipeline.tokenize_batch_rows, "pipeline.tokenize_batch_rows"),
         queue_batches=_positive_int(cfg.pipeline.queue_batches, "pipeline.queue_batches"),
     )
