@@ -45,6 +45,7 @@ def _config(architecture: str):
         bos_token_id=1,
         eos_token_id=vocab_size - 1,
         attention_bias=False,
+        dtype="bfloat16",  # as the real checkpoints declare: engine.dtype=auto then runs them in bfloat16
     )
 
 

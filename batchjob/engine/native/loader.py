@@ -10,6 +10,7 @@ device (`dummy_weights.py`).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +47,8 @@ CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer*"]
 _QKV = re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)")
 _GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.(weight|bias)")
 _EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+log = logging.getLogger("batchjob.engine.native")
 
 
 @dataclass(frozen=True)
@@ -166,12 +169,29 @@ def load_model(
         model = CausalLM(local, attn, tp).to(spec.dtype)
     model.to_empty(device=device)
     model.reset_tables()
+    _warn_float32(model, dtype, spec, model_dir)
     shards = {name: param_shard(name, spec, tp) for name, _ in model.named_parameters()}
     if dummy:
         fill_dummy_weights(model, shards)
     else:
         load_checkpoint(model, spec, model_dir, shards, tp)
     return model.eval().requires_grad_(False), local
+
+
+def _warn_float32(model: CausalLM, dtype: str, spec: ModelSpec, model_dir: Path) -> None:
+    """A checkpoint that declares float32 (or no dtype) runs in float32 under `engine.dtype=auto`: on a GPU that is
+    many times slower than bfloat16, which a user rarely wants for a model of any size."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if dtype != "auto" or spec.dtype != torch.float32 or weight_bytes < 2**30 or next(model.parameters()).is_cpu:
+        return
+    log.warning(
+        "engine.dtype=auto runs %s in float32 (%.1f GiB of weights on this device): its config.json declares "
+        "float32 or no dtype. float32 matmuls run at a small fraction of bfloat16's rate on a GPU and the weights "
+        "take twice the memory; set engine.dtype=bfloat16, or engine.dtype=float32 to keep float32 without this "
+        "warning",
+        model_dir,
+        weight_bytes / 2**30,
+    )
 
 
 def _expected_elements(param: torch.Tensor, shard: ParamShard | None) -> int:
