@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from batchjob.engine.api import Constraint
 
 if TYPE_CHECKING:
@@ -82,25 +80,15 @@ def check_constraint(constraint: Constraint) -> None:
 
 class Matcher:
     """One sample's position in its constraint. `consume` returns False when the token is not allowed (the
-    matcher is then in an error state, `error` says why).
-
-    The asynchronous loop computes a matcher's next bitmask beside the step (`StepMasks`): `mask` (a numpy int32
-    row) holds it once `mask_ready`, `mask_filling` says it is being computed, `slow` that its last one was late
-    or took long. Consuming a token makes the mask stale."""
+    matcher is then in an error state, `error` says why)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.mask: Any = None
-        self.mask_ready = False
-        self.mask_filling = False
-        self.slow = False
 
     def consume(self, token: int) -> bool:
-        self.mask_ready = False
         return self.inner.consume_token(token)
 
     def consume_forced(self, tokens: Sequence[int]) -> bool:
-        self.mask_ready = False
         return self.inner.consume_tokens(list(tokens))
 
     def forced_tokens(self) -> list[int]:
@@ -208,18 +196,16 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return Matcher(start.deep_copy())
 
-    def fill_bitmasks(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor | np.ndarray) -> None:
-        """Fill row `i` of the contiguous int32 CPU tensor or array `bitmask` for each `(matcher, i)`, in parallel
-        threads, off the GIL."""
+    def fill_bitmasks(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill row `i` of the contiguous int32 CPU tensor `bitmask` for each `(matcher, i)`, in parallel threads."""
         if not matchers:
             return
         self._ensure_tokenizer()
         rows, words = bitmask.shape
-        pointer = bitmask.ctypes.data if isinstance(bitmask, np.ndarray) else bitmask.data_ptr()
-        self._executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in matchers], pointer, words * 4, rows)
+        self._executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in matchers], bitmask.data_ptr(), words * 4, rows)
 
     def consume(self, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:
         """Advance each matcher by its token; False where the token was not allowed. A token takes a couple of
         microseconds, so this thread does it: the executor's threads may be filling another step's masks
         (`engine.constrained_lag`), and its parallel call would queue behind them."""
-        return [m.consume(t) for m, t in pairs]
+        return [m.inner.consume_token(t) for m, t in pairs]

@@ -82,14 +82,11 @@ def test_constrained_run_with_graphs_equals_eager_and_sync_and_stops_valid(tmp_p
     # Jump-forward chunks make constrained steps mixed: they replay the split mixed graphs, none runs eagerly.
     assert stats["eager_steps"] == 0 and stats["mixed_graph_steps"] > 0
     tokens = {i: c.token_ids for i, c in graphed.items()}
-    print(f"late mask rows {stats['late_mask_rows']}, tokens sampled again {stats['sat_out_tokens']}")
     for options in (
         {"cuda_graphs": False},
         {"graph_constrained": False},
         {"debug_poison_slots": True},
         {"constrained_lag": True},
-        {"late_masks": False},  # the step waits for every mask (above: late rows sit out)
-        {"debug_late_masks": 2},  # every other freshly computed mask late, graphed
     ):
         assert {i: c.token_ids for i, c in _run(model_dir, top_p, **options)[0].items()} == tokens, options
     assert {i: c.token_ids for i, c in _run(model_dir, top_p, "native_sync")[0].items()} == tokens

@@ -103,31 +103,6 @@ def test_constrained_rows_that_sit_out_a_step_generate_what_sync_does(model_dir,
     check_stop_rows([lagged[r.id] for r in reqs if r.sampling.json_schema == PET], lambda t: valid_json(t, PET_SCHEMA))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(debug_late_masks=3),
-        dict(debug_late_masks=2, num_kv_blocks=30, block_size=4, max_model_len=100, max_num_batched_tokens=24),
-        dict(debug_late_masks=2, debug_poison_slots=True),
-    ],
-    ids=["every 3rd mask late", "every 2nd late, with preemption", "every 2nd late, poisoned slots"],
-)
-def test_rows_whose_masks_are_late_sit_out_and_generate_what_sync_does(model_dir, temperature, options):
-    """A late row's sampled token is dropped, and so is the next step's row for it (fed that token); it feeds its
-    last token again later, under the mask computed meanwhile. Nothing of that shows in the output."""
-    reqs = _mixed(temperature) + _requests(12, temperature, max_new_tokens=80, json_schema=PET)
-    reqs = [Request(i, r.prompt_ids, r.sampling) for i, r in enumerate(reqs)]
-    late, stats = _run(model_dir, reqs, "native", **options)
-    sync_done, _ = _run(model_dir, reqs, "native_sync")
-    assert {i: c.token_ids for i, c in late.items()} == {i: c.token_ids for i, c in sync_done.items()}
-    assert stats["late_mask_rows"] > 20 and stats["sat_out_tokens"] == stats["late_mask_rows"]
-    assert stats["wasted_tokens"] >= stats["late_mask_rows"] // 2  # each late row's next row, when in flight
-    if "num_kv_blocks" in options:
-        assert stats["preemptions"] > 0
-    check_stop_rows([late[r.id] for r in reqs if r.sampling.json_schema == PET], lambda t: valid_json(t, PET_SCHEMA))
-
-
 @pytest.mark.parametrize(
     "schedule",
     [

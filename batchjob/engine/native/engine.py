@@ -269,7 +269,7 @@ class NativeEngine:
         if self.grammars.tokenizer is None:
             self.grammars.tokenizer = self.tokenizer
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
-        self.masks = StepMasks(self.runner, self.grammars, opts.late_masks, opts.debug_late_masks)
+        self.masks = StepMasks(self.runner, self.grammars)
 
     # ---- the loop ----
 
@@ -422,9 +422,6 @@ class NativeEngine:
                 constrained_steps=runner.masked_steps,
                 mask_ms_per_constrained_step=1000 * self.masks.fill_s / runner.masked_steps,
                 mask_wait_ms_per_constrained_step=1000 * self.masks.wait_s / runner.masked_steps,
-                mask_thread_ms_per_constrained_step=1000 * self.masks.thread_s / runner.masked_steps,
-                late_mask_rows=self.masks.late_rows,
-                sat_out_tokens=self.outputs.sat_out,
                 constrained_steps_masked_at_launch=self.masks.started_at_launch,
                 sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,

@@ -59,7 +59,6 @@ class StepHandle:
     masked_rows: int = 0
     graph_layout: StepLayout | None = None  # the layout of the graph its forward replayed (None: eager)
     sampled: bool = True
-    late: frozenset[int] = frozenset()  # ids of the constrained sequences whose bitmask was late: they sit out
 
     @property
     def graphed(self) -> bool:
@@ -91,7 +90,6 @@ class _SlotEvents:
         self.compute_done = torch.cuda.Event()
         self.d2h_done = torch.cuda.Event()
         self.bitmask_done = torch.cuda.Event()
-        self.forward_done = torch.cuda.Event()  # a split step's forward (its sampler waits for the bitmask)
 
 
 class ModelRunner:
@@ -254,9 +252,7 @@ class ModelRunner:
                 self.run_step(slot, prev, shape, layout.max_query_len, layout.max_seq_len, mode)
             if self.cuda:
                 timing[1].record(self.compute)
-                if masked_rows:
-                    slot.events.forward_done.record(self.compute)
-                else:
+                if not masked_rows:
                     slot.events.compute_done.record(self.compute)
         if masked_rows:
             step.sampled = False
@@ -283,11 +279,6 @@ class ModelRunner:
         if self.cuda:
             step.slot.events.bitmask_done.synchronize()
         return step.slot.host_bitmask[: step.masked_rows]
-
-    def forward_finished(self, step: StepHandle) -> bool:
-        """Whether a split step's forward has run (on CPU it ran at launch): from then on the GPU waits for the
-        bitmask."""
-        return not self.cuda or step.slot.events.forward_done.query()
 
     def enqueue_masked_sampler(self, step: StepHandle) -> None:
         """Copy a split step's filled bitmask rows, enqueue its masked sampler and the copy of its tokens."""

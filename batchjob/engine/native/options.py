@@ -45,14 +45,12 @@ class NativeOptions:
     graph_sampling: bool = True
     graph_constrained: bool = True
     constrained_lag: bool = False
-    late_masks: bool = True
     graph_mixed: bool = True
     graph_max_batch: int | None = None
     warmup: bool | None = None
     detokenize: bool = True
     seed: int = 0
     debug_poison_slots: bool = False
-    debug_late_masks: int = 0
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> NativeOptions:
@@ -97,8 +95,6 @@ class NativeOptions:
             problems.append(
                 f"engine.admission_window={self.admission_window}: must be >= 0 (0 admits requests in input order)"
             )
-        if self.debug_late_masks < 0:
-            problems.append(f"engine.debug_late_masks={self.debug_late_masks}: must be >= 0 (0: off)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append(f"engine.num_kv_blocks={self.num_kv_blocks}: must be >= 2 (or null to size it)")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

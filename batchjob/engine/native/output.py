@@ -1,8 +1,7 @@
 """Turning sampled tokens into finished requests: stop conditions, stop strings, logprobs, text.
 
 With the asynchronous loop a step's tokens arrive while the next step already runs; a sequence that stops
-here was scheduled once more, and that extra row is counted as wasted and dropped. A constrained row whose
-bitmask was late (`StepMasks`) sits out: its token is dropped, and so is the next step's row for it.
+here was scheduled once more, and that extra row is counted as wasted and dropped.
 
 A constrained sequence's matcher advances by each token here; it stops `stop` when its constraint is complete,
 and jumps forward over tokens its constraint forces.
@@ -29,27 +28,19 @@ class OutputProcessor:
         self.tokens_out = 0
         self.wasted = 0
         self.forced_tokens = 0  # jump-forward: tokens appended without a step of their own
-        self.sat_out = 0  # sampled tokens dropped because the row's bitmask was late (sampled again later)
 
     def process(self, step: StepHandle, result: StepResult, scheduler: Scheduler) -> Iterator[Completion]:
         """Apply one collected step: resolve each sampled row's pending token, stop what must stop, and
         yield the requests whose samples have all finished."""
         tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
         samples = step.plan.samples.tolist()
-        late = step.late
-        accepted = self._advance_matchers(step.plan.seqs, samples, tokens, late)
+        accepted = self._advance_matchers(step.plan.seqs, samples, tokens)
         row = 0
         for seq, sampled in zip(step.plan.seqs, samples, strict=True):
             seq.inflight -= 1
             if sampled:
                 if seq.status is Status.FINISHED:
                     self.wasted += 1
-                elif seq.stale:
-                    seq.stale -= 1  # fed a token it has since dropped
-                    self.wasted += 1
-                elif seq.seq_id in late:
-                    seq.sit_out()
-                    self.sat_out += 1
                 else:
                     finished = self._append(seq, tokens[row], result, row, scheduler, accepted.get(seq.seq_id))
                     if finished is not None:
@@ -57,17 +48,13 @@ class OutputProcessor:
                 row += 1
             scheduler.release_if_idle(seq)
 
-    def _advance_matchers(
-        self, seqs: list[Sequence], samples: list[bool], tokens: list[int], late: frozenset[int]
-    ) -> dict[int, bool]:
+    def _advance_matchers(self, seqs: list[Sequence], samples: list[bool], tokens: list[int]) -> dict[int, bool]:
         """Advance every constrained sequence's matcher by its new token, unless its constraint had already forced
-        (and consumed) that token or the token is dropped. Returns whether each matcher accepted its token, by
-        sequence id."""
+        (and consumed) that token. Returns whether each matcher accepted its token, by sequence id."""
         pairs, ids, row = [], [], 0
         for seq, sampled in zip(seqs, samples, strict=True):
             if sampled:
-                usable = seq.status is not Status.FINISHED and not seq.stale and seq.seq_id not in late
-                if seq.matcher is not None and usable:
+                if seq.matcher is not None and seq.status is not Status.FINISHED:
                     _, position = seq.pending[0]
                     if position >= seq.forced_until:
                         pairs.append((seq.matcher, tokens[row]))

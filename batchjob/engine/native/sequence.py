@@ -53,7 +53,6 @@ class Sequence:
     pending: deque[tuple[int, int]] = field(default_factory=deque)  # (output row of a step in flight, position)
     forced_until: int = 0
     inflight: int = 0
-    stale: int = 0  # sampled rows of steps in flight that were fed a token it has since dropped (`sit_out`)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     block_table: list[int] = field(default_factory=list)
@@ -144,17 +143,6 @@ class Sequence:
         self.num_tokens = start + len(forced)
         self.forced_until = self.num_tokens
         return len(forced) - replaces_pending
-
-    def sit_out(self) -> None:
-        """Its bitmask was late for the step being processed: drop the token that step sampled for it (its oldest
-        pending one) and the later ones in flight, which were fed that token, and feed its last known token
-        again. Its KV for that token is written again with the same values; the matcher has not moved."""
-        _, position = self.pending[0]
-        self.stale = len(self.pending) - 1
-        self.pending.clear()
-        self.num_tokens = position
-        self.num_computed = position - 1
-        self.forced_until = min(self.forced_until, position)
 
     def truncate_after(self, position: int) -> None:
         """Stop at `position`: later tokens (sampled by steps already in flight) are discarded."""
