@@ -17,6 +17,7 @@ from batchjob.engine.native.attention import TorchPagedAttention, make_metadata
 from batchjob.engine.native.loader import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
+    device_dtype,
     load_model,
     read_model_spec,
 )
@@ -246,3 +247,14 @@ def test_pickle_only_model_directory_is_refused(tiny_llama_dir, tmp_path):
 def test_missing_local_directory_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_model_spec(tmp_path / "no-such-model")
+
+
+def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_on_a_gpu_only(tiny_llama_dir):
+    spec = read_model_spec(tiny_llama_dir)  # the tiny model declares float32
+    assert spec.dtype == torch.float32
+    assert device_dtype(spec, "auto", "cuda").dtype == torch.bfloat16
+    assert device_dtype(spec, "auto", "cuda:1").dtype == torch.bfloat16
+    assert device_dtype(spec, "auto", "cpu") is spec
+    assert device_dtype(spec, "float32", "cuda") is spec
+    half = read_model_spec(tiny_llama_dir, "float16")
+    assert device_dtype(half, "auto", "cuda") is half

@@ -229,18 +229,19 @@ class NativeEngine:
     def _start_ranks(self, model_path: str) -> None:
         """The job process of a tensor-parallel engine: the ranks (`rank_group.py`) hold the model and run the
         steps; this process runs the scheduler and turns tokens into completions, as a single-device engine."""
-        from batchjob.engine.native.loader import read_model_spec
+        from batchjob.engine.native.loader import device_dtype, read_model_spec
         from batchjob.engine.native.rank_group import RankGroup
 
         opts = self.options
         started = time.perf_counter()
         self.device = torch.device("cpu")  # this process computes nothing; the ranks have the devices
-        self.spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
+        cuda = _device(opts.device).type == "cuda"
+        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
+        self.spec = device_dtype(spec, opts.dtype, "cuda" if cuda else "cpu")  # what the ranks run
         self.max_model_len = self.spec.max_model_len
         tokenizer = _load_tokenizer_beside(self.spec.model_dir) if opts.detokenize else None
         self._make_grammars(tokenizer)
         rank_options = {**dataclasses.asdict(opts), "detokenize": False}
-        cuda = _device(opts.device).type == "cuda"
         self.runner = self.ranks = RankGroup(self.spec.model_dir, rank_options, opts.tensor_parallel, cuda)
         self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats = {**self.ranks.startup_stats, "startup_s": time.perf_counter() - started}

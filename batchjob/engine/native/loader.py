@@ -9,6 +9,7 @@ device (`dummy_weights.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -38,6 +39,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelSpec",
     "UnsupportedModelError",
+    "device_dtype",
     "load_model",
     "read_model_spec",
     "resolve_model_dir",
@@ -162,14 +164,13 @@ def load_model(
     tp = parallel.current() if tp is None else tp
     dummy = load_format == "dummy"
     model_dir = resolve_model_dir(model_path, with_weights=not dummy)
-    spec = read_model_spec(model_dir, dtype, max_model_len)
+    spec = device_dtype(read_model_spec(model_dir, dtype, max_model_len), dtype, device)
     check_tensor_parallel(spec, tp.size)
     local = rank_spec(spec, tp)
     with torch.device("meta"), _no_random_init():
         model = CausalLM(local, attn, tp).to(spec.dtype)
     model.to_empty(device=device)
     model.reset_tables()
-    _warn_float32(model, dtype, spec, model_dir)
     shards = {name: param_shard(name, spec, tp) for name, _ in model.named_parameters()}
     if dummy:
         fill_dummy_weights(model, shards)
@@ -178,20 +179,18 @@ def load_model(
     return model.eval().requires_grad_(False), local
 
 
-def _warn_float32(model: CausalLM, dtype: str, spec: ModelSpec, model_dir: Path) -> None:
-    """A checkpoint that declares float32 (or no dtype) runs in float32 under `engine.dtype=auto`: on a GPU that is
-    many times slower than bfloat16, which a user rarely wants for a model of any size."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if dtype != "auto" or spec.dtype != torch.float32 or weight_bytes < 2**30 or next(model.parameters()).is_cpu:
-        return
-    log.warning(
-        "engine.dtype=auto runs %s in float32 (%.1f GiB of weights on this device): its config.json declares "
-        "float32 or no dtype. float32 matmuls run at a small fraction of bfloat16's rate on a GPU and the weights "
-        "take twice the memory; set engine.dtype=bfloat16, or engine.dtype=float32 to keep float32 without this "
-        "warning",
-        model_dir,
-        weight_bytes / 2**30,
+def device_dtype(spec: ModelSpec, dtype: str, device: str | torch.device) -> ModelSpec:
+    """`engine.dtype=auto` on a GPU runs a checkpoint that declares float32 (or no dtype) in bfloat16, as the hf
+    backend does: float32 matmuls run at a small fraction of bfloat16's rate there and the weights take twice the
+    memory (an 8B model's job would take ten times as long). On CPU, and with an explicit dtype, `spec` stays."""
+    if dtype != "auto" or spec.dtype != torch.float32 or torch.device(device).type != "cuda":
+        return spec
+    log.info(
+        "engine.dtype=auto: %s declares float32 or no dtype; running it in bfloat16 on the GPU "
+        "(engine.dtype=float32 keeps float32)",
+        spec.model_dir,
     )
+    return dataclasses.replace(spec, dtype=torch.bfloat16)
 
 
 def _expected_elements(param: torch.Tensor, shard: ParamShard | None) -> int:
