@@ -235,13 +235,14 @@ class NativeEngine:
         opts = self.options
         started = time.perf_counter()
         self.device = torch.device("cpu")  # this process computes nothing; the ranks have the devices
-        cuda = _device(opts.device).type == "cuda"
-        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
-        self.spec = device_dtype(spec, opts.dtype, "cuda" if cuda else "cpu")  # what the ranks run
+        device = _device(opts.device)
+        # the dtype the ranks run
+        self.spec = device_dtype(read_model_spec(model_path, opts.dtype, opts.max_model_len), opts.dtype, device)
         self.max_model_len = self.spec.max_model_len
         tokenizer = _load_tokenizer_beside(self.spec.model_dir) if opts.detokenize else None
         self._make_grammars(tokenizer)
         rank_options = {**dataclasses.asdict(opts), "detokenize": False}
+        cuda = device.type == "cuda"
         self.runner = self.ranks = RankGroup(self.spec.model_dir, rank_options, opts.tensor_parallel, cuda)
         self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats = {**self.ranks.startup_stats, "startup_s": time.perf_counter() - started}
