@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from batchjob.engine.native.block_manager import KVBlockManager
@@ -59,3 +61,28 @@ def test_a_cached_child_is_not_matched_after_its_parent_block_got_other_content(
     # Same first block as the new content and a second block whose hash collides with the old child's:
     # the child's K/V were computed after other tokens, so only the first block may be shared.
     assert manager.match_prefix([9, 2], blocks_of([50, 51, 52, 53, 4, 5, 6, 7])) == [parent]
+
+
+def test_blocks_go_out_plain_freed_first_then_never_used_then_oldest_cached() -> None:
+    manager = KVBlockManager(num_blocks=10, block_size=BLOCK)
+    _, cached = admit(manager, list(range(8)), [1, 2])  # blocks 1, 2 hold a prompt's content
+    plain = manager.allocate([], 2)  # blocks 3, 4 hold none
+    assert (cached, plain) == ([1, 2], [3, 4])
+    manager.free(cached)
+    manager.free(plain)
+    manager.check_invariants()
+    assert manager.num_free == 9
+    # freed without content first (a sequence's first block first), then 5..9, then the cached blocks, so a
+    # finished prompt's content is evicted last, its first block (the one a later prompt shares first) last of all
+    assert manager.allocate([], 9) == [3, 4, 5, 6, 7, 8, 9, 2, 1]
+    manager.check_invariants()
+    assert manager.num_free == 0
+    assert not manager.can_allocate(1)
+
+
+def test_a_cache_of_tens_of_millions_of_blocks_is_ready_at_once() -> None:
+    began = time.perf_counter()
+    manager = KVBlockManager(num_blocks=40_000_000, block_size=BLOCK)
+    assert time.perf_counter() - began < 2.0  # a Python object per block took about 9 s
+    assert manager.num_free == 40_000_000 - 1
+    assert manager.allocate([], 3) == [1, 2, 3]

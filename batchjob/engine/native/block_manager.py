@@ -12,6 +12,7 @@ its content), and a hit must match both. Two prompts whose hashes collide theref
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -40,26 +41,40 @@ class KVBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
+        # Arrays, not lists, and the never-used blocks as a counter, not entries: a small model's KV cache can
+        # hold tens of millions of blocks, and building a Python object per block took seconds of start-up.
+        self.ref_counts = array("i", [0]) * num_blocks
         self.ref_counts[0] = 1
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # The free blocks in the order they are handed out: blocks freed without cached content (newest first),
+        # then the never-used ones (`_fresh` up), then freed blocks with cached content (oldest first), so the
+        # oldest cached content is evicted first and a just-finished prompt stays reusable longest.
+        self._free_plain: list[int] = []
+        self._fresh = 1
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
         # hash -> block and block -> content for full blocks whose content is known; a cached block with
-        # ref count 0 stays in `_free` (reused last) until it is needed for something else.
+        # ref count 0 stays in `_free_cached` until it is needed for something else.
         self._by_hash: dict[int, int] = {}
         self._content: dict[int, CachedContent] = {}
         # Bumped whenever a block is handed out anew, so a child block's parent reference goes stale with it.
-        self._epoch = [0] * num_blocks
+        # Blocks never handed out have none.
+        self._epoch: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free_plain) + (self.num_blocks - self._fresh) + len(self._free_cached)
 
     def _take_free(self) -> int:
-        if not self._free:
+        if self._free_plain:
+            block = self._free_plain.pop()
+        elif self._fresh < self.num_blocks:
+            block = self._fresh
+            self._fresh += 1
+        elif self._free_cached:
+            block, _ = self._free_cached.popitem(last=False)
+        else:
             raise KVCacheExhausted("no free KV block")
-        block, _ = self._free.popitem(last=False)
         self._forget(block)
-        self._epoch[block] += 1
+        self._epoch[block] = self._epoch.get(block, 0) + 1
         self.ref_counts[block] = 1
         return block
 
@@ -73,7 +88,7 @@ class KVBlockManager:
 
     def _share(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            del self._free[block]
+            del self._free_cached[block]  # only a block with cached content is shared
         self.ref_counts[block] += 1
 
     def match_prefix(self, hashes: Sequence[int], token_blocks: Sequence[bytes]) -> list[int]:
@@ -126,21 +141,24 @@ class KVBlockManager:
         self._content[block] = content
 
     def free(self, blocks: Sequence[int]) -> None:
-        # Blocks go back newest-first at the end of the free list so that the oldest cached content is
-        # evicted first and a just-finished prompt stays reusable longest.
+        # Blocks go back newest-first, so that a just-finished prompt's cached blocks are evicted last.
         for block in reversed(blocks):
             count = self.ref_counts[block] - 1
             if count < 0 or block == 0:
                 raise AssertionError(f"freeing block {block} with ref count {self.ref_counts[block]}")
             self.ref_counts[block] = count
             if count == 0:
-                self._free[block] = None
-                if block not in self._content:
-                    self._free.move_to_end(block, last=False)
+                if block in self._content:
+                    self._free_cached[block] = None
+                else:
+                    self._free_plain.append(block)
 
     def check_invariants(self) -> None:
+        free = {*self._free_plain, *range(self._fresh, self.num_blocks), *self._free_cached}
+        if len(free) != self.num_free:
+            raise AssertionError("a block is on the free lists twice")
         for block in range(1, self.num_blocks):
-            in_free = block in self._free
+            in_free = block in free
             if in_free != (self.ref_counts[block] == 0):
                 raise AssertionError(f"block {block}: ref count {self.ref_counts[block]} but in free list = {in_free}")
         for h, block in self._by_hash.items():
