@@ -131,6 +131,13 @@ def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _sampler_mode_name(sampling: SamplingParams) -> str:
+    """The one sampler mode (`engine.graph_sampling`) that rows sampling as `sampling` need."""
+    if sampling.temperature == 0:
+        return "greedy"
+    return "filtering" if sampling.top_k > 0 or sampling.top_p < 1 or sampling.min_p > 0 else "temperature"
+
+
 def _sampling(cfg: DictConfig) -> SamplingParams:
     raw = OmegaConf.to_container(cfg.sampling, resolve=True)
     stop = raw.pop("stop", None) or []
@@ -261,10 +268,10 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         # No row of this job can carry a constraint: the graphs of its split steps would only cost start-up
         # (more than half the graphs a native engine captures).
         engine_cfg["graph_constrained"] = False
-    if sampling.temperature == 0 and data.format != "openai_batch" and "graph_sampling" in engine_cfg:
-        # Every row of this job is greedy (an OpenAI batch file may set a temperature per line): the graphs of
-        # the two sampling modes would be two thirds of the start-up's capture, never replayed.
-        engine_cfg["graph_sampling"] = False
+    if data.format != "openai_batch" and engine_cfg.get("graph_sampling") in (True, "all"):
+        # Every row of this job samples alike (an OpenAI batch file may set a temperature per line): the graphs
+        # of the other two sampler modes would be two thirds of the start-up's capture, never replayed.
+        engine_cfg["graph_sampling"] = _sampler_mode_name(sampling)
     return JobSettings(
         model_path=cfg.model.path,
         engine_name=engine_name,

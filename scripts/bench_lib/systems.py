@@ -94,10 +94,10 @@ def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
     options = {"dtype": settings.dtype, "detokenize": False, **settings.engine_options}
     if not every:
         # What a job without constraints does (batchjob/config.py): no graphs for split steps it never runs,
-        # and for a job whose rows are all greedy none for the sampling modes.
+        # and graphs of the one sampler mode its rows need.
         options.setdefault("graph_constrained", False)
-        if not spec.temperature:
-            options.setdefault("graph_sampling", False)
+        mode = "filtering" if spec.top_p < 1 else "temperature"
+        options.setdefault("graph_sampling", mode if spec.temperature else "greedy")
     started = time.perf_counter()
     engine = create_engine(engine_name, str(model_dir), options)
     startup_s = time.perf_counter() - started

@@ -85,3 +85,22 @@ def test_sampled_mixed_steps_replay_graphs_and_only_log_probability_steps_run_ea
             # The same eager step, over a KV cache that graphed and eager steps filled alike up to rounding.
             got, want = graphed[r.id].samples[0], eager[r.id].samples[0]
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_graphs_of_one_sampler_mode_run_every_step_a_cheaper_mode_needs_and_equal_all_modes(tmp_path):
+    """A job whose rows all filter captures the filtering graphs alone (`graph_sampling=filtering`): greedy and
+    temperature-only rows, and steps that sample nothing (prefill chunks), replay those graphs with the tokens
+    they draw under every mode's graphs, and nothing runs eagerly."""
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    modes = [dict(), dict(temperature=0.8), dict(temperature=0.8, top_p=0.9)]
+    prompts = [r.prompt_ids for r in mixed_requests(48, seed=12, max_prompt=300)]
+    requests = [
+        Request(id=i, prompt_ids=p, sampling=SamplingParams(max_new_tokens=16, seed=i, **modes[i % 3]))
+        for i, p in enumerate(prompts)
+    ]
+    one, one_stats = _run(model_dir, requests, graph_sampling="filtering")
+    every, every_stats = _run(model_dir, requests, graph_sampling="all")
+    assert one_stats["graph_modes"] == one_stats["mixed_graph_modes"] == 1
+    assert every_stats["graph_modes"] == 3
+    assert one_stats["eager_steps"] == 0 and one_stats["graph_steps"] == one_stats["steps"]
+    assert _tokens(one) == _tokens(every)

@@ -133,12 +133,30 @@ def test_split_step_graphs_are_captured_only_for_jobs_whose_rows_can_carry_a_con
 
 @pytest.mark.parametrize(
     ("overrides", "captured"),
-    [((), False), (("sampling.temperature=0.7",), True), (("data.format=openai_batch",), True)],
+    [
+        ((), "greedy"),
+        (("sampling.temperature=0.7",), "temperature"),
+        (("sampling.temperature=0.7", "sampling.top_p=0.95"), "filtering"),
+        (("sampling.temperature=0.7", "sampling.top_k=50"), "filtering"),
+        (("sampling.temperature=0.7", "sampling.min_p=0.05"), "filtering"),
+        (("data.format=openai_batch",), "all"),
+        (("sampling.temperature=0.7", "engine.graph_sampling=greedy"), "greedy"),
+    ],
 )
-def test_sampling_graphs_are_captured_only_for_jobs_whose_rows_can_sample(
-    tmp_path: Path, overrides: tuple[str, ...], captured: bool
+def test_a_job_whose_rows_all_sample_alike_captures_graphs_of_that_sampler_mode_only(
+    tmp_path: Path, overrides: tuple[str, ...], captured: str
 ) -> None:
     from batchjob.config import load_settings
 
     cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
-    assert load_settings(cfg).engine_options["graph_sampling"] is captured
+    assert load_settings(cfg).engine_options["graph_sampling"] == captured
+
+
+def test_graph_sampling_takes_a_mode_name_or_a_boolean_and_names_its_choices() -> None:
+    from batchjob.engine.native.options import NativeOptions
+
+    assert NativeOptions.from_mapping({"graph_sampling": True}).graph_sampling == "all"
+    assert NativeOptions.from_mapping({"graph_sampling": False}).graph_sampling == "greedy"
+    assert NativeOptions.from_mapping({"graph_sampling": "filtering"}).graph_sampling == "filtering"
+    with pytest.raises(ValueError, match="graph_sampling='top_p': choose one of all, greedy, temperature, filtering"):
+        NativeOptions.from_mapping({"graph_sampling": "top_p"})

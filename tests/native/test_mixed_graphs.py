@@ -83,6 +83,21 @@ def test_a_mixed_step_replays_the_graph_of_its_sampler_mode():
     assert layout_step(_plan((1, 40), SamplingParams(max_new_tokens=4, temperature=0.7)), greedy_only).bucket is None
 
 
+def test_a_step_replays_the_cheapest_captured_mode_that_covers_its_rows():
+    temperature = SamplingParams(max_new_tokens=4, temperature=0.7)
+    filtering = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9)
+    only = {m: dataclasses.replace(CAPTURED, modes=frozenset({m}), mixed_modes=frozenset({m})) for m in GRAPH_MODES}
+    for counts in ((1, 1), (1, 40)):  # a decode step and a mixed one
+        assert layout_step(_plan(counts), only[FILTERING]).mode == FILTERING
+        assert layout_step(_plan(counts, temperature), only[FILTERING]).mode == FILTERING
+        assert layout_step(_plan(counts), only[SAMPLING]).mode == SAMPLING
+        assert layout_step(_plan(counts, filtering), only[SAMPLING]).bucket is None
+        assert layout_step(_plan(counts, temperature), only[GREEDY]).bucket is None
+    no_greedy = dataclasses.replace(CAPTURED, modes=frozenset({SAMPLING, FILTERING}))
+    assert layout_step(_plan((1, 1)), no_greedy).mode == SAMPLING  # the cheaper of the two
+    assert layout_step(_plan((1, 1)), CAPTURED).mode == GREEDY
+
+
 def test_decodes_keep_their_batch_buckets_and_wider_decodes_take_a_mixed_graph():
     narrow = layout_step(_plan((1,) * 3), CAPTURED)
     assert not narrow.mixed and narrow.shape == StepShape(4, 4, 4)
@@ -107,7 +122,9 @@ def test_a_constrained_step_with_chunks_replays_the_split_halves_of_its_mixed_bu
     sampled = SamplingParams(max_new_tokens=4, temperature=1.0)
     layout = layout_step(_plan((1, 3, 1, 2), sampled, constrained=True), split)
     assert layout.mixed and layout.mode == SAMPLING and layout.shape == StepShape(256, 16, 16)
-    assert layout_step(_plan((1, 3), constrained=True), split).bucket is None  # greedy halves not captured
+    assert layout_step(_plan((1, 3), constrained=True), split).mode == SAMPLING  # greedy rows replay them too
+    filtered = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9)
+    assert layout_step(_plan((1, 3), filtered, constrained=True), split).bucket is None  # not captured
 
 
 def _requests() -> list[Request]:

@@ -44,7 +44,7 @@ from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig, StepPlan
 from batchjob.engine.native.sequence import RequestGroup, Sequence
-from batchjob.engine.native.step_layout import GRAPH_MODES, decode_buckets, mixed_buckets
+from batchjob.engine.native.step_layout import GRAPH_MODES_BY_NAME, decode_buckets, mixed_buckets
 from batchjob.engine.native.step_masks import StepMasks
 from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
 
@@ -183,7 +183,7 @@ class NativeEngine:
             "kv_sizing_s": kv_sized - loaded,
         }
         if self.device.type == "cuda" and opts.cuda_graphs:
-            modes = GRAPH_MODES if opts.graph_sampling else GRAPH_MODES[:1]
+            modes = GRAPH_MODES_BY_NAME[opts.graph_sampling]
             # The ranks of a tensor-parallel engine never split a step: constrained requests are refused there.
             split = opts.graph_constrained and opts.tensor_parallel == 1
             mixed = mixed_buckets(opts.max_num_batched_tokens) if opts.graph_mixed else []

@@ -26,7 +26,7 @@ import torch
 
 from batchjob.engine.native.io_slot import IOSlot, StepShape
 from batchjob.engine.native.sampler import SamplerMode
-from batchjob.engine.native.step_layout import GREEDY, GraphBuckets, StepLayout
+from batchjob.engine.native.step_layout import GraphBuckets, StepLayout
 
 if TYPE_CHECKING:
     from batchjob.engine.native.model_runner import ModelRunner
@@ -107,8 +107,8 @@ class StepGraphs:
     ) -> tuple[float, int]:
         """Capture, for both slots and each mode, the largest first: mixed steps of every `mixed` token bucket,
         decode steps of every `decode` bucket (with `split`, also the halves of both kinds of steps with
-        constrained rows). Returns the seconds and device bytes it took. Greedy decode graphs must capture; any
-        other graph that fails is logged and its steps left to run eagerly."""
+        constrained rows). Returns the seconds and device bytes it took. The first mode's decode graphs must
+        capture; any other graph that fails is logged and its steps left to run eagerly."""
         device = self.runner.device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
@@ -118,7 +118,7 @@ class StepGraphs:
             mixed_steps = [partial(self._mixed, b, mode, pool, split) for b in sorted(mixed, reverse=True)]
             self._capture_all(f"mixed steps with {mode}", mode, mixed_steps)
             decode_steps = [partial(self._decode, b, mode, pool, split) for b in sorted(decode, reverse=True)]
-            self._capture_all(f"decode steps with {mode}", mode, decode_steps, required=mode == GREEDY)
+            self._capture_all(f"decode steps with {mode}", mode, decode_steps, required=mode == modes[0])
         self.buckets = GraphBuckets(
             decode=tuple(sorted(decode)),
             modes=frozenset(key[2] for key in self.decode),

@@ -11,6 +11,9 @@ from batchjob.errors import did_you_mean
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+# `graph_sampling`: which sampler modes get CUDA graphs (true: all, false: greedy); a job whose rows all sample
+# alike names its one mode, and steps of a cheaper mode replay its graphs
+GRAPH_SAMPLING = ("all", "greedy", "temperature", "filtering")
 _TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 
 
@@ -42,7 +45,7 @@ class NativeOptions:
     enable_prefix_caching: bool = True
     admission_window: int = 0
     cuda_graphs: bool = True
-    graph_sampling: bool = True
+    graph_sampling: str = "all"
     graph_constrained: bool = True
     constrained_lag: bool = False
     graph_mixed: bool = True
@@ -59,7 +62,10 @@ class NativeOptions:
         if unknown:
             named = ", ".join(f"engine.{key}{did_you_mean(key, known, prefix='engine.')}" for key in unknown)
             raise ValueError(f"unknown native engine option(s) {named}; known options: {', '.join(sorted(known))}")
-        opts = cls(**dict(options))
+        options = dict(options)
+        if isinstance(options.get("graph_sampling"), bool):
+            options["graph_sampling"] = "all" if options["graph_sampling"] else "greedy"
+        opts = cls(**options)
         opts.validate()
         return opts
 
@@ -77,6 +83,11 @@ class NativeOptions:
             problems.append(
                 f"engine.load_format={self.load_format!r}: choose auto (the safetensors weights) or dummy "
                 "(random weights from config.json alone, for benchmarks)"
+            )
+        if self.graph_sampling not in GRAPH_SAMPLING:
+            problems.append(
+                f"engine.graph_sampling={self.graph_sampling!r}: choose one of {', '.join(GRAPH_SAMPLING)} "
+                "(true: all, false: greedy)"
             )
         if self.tensor_parallel < 1:
             problems.append(f"engine.tensor_parallel={self.tensor_parallel}: must be >= 1 (GPUs of one engine)")

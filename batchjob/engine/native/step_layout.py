@@ -32,6 +32,13 @@ GREEDY = SamplerMode()
 SAMPLING = SamplerMode(sampling=True)
 FILTERING = SamplerMode(sampling=True, filtering=True)
 GRAPH_MODES = (GREEDY, SAMPLING, FILTERING)
+# `engine.graph_sampling`: the modes captured for a job whose rows all sample alike, or any row
+GRAPH_MODES_BY_NAME = {
+    "all": GRAPH_MODES,
+    "greedy": (GREEDY,),
+    "temperature": (SAMPLING,),
+    "filtering": (FILTERING,),
+}
 
 # Below this many tokens a mixed step pads up to it: a smaller step is launch-bound, not compute-bound, so
 # finer buckets would buy little for the graphs they cost.
@@ -92,13 +99,18 @@ def has_constrained_rows(plan: StepPlan) -> bool:
     return any(s.matcher is not None for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep)
 
 
-def graph_mode_for(mode: SamplerMode) -> SamplerMode | None:
-    """The captured mode that can run a step needing `mode`, if any (log-probabilities: none)."""
+# The captured modes that can run a step needing each mode, cheapest first: a sampling graph draws a greedy
+# row's argmax, and a filtering graph leaves a row without a filter unfiltered.
+_COVERED_BY = {GREEDY: (GREEDY, SAMPLING, FILTERING), SAMPLING: (SAMPLING, FILTERING), FILTERING: (FILTERING,)}
+
+
+def graph_mode_for(mode: SamplerMode, captured: frozenset[SamplerMode]) -> SamplerMode | None:
+    """The cheapest of the `captured` modes that can run a step needing `mode`, if any (log-probabilities:
+    none)."""
     if mode.logprobs is not None:
         return None
-    if mode.filtering:
-        return FILTERING
-    return SAMPLING if mode.sampling else GREEDY
+    needed = FILTERING if mode.filtering else SAMPLING if mode.sampling else GREEDY
+    return next((m for m in _COVERED_BY[needed] if m in captured), None)
 
 
 def sampler_mode(plan: StepPlan) -> SamplerMode:
@@ -123,13 +135,14 @@ def layout_step(plan: StepPlan, graphs: GraphBuckets) -> StepLayout:
     mode = sampler_mode(plan)
     n, t = len(plan.seqs), plan.num_tokens
     bounds = (int(plan.counts.max()), int((plan.starts + plan.counts).max()))
-    graph_mode = graph_mode_for(mode)
     constrained = has_constrained_rows(plan)
-    if plan.is_decode and graph_mode in (graphs.masked_modes if constrained else graphs.modes):
+    graph_mode = graph_mode_for(mode, graphs.masked_modes if constrained else graphs.modes)
+    if plan.is_decode and graph_mode is not None:
         bucket = _first_fitting(graphs.decode, n)
         if bucket:
             return StepLayout(StepShape(bucket, bucket, bucket), bucket, graph_mode, rows, t, *bounds)
-    if graph_mode in (graphs.mixed_masked_modes if constrained else graphs.mixed_modes) and n <= graphs.mixed_seqs:
+    graph_mode = graph_mode_for(mode, graphs.mixed_masked_modes if constrained else graphs.mixed_modes)
+    if graph_mode is not None and n <= graphs.mixed_seqs:
         bucket = _first_fitting(graphs.mixed, t)
         if bucket:
             shape = StepShape(bucket, graphs.mixed_seqs, graphs.mixed_seqs)
