@@ -168,7 +168,9 @@ def run_one(
     from batchjob.status import job_status
 
     out_dir = args.out / "runs" / name
-    shutil.rmtree(out_dir, ignore_errors=True)  # a leftover output would be resumed, not measured
+    # A leftover output (and its bookkeeping beside it) would be resumed, not measured.
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.rmtree(bookkeeping_dir(str(out_dir)), ignore_errors=True)
     out_dir.mkdir(parents=True)
     command = job_command(args, model, data, out_dir, data_parallel, tensor_parallel)
     # Data-parallel children share nothing; tensor-parallel ranks all-reduce through NCCL, with NVLink multicast

@@ -44,6 +44,18 @@ def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp
     assert one["generation_scaling_efficiency"] == 1.0 and two["generation_scaling_efficiency"] > 0
     assert run.stdout.rstrip().splitlines()[-1].lstrip().startswith("2 ")
 
+    # The same command again measures a whole new run: nothing of the first is resumed.
+    argv[2] = "1"
+    again = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--out", str(out), "--model-cache", str(tmp_path / "models")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    (rerun,) = json.loads((out / "data_parallel.json").read_text())["results"]
+    assert rerun["exactly_once"] and rerun["completion_tokens"] == 24 * 8
+
 
 def test_tiny_run_of_a_tensor_parallel_layout_reports_tokens_per_gpu(tmp_path):
     out = tmp_path / "out"
