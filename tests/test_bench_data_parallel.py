@@ -16,16 +16,17 @@ import pyarrow.parquet as pq
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_data_parallel.py"
 
 
+def _bench(argv: list[str], out: Path, models: Path, timeout: int) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), *argv, "--out", str(out), "--model-cache", str(models)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
 def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp_path):
     out = tmp_path / "out"
     argv = ["--tiny", "--gpus", "1,2", "--rows", "24", "--max-new-tokens", "8"]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv, "--out", str(out), "--model-cache", str(tmp_path / "models")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _bench(argv, out, tmp_path / "models", 120)
     report = json.loads((out / "data_parallel.json").read_text())
     assert pq.ParquetFile(out / "prompts.parquet").metadata.num_rows == 24
     assert 64 <= report["prompt_tokens"]["min"] <= report["prompt_tokens"]["max"] <= 512 + 1
@@ -46,13 +47,7 @@ def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp
 
     # The same command again measures a whole new run: nothing of the first is resumed.
     argv[2] = "1"
-    again = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv, "--out", str(out), "--model-cache", str(tmp_path / "models")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    _bench(argv, out, tmp_path / "models", 120)
     (rerun,) = json.loads((out / "data_parallel.json").read_text())["results"]
     assert rerun["exactly_once"] and rerun["completion_tokens"] == 24 * 8
 
@@ -60,13 +55,7 @@ def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp
 def test_tiny_run_of_a_tensor_parallel_layout_reports_tokens_per_gpu(tmp_path):
     out = tmp_path / "out"
     argv = ["--tiny", "--layouts", "1x2", "--rows", "12", "--max-new-tokens", "4"]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv, "--out", str(out), "--model-cache", str(tmp_path / "models")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    _bench(argv, out, tmp_path / "models", 240)
     (result,) = json.loads((out / "data_parallel.json").read_text())["results"]
     assert (result["gpus"], result["data_parallel"], result["tensor_parallel"]) == (2, 1, 2)
     assert result["exactly_once"] and result["completion_tokens"] == 12 * 4
