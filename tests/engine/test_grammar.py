@@ -89,3 +89,5 @@ def test_the_mask_profile_script_finds_the_same_masks_with_every_slice_setting()
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "masks that differed: 0" in run.stdout and "slices engine" in run.stdout
+    share = float(run.stdout.split("allowed share of the vocabulary: mean ")[1].split(";")[0])
+    assert 0 < share < 1
