@@ -133,9 +133,9 @@ def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _sampler_mode_name(sampling: SamplingParams) -> str:
     """The one sampler mode (`engine.graph_sampling`) that rows sampling as `sampling` need."""
-    if sampling.temperature == 0:
+    if sampling.greedy:
         return "greedy"
-    return "filtering" if sampling.top_k > 0 or sampling.top_p < 1 or sampling.min_p > 0 else "temperature"
+    return "filtering" if sampling.filtered else "temperature"
 
 
 def _sampling(cfg: DictConfig) -> SamplingParams:

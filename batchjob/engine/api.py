@@ -104,6 +104,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def filtered(self) -> bool:
+        """True when the draw is filtered (top-k, top-p or min-p), which only a sampled request is."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
     def constraint(self) -> Constraint | None:
         """The request's output constraint, or None."""
         if self.json_schema is not None:

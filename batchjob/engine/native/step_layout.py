@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchjob.engine.native.io_slot import StepShape
+from batchjob.engine.native.options import GRAPH_SAMPLING
 from batchjob.engine.native.sampler import SamplerMode
 from batchjob.engine.native.scheduler import StepPlan
 
@@ -33,12 +34,7 @@ SAMPLING = SamplerMode(sampling=True)
 FILTERING = SamplerMode(sampling=True, filtering=True)
 GRAPH_MODES = (GREEDY, SAMPLING, FILTERING)
 # `engine.graph_sampling`: the modes captured for a job whose rows all sample alike, or any row
-GRAPH_MODES_BY_NAME = {
-    "all": GRAPH_MODES,
-    "greedy": (GREEDY,),
-    "temperature": (SAMPLING,),
-    "filtering": (FILTERING,),
-}
+GRAPH_MODES_BY_NAME = dict(zip(GRAPH_SAMPLING, (GRAPH_MODES, (GREEDY,), (SAMPLING,), (FILTERING,)), strict=True))
 
 # Below this many tokens a mixed step pads up to it: a smaller step is launch-bound, not compute-bound, so
 # finer buckets would buy little for the graphs they cost.
@@ -118,7 +114,7 @@ def sampler_mode(plan: StepPlan) -> SamplerMode:
     logprobs = [p.logprobs for p in sampled if p.logprobs is not None]
     return SamplerMode(
         sampling=any(p.temperature > 0 for p in sampled),
-        filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in sampled),
+        filtering=any(p.filtered for p in sampled),
         logprobs=max(logprobs) if logprobs else None,
     )
 
