@@ -7,6 +7,8 @@
   sees, so a job's tasks compile once between them: Triton writes each kernel atomically (temporary file,
   then rename) under a key that includes the GPU architecture and the Triton version, so concurrent tasks
   and mixed GPU types share one directory safely.
+- `model-specs/`: what the native engine read from each model's config files (`models/spec_cache.py`), so a
+  later job on the same config need not import transformers' config classes; written the same way.
 """
 
 from __future__ import annotations

@@ -44,24 +44,20 @@ USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError, OutputDirE
 
 
 def import_libraries() -> None:
-    """Import torch and transformers' config machinery (seconds, the largest part of a warm start-up) here, in
-    one phase, rather than inside the first check that needs them; and silence them: no
-    per-load progress bars or advisory warnings from transformers/datasets in a batch job's log."""
+    """Import torch (seconds, a large part of a warm start-up) here, in one phase, rather than inside the first
+    check that needs it; and silence the libraries: no per-load progress bars or advisory warnings from
+    transformers/datasets in a batch job's log (they read these variables when they are imported)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     warnings.filterwarnings("ignore", module=r"(transformers|datasets|torch)(\..*)?")
     import torch  # noqa: F401
-    import transformers
-    import transformers.activations  # noqa: F401  (every model's config class imports it, and torch.distributed)
-    from transformers import AutoConfig  # noqa: F401  (lazy attributes: this imports them)
 
-    # The tokenizer classes are imported where the tokenizer loads, beside the engine's start-up: here they
-    # cost the bundled model's job 2.2 s of its 14 s to "ready to generate" on a GPU (transformers 5.17).
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    # `datasets` is imported only for HF inputs (batchjob.io.hf_reader quiets it then): a Parquet job skips it.
+    # transformers is imported where the tokenizer loads, beside the engine's start-up, and the native engine
+    # reads a model's config through it only once per config (its spec is kept): on a GPU node its imports
+    # were most of a job's 12 s to "ready to generate" (transformers 5.17). `datasets` is imported only for
+    # HF inputs (batchjob.io.hf_reader quiets it then).
 
 
 def run_job(cfg: DictConfig, startup: StartupClock | None = None) -> int:

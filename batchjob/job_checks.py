@@ -30,6 +30,7 @@ from batchjob.pipelines.pipeline import Builder, for_openai_batch, make_builder
 from batchjob.pipelines.prompts import check_columns
 from batchjob.pipelines.rows import RESERVED_COLUMNS
 from batchjob.startup import StartupClock
+from batchjob.transformers_import import from_transformers
 
 log = logging.getLogger("batchjob")
 
@@ -177,10 +178,8 @@ def check_beside_engine(job: PreparedJob, startup: StartupClock) -> ReadyToFeed:
 
 
 def load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return from_transformers("AutoTokenizer").from_pretrained(model_path)
     except (OSError, ValueError) as err:
         local = Path(model_path)
         if local.is_dir() and not any(f for pattern in TOKENIZER_FILES for f in local.glob(pattern)):

@@ -23,6 +23,7 @@ from batchjob.engine.api import Completion, Request, Sample, SamplingParams
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.hf_sampling import RowState, choose_tokens, constraint_mask
 from batchjob.errors import did_you_mean
+from batchjob.transformers_import import from_transformers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -77,8 +78,6 @@ class HFEngine:
             raise ValueError(f"engine.max_model_len must be null or an integer >= 2, got {opts['max_model_len']!r}")
 
     def __init__(self, model_path: str, **options: Any) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.check_options(options)
         opts = {**OPTION_DEFAULTS, **options}
         device = opts["device"]
@@ -89,10 +88,12 @@ class HFEngine:
         if dtype == "auto":
             # CPU kernels for half types are slow and inexact; GPUs want bf16.
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], attn_implementation=opts["attn_implementation"]
-        ).to(self.device)
+        self.tokenizer = from_transformers("AutoTokenizer").from_pretrained(model_path)
+        self.model = (
+            from_transformers("AutoModelForCausalLM")
+            .from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=opts["attn_implementation"])
+            .to(self.device)
+        )
         self.model.eval()
         self._cache_kwarg = cache_keyword(self.model)
         config = self.model.config

@@ -17,7 +17,16 @@ from batchjob.engine.native.models.olmo2 import OLMO2
 from batchjob.engine.native.models.phi3 import PHI3
 from batchjob.engine.native.models.qwen3_moe import QWEN3_MOE
 from batchjob.engine.native.models.smollm3 import SMOLLM3
-from batchjob.engine.native.models.spec import Architecture, ModelSpec, UnsupportedModelError, check_spec, common_spec
+from batchjob.engine.native.models.spec import (
+    Architecture,
+    ModelSpec,
+    UnsupportedModelError,
+    check_spec,
+    common_spec,
+    requested_spec,
+)
+from batchjob.engine.native.models.spec_cache import load_spec, spec_key, store_spec
+from batchjob.transformers_import import from_transformers
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch for arch in (*LLAMA_FAMILY, QWEN3_MOE, MIXTRAL, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2)
@@ -49,18 +58,27 @@ def spec_from_config(
     max_model_len: int | None,
 ) -> ModelSpec:
     """The spec of a model from transformers' config object (the benchmark's roofline builds one in memory)."""
-    spec = common_spec(config, architecture.name, model_dir, generation, dtype, max_model_len)
-    return check_spec(architecture.adapt(config, spec))
+    spec = common_spec(config, architecture.name, model_dir, generation)
+    return requested_spec(check_spec(architecture.adapt(config, spec)), dtype, max_model_len)
 
 
 def spec_from_config_files(model_dir: Path, dtype: str = "auto", max_model_len: int | None = None) -> ModelSpec:
-    from transformers import AutoConfig
-
+    """The spec of the model in `model_dir` for a job's `dtype` and `max_model_len`: kept from an earlier read of
+    the same config files (spec_cache.py), else read through transformers' config class and kept."""
     architecture = architecture_of(model_dir)
+    key = spec_key(model_dir)
+    spec = load_spec(key, model_dir)
+    if spec is None:
+        spec = _read_config(model_dir, architecture)
+        store_spec(key, spec)
+    return requested_spec(spec, dtype, max_model_len)
+
+
+def _read_config(model_dir: Path, architecture: Architecture) -> ModelSpec:
     try:
-        config = AutoConfig.from_pretrained(model_dir)
+        config = from_transformers("AutoConfig").from_pretrained(model_dir)
     except (ValueError, KeyError, TypeError) as err:
         raise UnsupportedModelError(f"{model_dir}: transformers cannot read its config.json ({err})") from err
     generation_path = model_dir / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
-    return spec_from_config(config, architecture, str(model_dir), generation, dtype, max_model_len)
+    return spec_from_config(config, architecture, str(model_dir), generation, "auto", None)

@@ -3,7 +3,8 @@ described (`Architecture`).
 
 A spec is read from the config files alone (no weights), so the cache can be sized, a bad model refused and
 `engine=auto` decided before any GPU work. transformers' own config class reads config.json, so defaults
-and the renamings of older configs (`rope_scaling`, `sliding_window_pattern`, ...) are exactly theirs.
+and the renamings of older configs (`rope_scaling`, `sliding_window_pattern`, ...) are exactly theirs; the
+spec is then kept (`spec_cache.py`), so later jobs on the same config skip importing those classes.
 
 `common_spec` reads what every decoder shares in the Llama layout; an `Architecture` then adjusts it for its
 family (`adapt`) and names the checkpoint tensors that differ from ours (`checkpoint_renames`). The same spec
@@ -13,7 +14,7 @@ drives the loader, the forward pass (`models/decoder.py`) and the benchmark's ro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -176,22 +177,32 @@ def layer_windows(config: Any) -> list[int]:
     return [window if kind == "sliding_attention" else 0 for kind in layer_types]
 
 
-def max_model_len(config: Any, requested: int | None, model_dir: str) -> int:
-    limit = config.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds what {model_dir} supports ({limit}); lower it")
-    return requested
-
-
-def resolve_dtype(dtype: str, config: Any) -> torch.dtype:
-    if dtype == "auto":
-        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-        dtype = str(declared).removeprefix("torch.")
+def declared_dtype(config: Any, model_dir: str) -> torch.dtype:
+    """The dtype the checkpoint declares (float32 where it declares none, as transformers reads it)."""
+    declared = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    dtype = declared.removeprefix("torch.")
     if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+        raise UnsupportedModelError(
+            f"{model_dir}: config.json declares dtype {declared!r}; the native engine runs "
+            f"{', '.join(DTYPES)} checkpoints; use engine=hf"
+        )
     return DTYPES[dtype]
+
+
+def requested_spec(spec: ModelSpec, dtype: str, requested_len: int | None) -> ModelSpec:
+    """`spec` as read (the declared dtype, the model's whole length) for a job's `dtype` (auto: the declared
+    one) and `max_model_len` (None: the model's)."""
+    if requested_len is not None and requested_len > spec.max_model_len:
+        raise ValueError(
+            f"max_model_len={requested_len} exceeds what {spec.model_dir} supports ({spec.max_model_len}); lower it"
+        )
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    return replace(
+        spec,
+        max_model_len=spec.max_model_len if requested_len is None else requested_len,
+        dtype=spec.dtype if dtype == "auto" else DTYPES[dtype],
+    )
 
 
 def common_spec(
@@ -199,10 +210,9 @@ def common_spec(
     architecture: str,
     model_dir: str,
     generation: dict[str, Any],
-    dtype: str = "auto",
-    requested_len: int | None = None,
 ) -> ModelSpec:
-    """The spec of a Llama-layout decoder from transformers' `config`: what every family shares."""
+    """The spec of a Llama-layout decoder from transformers' `config`: what every family shares, in the dtype
+    it declares and for its whole length (`requested_spec` applies a job's)."""
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r} is not silu; use engine=hf")
     num_heads = config.num_attention_heads
@@ -223,7 +233,7 @@ def common_spec(
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         vocab_size=config.vocab_size,
-        max_model_len=max_model_len(config, requested_len, model_dir),
+        max_model_len=config.max_position_embeddings,
         rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
         rope=rope,
         layers=tuple(LayerSpec(rope=rope, window=window) for window in layer_windows(config)),
@@ -231,7 +241,7 @@ def common_spec(
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        dtype=resolve_dtype(dtype, config),
+        dtype=declared_dtype(config, model_dir),
         eos_token_ids=_token_ids(eos if eos is not None else config.eos_token_id),
         bos_token_id=generation.get("bos_token_id", config.bos_token_id),
         pad_token_id=generation.get("pad_token_id", config.pad_token_id),

@@ -1,0 +1,109 @@
+"""Specs of models read before, so that a job's start-up need not import transformers' config classes.
+
+Reading config.json through transformers' config class (for its defaults and renamings) imports most of
+transformers: seconds on a GPU node, the largest part of a warm start-up (docs/benchmarks.md). A spec depends
+only on config.json, generation_config.json, the installed transformers (its defaults) and the code that builds
+it, so it is kept under `cache_root()/model-specs`, keyed by a digest of all four: an edited config, another
+transformers or a changed family rule all read the config again. An entry that cannot be read is read again
+from the config; one that cannot be written (a read-only cache) is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from batchjob.caches import cache_root
+from batchjob.engine.native import rope
+from batchjob.engine.native.models.spec import DTYPES, LayerSpec, ModelSpec, MoESpec
+from batchjob.engine.native.rope import RopeSpec
+
+log = logging.getLogger("batchjob.engine.native")
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+@cache
+def _code_digest() -> str:
+    """What builds a spec: the model families' modules and the rope parameters' normalisation."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")) + [Path(rope.__file__)]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _transformers_version() -> str:
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def spec_key(model_dir: Path) -> str:
+    digest = hashlib.sha256(f"{_transformers_version()}\0{_code_digest()}\0".encode())
+    for name in CONFIG_FILES:
+        path = model_dir / name
+        digest.update(name.encode() + (b"\1" + path.read_bytes() if path.is_file() else b"\0"))
+    return digest.hexdigest()[:32]
+
+
+def _path(key: str) -> Path:
+    return cache_root() / "model-specs" / f"{key}.json"
+
+
+def load_spec(key: str, model_dir: Path) -> ModelSpec | None:
+    """The spec kept under `key` (for the model in `model_dir`), or None."""
+    path = _path(key)
+    try:
+        spec = spec_from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        log.debug("model spec %s unreadable (%s): reading the config again", path, err)
+        return None
+    return dataclasses.replace(spec, model_dir=str(model_dir))
+
+
+def store_spec(key: str, spec: ModelSpec) -> None:
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+            json.dump(spec_to_json(spec), tmp)
+        os.replace(tmp.name, path)  # whole or absent: concurrent tasks on shared storage never see half
+    except OSError as err:
+        log.debug("model spec not kept in %s (%s)", path.parent, err)
+
+
+def spec_to_json(spec: ModelSpec) -> dict[str, Any]:
+    fields = dataclasses.asdict(spec)
+    fields["dtype"] = str(spec.dtype).removeprefix("torch.")
+    return fields
+
+
+def spec_from_json(fields: dict[str, Any]) -> ModelSpec:
+    def rope_of(params: dict[str, Any] | None) -> RopeSpec | None:
+        if params is None:
+            return None
+        factors = {key: tuple(params[key]) for key in ("short_factor", "long_factor")}
+        return RopeSpec(**{**params, **factors})
+
+    moe = fields["moe"]
+    return ModelSpec(
+        **{
+            **fields,
+            "rope": rope_of(fields["rope"]),
+            "layers": tuple(LayerSpec(**{**layer, "rope": rope_of(layer["rope"])}) for layer in fields["layers"]),
+            "dtype": DTYPES[fields["dtype"]],
+            "eos_token_ids": tuple(fields["eos_token_ids"]),
+            "moe": None if moe is None else MoESpec(**moe),
+        }
+    )
