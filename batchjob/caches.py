@@ -7,14 +7,22 @@
   sees, so a job's tasks compile once between them: Triton writes each kernel atomically (temporary file,
   then rename) under a key that includes the GPU architecture and the Triton version, so concurrent tasks
   and mixed GPU types share one directory safely.
-- `model-specs/`: what the native engine read from each model's config files (`models/spec_cache.py`), so a
-  later job on the same config need not import transformers' config classes; written the same way.
+- `model-specs/`: what the native engine read from each model's config files (`models/spec_cache.py`), and
+  `tokenizer-classes/`: which tokenizer class transformers chose for each model (`transformers_import.py`), so
+  a later job on the same files need not import transformers' config and auto classes. Small JSON entries,
+  written as a whole (`store_entry`) and read again from the model's files when unreadable (`load_entry`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import tempfile
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("batchjob")
 
 
 def cache_root() -> Path:
@@ -27,3 +35,29 @@ def use_kernel_cache() -> None:
     compile; the native engine's package runs it on import."""
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")
+
+
+def load_entry(kind: str, key: str) -> Any | None:
+    """The JSON entry `key` of `cache_root()/kind`, or None when absent or unreadable."""
+    path = cache_root() / kind / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        log.debug("cache entry %s unreadable (%s): ignored", path, err)
+        return None
+
+
+def store_entry(kind: str, key: str, value: Any) -> None:
+    """Keep `value` as the JSON entry `key` of `cache_root()/kind`: whole or absent (written to a temporary file,
+    then renamed), so concurrent tasks on shared storage never read half of one; skipped when the cache cannot
+    be written."""
+    folder = cache_root() / kind
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as tmp:
+            json.dump(value, tmp)
+        os.replace(tmp.name, folder / f"{key}.json")
+    except OSError as err:
+        log.debug("cache entry %s/%s not kept (%s)", folder, key, err)

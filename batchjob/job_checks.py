@@ -30,7 +30,7 @@ from batchjob.pipelines.pipeline import Builder, for_openai_batch, make_builder
 from batchjob.pipelines.prompts import check_columns
 from batchjob.pipelines.rows import RESERVED_COLUMNS
 from batchjob.startup import StartupClock
-from batchjob.transformers_import import from_transformers
+from batchjob.transformers_import import load_tokenizer as load_hf_tokenizer
 
 log = logging.getLogger("batchjob")
 
@@ -179,7 +179,7 @@ def check_beside_engine(job: PreparedJob, startup: StartupClock) -> ReadyToFeed:
 
 def load_tokenizer(model_path: str) -> Any:
     try:
-        return from_transformers("AutoTokenizer").from_pretrained(model_path)
+        return load_hf_tokenizer(model_path)
     except (OSError, ValueError) as err:
         local = Path(model_path)
         if local.is_dir() and not any(f for pattern in TOKENIZER_FILES for f in local.glob(pattern)):

@@ -1,20 +1,78 @@
-"""transformers' classes, imported by one thread at a time.
+"""transformers' classes, imported by one thread at a time, and a model's tokenizer loaded with as little of
+transformers as possible.
 
 A job imports transformers beside the engine's start-up, in the threads that load the tokenizer, which takes
 seconds of imports off the path to "ready to generate". Two threads importing transformers' lazily loaded
 modules at once can each meet a module the other has half imported, so a job's imports of it go through here.
+
+`AutoTokenizer` (transformers 5) loads the model's config class to choose a tokenizer class, which imports the
+model auto-classes, the generation utilities and with them torch's compiler stack: seconds on a GPU node, far
+more than the tokenizer itself. The class it chose for a model directory is kept in
+`$BATCHJOB_CACHE/tokenizer-classes`, keyed by the files it chose from and the transformers version; a later
+load imports that class's module alone and calls its `from_pretrained` as `AutoTokenizer` would.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import threading
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
+from batchjob.caches import load_entry, store_entry
+
 _LOCK = threading.RLock()
+KIND = "tokenizer-classes"
+# What AutoTokenizer's choice reads: the model type and name, the tokenizer config's class and auto_map.
+CHOICE_FILES = ("config.json", "tokenizer_config.json")
 
 
 def from_transformers(name: str) -> Any:
     """`from transformers import <name>`, under the process's one lock."""
     with _LOCK:
         return getattr(importlib.import_module("transformers"), name)
+
+
+def transformers_version() -> str:
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def _choice_key(model_dir: Path) -> str:
+    digest = hashlib.sha256(transformers_version().encode() + b"\0")
+    for name in CHOICE_FILES:
+        path = model_dir / name
+        digest.update(name.encode() + (b"\1" + path.read_bytes() if path.is_file() else b"\0"))
+    return digest.hexdigest()[:32]
+
+
+def _kept_class(key: str) -> type | None:
+    entry = load_entry(KIND, key)
+    if not isinstance(entry, dict) or not str(entry.get("module", "")).startswith("transformers."):
+        return None
+    try:
+        with _LOCK:
+            return getattr(importlib.import_module(entry["module"]), entry["name"])
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def load_tokenizer(model_path: str | Path) -> Any:
+    """`AutoTokenizer.from_pretrained(model_path)`; for a local directory whose choice of class is kept, that
+    class's own `from_pretrained`, called as AutoTokenizer calls it."""
+    model_dir = Path(model_path)
+    if not model_dir.is_dir():  # a hub id: AutoTokenizer fetches the files
+        return from_transformers("AutoTokenizer").from_pretrained(str(model_path))
+    key = _choice_key(model_dir)
+    chosen = _kept_class(key)
+    if chosen is not None:
+        return chosen.from_pretrained(str(model_dir), _from_auto=True)
+    tokenizer = from_transformers("AutoTokenizer").from_pretrained(str(model_dir))
+    cls = type(tokenizer)
+    if cls.__module__.startswith("transformers."):  # not a model's own code (trust_remote_code)
+        store_entry(KIND, key, {"module": cls.__module__, "name": cls.__qualname__})
+    return tokenizer

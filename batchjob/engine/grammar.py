@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from batchjob.engine.api import Constraint
-from batchjob.transformers_import import from_transformers
+from batchjob.transformers_import import load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -162,7 +162,7 @@ class GrammarCompiler:
                 import llguidance.hf
 
                 if self.tokenizer is None:
-                    self.tokenizer = from_transformers("AutoTokenizer").from_pretrained(self.model_dir)
+                    self.tokenizer = load_tokenizer(self.model_dir)
                 self._lltokenizer = llguidance.hf.from_tokenizer(
                     self.tokenizer,
                     n_vocab=self.vocab_size,

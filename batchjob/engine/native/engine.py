@@ -47,7 +47,7 @@ from batchjob.engine.native.sequence import RequestGroup, Sequence
 from batchjob.engine.native.step_layout import GRAPH_MODES_BY_NAME, decode_buckets, mixed_buckets
 from batchjob.engine.native.step_masks import StepMasks
 from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
-from batchjob.transformers_import import from_transformers
+from batchjob.transformers_import import load_tokenizer
 
 if TYPE_CHECKING:
     from batchjob.engine.native.rank_group import RankGroup
@@ -89,7 +89,7 @@ def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
     model_dir = resolve_model_dir(model_path, with_weights=False)
     pool = ThreadPoolExecutor(1, thread_name_prefix="batchjob-engine-tokenizer")
     try:  # transformers itself is imported there too: seconds of imports beside the start-up
-        return pool.submit(lambda: from_transformers("AutoTokenizer").from_pretrained(str(model_dir)))
+        return pool.submit(load_tokenizer, model_dir)
     finally:
         pool.shutdown(wait=False)  # the thread ends with the load
 

@@ -3,7 +3,7 @@
 Reading config.json through transformers' config class (for its defaults and renamings) imports most of
 transformers: seconds on a GPU node, the largest part of a warm start-up (docs/benchmarks.md). A spec depends
 only on config.json, generation_config.json, the installed transformers (its defaults) and the code that builds
-it, so it is kept under `cache_root()/model-specs`, keyed by a digest of all four: an edited config, another
+it, so it is kept under `$BATCHJOB_CACHE/model-specs`, keyed by a digest of all four: an edited config, another
 transformers or a changed family rule all read the config again. An entry that cannot be read is read again
 from the config; one that cannot be written (a read-only cache) is skipped.
 """
@@ -12,23 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
-import os
-import tempfile
 from functools import cache
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from batchjob.caches import cache_root
+from batchjob.caches import load_entry, store_entry
 from batchjob.engine.native import rope
 from batchjob.engine.native.models.spec import DTYPES, LayerSpec, ModelSpec, MoESpec
 from batchjob.engine.native.rope import RopeSpec
+from batchjob.transformers_import import transformers_version
 
 log = logging.getLogger("batchjob.engine.native")
 
 CONFIG_FILES = ("config.json", "generation_config.json")
+KIND = "model-specs"
 
 
 @cache
@@ -40,47 +38,29 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-def _transformers_version() -> str:
-    try:
-        return metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return "none"
-
-
 def spec_key(model_dir: Path) -> str:
-    digest = hashlib.sha256(f"{_transformers_version()}\0{_code_digest()}\0".encode())
+    digest = hashlib.sha256(f"{transformers_version()}\0{_code_digest()}\0".encode())
     for name in CONFIG_FILES:
         path = model_dir / name
         digest.update(name.encode() + (b"\1" + path.read_bytes() if path.is_file() else b"\0"))
     return digest.hexdigest()[:32]
 
 
-def _path(key: str) -> Path:
-    return cache_root() / "model-specs" / f"{key}.json"
-
-
 def load_spec(key: str, model_dir: Path) -> ModelSpec | None:
     """The spec kept under `key` (for the model in `model_dir`), or None."""
-    path = _path(key)
-    try:
-        spec = spec_from_json(json.loads(path.read_text()))
-    except FileNotFoundError:
+    fields = load_entry(KIND, key)
+    if fields is None:
         return None
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        log.debug("model spec %s unreadable (%s): reading the config again", path, err)
+    try:
+        spec = spec_from_json(fields)
+    except (ValueError, TypeError, KeyError) as err:
+        log.debug("model spec %s unreadable (%s): reading the config again", key, err)
         return None
     return dataclasses.replace(spec, model_dir=str(model_dir))
 
 
 def store_spec(key: str, spec: ModelSpec) -> None:
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            json.dump(spec_to_json(spec), tmp)
-        os.replace(tmp.name, path)  # whole or absent: concurrent tasks on shared storage never see half
-    except OSError as err:
-        log.debug("model spec not kept in %s (%s)", path.parent, err)
+    store_entry(KIND, key, spec_to_json(spec))
 
 
 def spec_to_json(spec: ModelSpec) -> dict[str, Any]:
