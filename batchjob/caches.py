@@ -58,6 +58,7 @@ def store_entry(kind: str, key: str, value: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as tmp:
             json.dump(value, tmp)
+        os.chmod(tmp.name, 0o644)  # readable by the other users of a shared cache, as Triton's entries are
         os.replace(tmp.name, folder / f"{key}.json")
     except OSError as err:
         log.debug("cache entry %s/%s not kept (%s)", folder, key, err)

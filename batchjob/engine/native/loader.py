@@ -135,6 +135,18 @@ def checkpoint_slot(key: str, spec: ModelSpec) -> Slot | None:
     return Slot(name)
 
 
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer of a meta-device module uninitialised storage on `device`: what
+    `Module.to_empty` does, without its `empty_like` of a meta tensor, whose Python implementation imports
+    torch's symbolic-shapes machinery and sympy (seconds of a start-up)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
+
 @contextmanager
 def _no_random_init() -> Iterator[None]:
     """Modules built on the meta device skip `nn.init.normal_` (nn.Embedding's init). It computes nothing there,
@@ -169,7 +181,7 @@ def load_model(
     local = rank_spec(spec, tp)
     with torch.device("meta"), _no_random_init():
         model = CausalLM(local, attn, tp).to(spec.dtype)
-    model.to_empty(device=device)
+    _materialise(model, device)
     model.reset_tables()
     shards = {name: param_shard(name, spec, tp) for name, _ in model.named_parameters()}
     if dummy:

@@ -169,7 +169,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i, attn, tp) for i in range(spec.num_layers))
         self.norm = make_norm(spec, spec.hidden_size)
         # Tied embeddings read `embed_tokens.weight` directly instead of sharing a Parameter: sharing does not
-        # survive materialising a meta-device module (`to_empty` gives each owner its own tensor).
+        # survive materialising a meta-device module (`loader._materialise` gives each owner its own tensor).
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, self.vocab_rows, bias=False)
 
     def reset_tables(self) -> None:
