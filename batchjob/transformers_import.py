@@ -8,8 +8,9 @@ modules at once can each meet a module the other has half imported, so a job's i
 `AutoTokenizer` (transformers 5) loads the model's config class to choose a tokenizer class, which imports the
 model auto-classes, the generation utilities and with them torch's compiler stack: seconds on a GPU node, far
 more than the tokenizer itself. The class it chose for a model directory is kept in
-`$BATCHJOB_CACHE/tokenizer-classes`, keyed by the files it chose from and the transformers version; a later
-load imports that class's module alone and calls its `from_pretrained` as `AutoTokenizer` would.
+`$BATCHJOB_CACHE/tokenizer-classes`, keyed by the directory, the files it chose from and the transformers
+version; a later load imports that class's module alone and calls its `from_pretrained` as `AutoTokenizer`
+would.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from batchjob.caches import load_entry, store_entry
 
 _LOCK = threading.RLock()
 KIND = "tokenizer-classes"
-# What AutoTokenizer's choice reads: the model type and name, the tokenizer config's class and auto_map.
+# What AutoTokenizer's choice reads: the model type, the tokenizer config's class and auto_map, and the path
+# (some model names are matched to a class), which is part of the key too.
 CHOICE_FILES = ("config.json", "tokenizer_config.json")
 
 
@@ -43,7 +45,7 @@ def transformers_version() -> str:
 
 
 def _choice_key(model_dir: Path) -> str:
-    digest = hashlib.sha256(transformers_version().encode() + b"\0")
+    digest = hashlib.sha256(f"{transformers_version()}\0{model_dir}\0".encode())
     for name in CHOICE_FILES:
         path = model_dir / name
         digest.update(name.encode() + (b"\1" + path.read_bytes() if path.is_file() else b"\0"))
