@@ -158,11 +158,13 @@ class GrammarCompiler:
             return self._lltokenizer
         with self._building:
             if self._lltokenizer is None:
+                if self.tokenizer is None:
+                    self.tokenizer = load_tokenizer(self.model_dir)
+                # llguidance.hf imports transformers: after the tokenizer's load, which imported it under the
+                # process's lock (transformers_import.py), it finds it imported.
                 import llguidance
                 import llguidance.hf
 
-                if self.tokenizer is None:
-                    self.tokenizer = load_tokenizer(self.model_dir)
                 self._lltokenizer = llguidance.hf.from_tokenizer(
                     self.tokenizer,
                     n_vocab=self.vocab_size,
