@@ -7,6 +7,7 @@ Run on the GPU machine:  python -m pytest tests/gpu/test_startup_gpu.py -q -s   
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from startup_probe import FIRST_RUN_ONLY, TOKENIZER_MODULE, modules_a_job_imports  # noqa: E402
+
+from batchjob.caches import cache_root  # noqa: E402
 from batchjob.startup import CRITICAL_PHASES  # noqa: E402
+from batchjob.tiny_model import default_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -61,3 +66,17 @@ def test_a_float32_checkpoint_under_dtype_auto_runs_in_bfloat16_on_the_gpu(
     assert any("bfloat16" in r.message and "engine.dtype=float32" in r.message for r in caplog.records)
     model, spec = load_model(tmp_path, "float32", "cuda", TorchPagedAttention(), load_format="dummy")
     assert spec.dtype == torch.float32 and {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_a_later_gpu_job_on_a_model_imports_no_config_classes(tmp_path: Path) -> None:
+    """As on the CPU (tests/job/test_startup_phases.py), with the GPU's own start-up: Triton kernels, CUDA graphs
+    and warm-up import none of them either. The compiled kernels stay in the usual cache."""
+    env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / "cache"), "TRITON_CACHE_DIR": str(cache_root() / "triton")}
+    watched = [*FIRST_RUN_ONLY, TOKENIZER_MODULE]
+
+    def imported(run: str) -> set[str]:
+        overrides = ["engine=native", f"model.path={default_tiny_model()}", f"output.dir={tmp_path / run}"]
+        return modules_a_job_imports([*overrides, "data.limit=8"], env, REPO, watched, timeout=600)
+
+    assert imported("first") == set(watched)
+    assert imported("later") == {TOKENIZER_MODULE}

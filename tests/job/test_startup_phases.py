@@ -3,10 +3,7 @@ beside the engine (tokenizer, duplicate-id scan, output lock and record) still s
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +18,7 @@ from jobtools import (
     write_prompts,
     write_table,
 )
+from startup_probe import FIRST_RUN_ONLY, TOKENIZER_MODULE, modules_a_job_imports
 
 from batchjob.startup import CRITICAL_PHASES, StartupClock
 from batchjob.tiny_model import default_tiny_model
@@ -119,26 +117,12 @@ def test_a_later_job_on_a_model_imports_no_config_classes(tmp_path: Path) -> Non
     """transformers' config and auto classes, and the sympy they (and torch's meta tensors) import, are seconds
     of a start-up on a GPU node: only a job's first run on a model imports them; later runs read the model's
     spec and its tokenizer's class from the cache, and still load the tokenizer."""
-    model = default_tiny_model()
     env = {**cli_env(), "BATCHJOB_CACHE": str(tmp_path / "cache")}
-    watched = ["transformers.models.auto.auto_factory", "transformers.generation", "sympy"]
-    tokenizer_module = "transformers.tokenization_utils_tokenizers"
+    watched = [*FIRST_RUN_ONLY, TOKENIZER_MODULE]
 
     def imported(run: str) -> set[str]:
-        """The watched modules the whole job (every thread) imported, `python -m batchjob` run in a probe."""
-        argv = ["batchjob", "engine=native", f"model.path={model}", f"output.dir={tmp_path / run}", "data.limit=2"]
-        probe = (
-            "import json, runpy, sys\n"
-            f"sys.argv = {[*argv, 'sampling.max_new_tokens=4']!r}\n"
-            "try:\n    runpy.run_module('batchjob', run_name='__main__')\nexcept SystemExit as end:\n"
-            "    assert not end.code, end.code\n"
-            f"print(json.dumps([m for m in {[*watched, tokenizer_module]!r} if m in sys.modules]))\n"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True, timeout=180
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return set(json.loads(done.stdout.splitlines()[-1]))
+        overrides = ["engine=native", f"model.path={default_tiny_model()}", f"output.dir={tmp_path / run}"]
+        return modules_a_job_imports([*overrides, "data.limit=2", "sampling.max_new_tokens=4"], env, REPO, watched)
 
-    assert imported("first") == {*watched, tokenizer_module}
-    assert imported("later") == {tokenizer_module}
+    assert imported("first") == set(watched)
+    assert imported("later") == {TOKENIZER_MODULE}
