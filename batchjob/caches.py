@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,15 @@ def use_kernel_cache() -> None:
     compile; the native engine's package runs it on import."""
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")
+
+
+def files_key(folder: Path, names: Sequence[str], *salt: str) -> str:
+    """An entry's key: a digest of `salt` and of the content (or the absence) of each file `names` in `folder`."""
+    digest = hashlib.sha256("".join(f"{part}\0" for part in salt).encode())
+    for name in names:
+        path = folder / name
+        digest.update(name.encode() + (b"\1" + path.read_bytes() if path.is_file() else b"\0"))
+    return digest.hexdigest()[:32]
 
 
 def load_entry(kind: str, key: str) -> Any | None:

@@ -15,14 +15,13 @@ would.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import threading
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from batchjob.caches import load_entry, store_entry
+from batchjob.caches import files_key, load_entry, store_entry
 
 _LOCK = threading.RLock()
 KIND = "tokenizer-classes"
@@ -44,14 +43,6 @@ def transformers_version() -> str:
         return "none"
 
 
-def _choice_key(model_dir: Path) -> str:
-    digest = hashlib.sha256(f"{transformers_version()}\0{model_dir}\0".encode())
-    for name in CHOICE_FILES:
-        path = model_dir / name
-        digest.update(name.encode() + (b"\1" + path.read_bytes() if path.is_file() else b"\0"))
-    return digest.hexdigest()[:32]
-
-
 def _kept_class(key: str) -> type | None:
     entry = load_entry(KIND, key)
     if not isinstance(entry, dict) or not str(entry.get("module", "")).startswith("transformers."):
@@ -69,7 +60,7 @@ def load_tokenizer(model_path: str | Path) -> Any:
     model_dir = Path(model_path)
     if not model_dir.is_dir():  # a hub id: AutoTokenizer fetches the files
         return from_transformers("AutoTokenizer").from_pretrained(str(model_path))
-    key = _choice_key(model_dir)
+    key = files_key(model_dir, CHOICE_FILES, transformers_version(), str(model_dir))
     chosen = _kept_class(key)
     if chosen is not None:
         return chosen.from_pretrained(str(model_dir), _from_auto=True)

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from batchjob.caches import load_entry, store_entry
+from batchjob.caches import files_key, load_entry, store_entry
 from batchjob.engine.native import rope
 from batchjob.engine.native.models.spec import DTYPES, LayerSpec, ModelSpec, MoESpec
 from batchjob.engine.native.rope import RopeSpec
@@ -39,11 +39,7 @@ def _code_digest() -> str:
 
 
 def spec_key(model_dir: Path) -> str:
-    digest = hashlib.sha256(f"{transformers_version()}\0{_code_digest()}\0".encode())
-    for name in CONFIG_FILES:
-        path = model_dir / name
-        digest.update(name.encode() + (b"\1" + path.read_bytes() if path.is_file() else b"\0"))
-    return digest.hexdigest()[:32]
+    return files_key(model_dir, CONFIG_FILES, transformers_version(), _code_digest())
 
 
 def load_spec(key: str, model_dir: Path) -> ModelSpec | None:
