@@ -123,3 +123,31 @@ def test_warm_up_runs_constrained_rows_as_split_steps_then_resets_the_counters(m
     # Each slot's first bitmask row was filled (allow every token) by a masked sampler's step.
     assert all((slot.host_bitmask[0] == -1).all() for slot in runner.slots)
     assert runner.masked_steps == 0 and runner.steps == 0
+
+
+def _layer_calls(model) -> list[int]:
+    calls = [0] * len(model.layers)
+    for index, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "kernel_layers"),
+    [
+        ("llama", dict(num_hidden_layers=5), [0, 1]),  # the first (no residual yet) and one like the rest
+        ("gemma3", dict(num_hidden_layers=6, sliding_window_pattern=3, layer_types=None), [0, 1, 2]),
+        ("qwen3_moe", dict(num_hidden_layers=5, mlp_only_layers=[3]), [0, 1, 3]),
+    ],
+)
+def test_warm_up_runs_one_layer_of_each_kind_and_every_step_after_it_runs_all(tmp_path, arch, overrides, kernel_layers):
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch, **overrides)
+    engine = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 4, "warmup": False})
+    model = engine.runner.model
+    calls = _layer_calls(model)
+    warm_up(engine.runner, warmup_steps(WarmupLimits(4, 64, engine.max_model_len, 20)), engine.options.block_size)
+    assert [i for i, n in enumerate(calls) if n] == kernel_layers
+    assert len({calls[i] for i in kernel_layers}) == 1  # each of them ran every warm-up step
+    calls[:] = [0] * len(calls)
+    list(engine.generate([Request(0, (5, 6, 7), SamplingParams(max_new_tokens=2))]))
+    assert min(calls) > 0 and len(set(calls)) == 1

@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -94,6 +95,17 @@ def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
         pool.shutdown(wait=False)  # the thread ends with the load
 
 
+def _hash_triton_beside() -> None:
+    """Triton keys its kernel cache with a hash of its own files (libtriton alone is about 500 MB), computed once
+    per process at the first kernel launch: 0.3-0.5 s of a start-up. Hashing releases the interpreter lock, so a
+    thread computes it while the weights load; the first launch then finds it done (Triton keeps it)."""
+    from triton.runtime import cache
+
+    key = getattr(cache, "triton_key", None)  # Triton's own; absent from a version that keys otherwise
+    if callable(key):
+        threading.Thread(target=key, name="batchjob-triton-key", daemon=True).start()
+
+
 class NativeEngine:
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -130,6 +142,7 @@ class NativeEngine:
         if self.device.type == "cuda":
             from batchjob.engine.native.triton_attention import TritonPagedAttention
 
+            _hash_triton_beside()
             attn = TritonPagedAttention()
         else:
             attn = TorchPagedAttention()

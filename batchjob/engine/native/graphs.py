@@ -153,8 +153,10 @@ class StepGraphs:
     def _record(self, work: Callable[[], None], pool, warm_up: bool = True) -> torch.cuda.CUDAGraph:
         compute = self.runner.compute
         if warm_up:
-            with torch.cuda.stream(compute):
-                work()  # autotuning, lazy initialisation, compiles: nothing of the kind may happen mid-capture
+            # Autotuning, lazy initialisation, compiles: nothing of the kind may happen mid-capture. One layer of
+            # each kind launches every kernel variant the capture will.
+            with torch.cuda.stream(compute), self.runner.model.kernel_layers():
+                work()
             compute.synchronize()
         graph = torch.cuda.CUDAGraph()
         # All graphs share one pool: safe because they only ever run one at a time, on `compute`.

@@ -135,29 +135,39 @@ def checkpoint_slot(key: str, spec: ModelSpec) -> Slot | None:
     return Slot(name)
 
 
-def _materialise(model: nn.Module, device: torch.device) -> None:
-    """Give every parameter and buffer of a meta-device module uninitialised storage on `device`: what
-    `Module.to_empty` does, without its `empty_like` of a meta tensor, whose Python implementation imports
-    torch's symbolic-shapes machinery and sympy (seconds of a start-up)."""
+def _materialise(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every parameter and buffer of a meta-device module uninitialised storage on `device`, floating-point
+    ones in `dtype`: what `Module.to(dtype)` and `Module.to_empty` do, without their per-tensor Python on the meta
+    device (`to_empty`'s `empty_like` of a meta tensor imports torch's symbolic-shapes machinery and sympy)."""
+
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device=device)
+
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
-            module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
+            module._parameters[name] = nn.Parameter(empty(param), requires_grad=param.requires_grad)
         for name, buffer in module.named_buffers(recurse=False):
-            module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+            module._buffers[name] = empty(buffer)
+
+
+# The initialisers torch's layers call from `reset_parameters` (Linear: kaiming_uniform_ and uniform_; Embedding:
+# normal_).
+_INITIALISERS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "zeros_", "ones_")
 
 
 @contextmanager
 def _no_random_init() -> Iterator[None]:
-    """Modules built on the meta device skip `nn.init.normal_` (nn.Embedding's init). It computes nothing there,
-    but on meta tensors it runs torch's Python reference op, whose first call imports torch._dynamo: seconds
-    of start-up for nothing (the loader overwrites every parameter)."""
-    normal = nn.init.normal_
-    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    """Modules built on the meta device skip `nn.init`'s initialisers. They compute nothing there, but on meta
+    tensors they run torch's Python reference ops (0.5 s for a 16-layer model's Linears; the first call imports
+    torch._dynamo): start-up spent for nothing, since the loader overwrites every parameter."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
     try:
         yield
     finally:
-        nn.init.normal_ = normal
+        for name, initialiser in saved.items():
+            setattr(nn.init, name, initialiser)
 
 
 def load_model(
@@ -180,8 +190,8 @@ def load_model(
     check_tensor_parallel(spec, tp.size)
     local = rank_spec(spec, tp)
     with torch.device("meta"), _no_random_init():
-        model = CausalLM(local, attn, tp).to(spec.dtype)
-    _materialise(model, device)
+        model = CausalLM(local, attn, tp)
+    _materialise(model, device, spec.dtype)
     model.reset_tables()
     shards = {name: param_shard(name, spec, tp) for name, _ in model.named_parameters()}
     if dummy:

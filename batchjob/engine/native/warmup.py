@@ -20,6 +20,7 @@ keeps them eager (no graph returns them). Two reasons:
   reuse cached blocks instead of calling cudaMalloc next to a nearly full card, which blocks the CPU until
   the step in flight ends.
 
+Eager steps run one layer of each kind (`CausalLM.kernel_layers`): the other layers launch the same kernels.
 Every warm-up token writes its K/V into the scratch block 0 (all block tables point there), no block manager
 or scheduler state is touched, and the runner's counters are reset afterwards: the run starts as if nothing
 had happened, with every kernel compiled and every buffer cached.
@@ -205,13 +206,14 @@ def warm_up(runner: ModelRunner, steps: list[WarmupStep], block_size: int) -> fl
     """Launch each step in both IO slots and wait for it; returns the seconds it took. The runner's step
     counters and GPU-busy clock start from zero afterwards."""
     started = time.perf_counter()
-    for step in steps:
-        plan = _plan(step, block_size, runner.max_model_len)
-        for _ in runner.slots:
-            handle = runner.launch(plan)
-            if not handle.sampled:
-                runner.sample_masked(handle, _allow_every_token)
-            runner.collect(handle)
+    with runner.model.kernel_layers():
+        for step in steps:
+            plan = _plan(step, block_size, runner.max_model_len)
+            for _ in runner.slots:
+                handle = runner.launch(plan)
+                if not handle.sampled:
+                    runner.sample_masked(handle, _allow_every_token)
+                runner.collect(handle)
     runner.finish()
     runner.reset_counters()
     seconds = time.perf_counter() - started

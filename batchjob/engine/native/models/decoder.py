@@ -13,6 +13,9 @@ a gather of the logits, and, for norms over all heads (OLMo 2's q/k norms), an a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -167,10 +170,26 @@ class CausalLM(nn.Module):
         self.rotaries = nn.ModuleList(RotaryEmbedding(r, spec.rotary_dim, spec.max_model_len + 1) for r in ropes)
         self.rope_index = [None if layer.rope is None else ropes.index(layer.rope) for layer in spec.layers]
         self.layers = nn.ModuleList(DecoderLayer(spec, i, attn, tp) for i in range(spec.num_layers))
+        self._run = range(spec.num_layers)  # the layers a forward runs (`kernel_layers` narrows it)
         self.norm = make_norm(spec, spec.hidden_size)
         # Tied embeddings read `embed_tokens.weight` directly instead of sharing a Parameter: sharing does not
         # survive materialising a meta-device module (`loader._materialise` gives each owner its own tensor).
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, self.vocab_rows, bias=False)
+
+    @contextmanager
+    def kernel_layers(self) -> Iterator[None]:
+        """Inside, a forward runs only one layer of each kind that launches its own kernel variants: the first
+        (it has no residual to add yet) and the first of each other `LayerSpec` (rope, window, dense or sparse
+        MLP). The warm-up and the runs before graph capture exist to compile and load every kernel variant a step
+        can meet; the other layers would launch the same ones (2 of Llama-3.2-1B's 16 layers, 3 of Gemma 3's)."""
+        first_of_kind = {}
+        for index, layer in enumerate(self.spec.layers[1:], start=1):
+            first_of_kind.setdefault(layer, index)
+        self._run = [0, *sorted(first_of_kind.values())]
+        try:
+            yield
+        finally:
+            self._run = range(self.spec.num_layers)
 
     def reset_tables(self) -> None:
         """Fill the rope tables, after the module was materialised from the meta device."""
@@ -189,8 +208,11 @@ class CausalLM(nn.Module):
         x, residual = self._embed(input_ids), None
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        for layer, index, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
-            x, residual = layer(x, residual, None if index is None else ropes[index], meta, kv_cache)
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        for i in self._run:
+            index = self.rope_index[i]
+            x, residual = self.layers[i](x, residual, None if index is None else ropes[index], meta, kv_caches[i])
         return self.norm(x, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
