@@ -239,3 +239,25 @@ def test_each_request_generates_with_its_own_settings_under_graphs(tmp_path, eng
     finally:
         eng.close()
     assert_each_request_as_alone(together, alone, reqs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_read_in_many_chunks_onto_the_gpu_equal_the_checkpoint(tmp_path, monkeypatch, dtype):
+    """Pinned buffers refilled while earlier copies out of them may still run: every chunk must land intact."""
+    from safetensors.torch import load_file
+
+    from batchjob.engine.native import weight_stream
+    from batchjob.engine.native.attention import TorchPagedAttention
+    from batchjob.engine.native.loader import load_model
+
+    model_dir = make_tiny_model(tmp_path / "m", arch="qwen3_moe")
+    monkeypatch.setattr(weight_stream, "CHUNK_BYTES", 4096)
+    model, _ = load_model(model_dir, dtype, "cuda", TorchPagedAttention())
+    params = dict(model.named_parameters())
+    torch.cuda.synchronize()
+    for key, tensor in load_file(model_dir / "model.safetensors").items():
+        name = key.removeprefix("model.")
+        if name in params:
+            assert torch.equal(params[name].cpu(), tensor.to(params[name].dtype)), key
+    embed = load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(params["embed_tokens.weight"].cpu(), embed.to(params["embed_tokens.weight"].dtype))

@@ -34,6 +34,7 @@ from batchjob.engine.native.models.registry import (
 from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
 from batchjob.engine.native.parallel import TensorParallel
 from batchjob.engine.native.sharding import ParamShard, check_tensor_parallel, param_shard, rank_spec
+from batchjob.engine.native.weight_stream import Piece, WeightReader, read_entries
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -225,48 +226,95 @@ def _expected_elements(param: torch.Tensor, shard: ParamShard | None) -> int:
 def load_checkpoint(
     model: CausalLM, spec: ModelSpec, model_dir: Path, shards: dict[str, ParamShard | None], tp: TensorParallel
 ) -> None:
-    """Copy the checkpoint into `model` (this rank's shard of the model of `spec`)."""
+    """Copy the checkpoint into `model` (this rank's shard of the model of `spec`). A single device reads whole
+    files (`weight_stream`); a tensor-parallel rank reads only its slices, through safetensors."""
     files = safetensors_files(model_dir)
     params = dict(model.named_parameters())
     for name, shard in shards.items():
         if shard is not None and shard.covered() < params[name].shape[shard.dim]:
             params[name].zero_()  # vocabulary padding rows; a bias that another rank adds
     loaded = dict.fromkeys(params, 0)
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as checkpoint:
-            for key in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                slot = checkpoint_slot(key, spec)
-                if slot is None:
-                    continue
-                name = slot.name
-                if name not in params:
-                    raise UnsupportedModelError(
-                        f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf"
-                    )
-                target = params[name] if slot.expert is None else params[name][slot.expert]
-                shard = shards[name]
-                if shard is None:
-                    tensor = checkpoint.get_tensor(key)
-                    if slot.row is not None:
-                        target = target.narrow(0, slot.row, tensor.shape[0])
-                    _check_shape(file, key, tuple(tensor.shape), tuple(target.shape))
-                    target.copy_(tensor)
-                    loaded[name] += tensor.numel()
-                elif shard.first_rank_only:
-                    if tp.rank == 0:
-                        target.copy_(checkpoint.get_tensor(key))
+    device = next(iter(params.values())).device
+    with WeightReader(device) as reader:
+        for file in files:
+            entries = None if tp.active else read_entries(file)
+            if entries is None:
+                _load_slices(file, spec, params, shards, tp, loaded)
+                continue
+            targets = {}
+            for entry in entries:
+                found = _target(file, entry.name, entry.shape, spec, params)
+                if found is not None:
+                    name, target = found
+                    _check_shape(file, entry.name, entry.shape, tuple(target.shape))
+                    targets[entry.name] = target
                     loaded[name] += target.numel()
-                else:
-                    shard = shard.entry() if slot.expert is not None else shard
-                    source = checkpoint.get_slice(key)
-                    shape = tuple(source.get_shape())
-                    full = shard.full_shape(tuple(target.shape))
-                    expected = full[: shard.dim] + shape[shard.dim : shard.dim + 1] + full[shard.dim + 1 :]
-                    _check_shape(file, key, shape, expected)
-                    loaded[name] += shard.copy_(target, source, slot.row or 0, shape[shard.dim])
+
+            def put(piece: Piece, rows: torch.Tensor, targets=targets) -> None:
+                target = targets.get(piece.entry.name)
+                if target is not None:
+                    target.narrow(0, piece.row, piece.rows).copy_(rows, non_blocking=True)
+
+            reader.read(file, [e for e in entries if e.name in targets], put)
     missing = [name for name, param in params.items() if loaded[name] != _expected_elements(param, shards[name])]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: weights missing or incomplete for {', '.join(missing)}")
+
+
+def _target(
+    file: Path, key: str, shape: tuple[int, ...], spec: ModelSpec, params: dict[str, torch.Tensor]
+) -> tuple[str, torch.Tensor] | None:
+    """The parameter that checkpoint tensor `key` (of `shape`) goes into and the part of it: the whole parameter,
+    its expert's entry, or its rows of a fused one; None for a tensor the model does not need."""
+    slot = checkpoint_slot(key, spec)
+    if slot is None:
+        return None
+    if slot.name not in params:
+        raise UnsupportedModelError(f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf")
+    target = params[slot.name] if slot.expert is None else params[slot.name][slot.expert]
+    if slot.row is not None:  # clipped to the parameter: a tensor too large then fails the shape check
+        target = target.narrow(0, slot.row, min(shape[0] if shape else 0, target.shape[0] - slot.row))
+    return slot.name, target
+
+
+def _load_slices(
+    file: Path,
+    spec: ModelSpec,
+    params: dict[str, torch.Tensor],
+    shards: dict[str, ParamShard | None],
+    tp: TensorParallel,
+    loaded: dict[str, int],
+) -> None:
+    """`file` through safetensors, each tensor or only this rank's slices of it."""
+    with safe_open(file, framework="pt", device="cpu") as checkpoint:
+        for key in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            slot = checkpoint_slot(key, spec)
+            if slot is None:
+                continue
+            name = slot.name
+            if name not in params:
+                raise UnsupportedModelError(f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf")
+            target = params[name] if slot.expert is None else params[name][slot.expert]
+            shard = shards[name]
+            if shard is None:
+                tensor = checkpoint.get_tensor(key)
+                if slot.row is not None:
+                    target = target.narrow(0, slot.row, tensor.shape[0])
+                _check_shape(file, key, tuple(tensor.shape), tuple(target.shape))
+                target.copy_(tensor)
+                loaded[name] += tensor.numel()
+            elif shard.first_rank_only:
+                if tp.rank == 0:
+                    target.copy_(checkpoint.get_tensor(key))
+                loaded[name] += target.numel()
+            else:
+                shard = shard.entry() if slot.expert is not None else shard
+                source = checkpoint.get_slice(key)
+                shape = tuple(source.get_shape())
+                full = shard.full_shape(tuple(target.shape))
+                expected = full[: shard.dim] + shape[shard.dim : shard.dim + 1] + full[shard.dim + 1 :]
+                _check_shape(file, key, shape, expected)
+                loaded[name] += shard.copy_(target, source, slot.row or 0, shape[shard.dim])
 
 
 def _check_shape(file: Path, key: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
