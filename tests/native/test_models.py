@@ -258,3 +258,29 @@ def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_on_a_gpu_only(tiny_lla
     assert device_dtype(spec, "float32", "cuda") is spec
     half = read_model_spec(tiny_llama_dir, "float16")
     assert device_dtype(half, "auto", "cuda") is half
+
+
+def test_a_hub_model_is_fetched_with_every_file_its_tokenizer_may_be_saved_as(tmp_path, monkeypatch):
+    import fnmatch
+
+    import huggingface_hub
+
+    from batchjob.engine.native.loader import resolve_model_dir
+
+    asked = {}
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked[repo_id] = allow_patterns
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_model_dir("org/model", with_weights=False) == tmp_path
+    needed = [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+        "spiece.model", "sentencepiece.bpe.model", "qwen.tiktoken",
+    ]  # fmt: skip
+    assert [f for f in needed if not any(fnmatch.fnmatch(f, p) for p in asked["org/model"])] == []
+    assert not any(fnmatch.fnmatch("model-00001-of-00004.safetensors", p) for p in asked["org/model"])
+    resolve_model_dir("org/model", with_weights=True)
+    assert any(fnmatch.fnmatch("model-00001-of-00004.safetensors", p) for p in asked["org/model"])

@@ -46,7 +46,10 @@ __all__ = [
     "resolve_model_dir",
 ]
 
-CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer*"]
+# What a model directory fetched from the hub needs besides its weights: the configs, the chat template, and every
+# file a tokenizer may be saved as (tokenizer.json; GPT-2 style vocab.json + merges.txt; WordPiece vocab.txt;
+# SentencePiece models such as tokenizer.model or spiece.model; tiktoken files).
+CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "merges.txt", "vocab.txt", "*.model", "*.tiktoken"]
 _QKV = re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)")
 _GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.(weight|bias)")
 _EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
