@@ -121,3 +121,15 @@ def test_a_ranks_own_device_passes_its_options_but_a_job_naming_one_gpu_is_refus
     NativeOptions.from_mapping({"tensor_parallel": 2, "device": "cuda:1"})
     with pytest.raises(ValueError, match="engine.device=cuda:0 with engine.tensor_parallel=2: use engine.device=cuda"):
         NativeEngine.check_model(str(make_tiny_model(tmp_path / "m")), {"tensor_parallel": 2, "device": "cuda:0"})
+
+
+def test_ranks_warm_up_through_the_same_layers_and_then_generate_as_one_device(tmp_path):
+    # Six layers of two kinds: the warm-up runs three of them on each rank, and each layer all-reduces, so the
+    # ranks meet in every collective only if they choose the same ones.
+    model_dir = make_tiny_model(
+        tmp_path / "gemma3", arch="gemma3", num_hidden_layers=6, sliding_window_pattern=3, layer_types=None
+    )
+    requests = mixed_requests(8, seed=3, max_prompt=30, max_new=8)
+    small = dict(max_num_seqs=8, max_num_batched_tokens=64)
+    warmed = tokens(model_dir, requests, tensor_parallel=2, warmup=True, **small)
+    assert warmed == tokens(model_dir, requests, **small)
