@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchjob.engine.native.attention import TorchPagedAttention
+from batchjob.engine.native.checkpoint import checkpoint_slot
 from batchjob.engine.native.loader import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
-    checkpoint_slot,
     load_model,
     read_model_spec,
 )

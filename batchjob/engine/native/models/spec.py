@@ -99,7 +99,7 @@ class Architecture:
     `adapt(config, spec)` turns the common Llama-layout spec into this family's (raising
     `UnsupportedModelError` for variants it cannot run); `checkpoint_renames` are (regex, replacement) pairs
     applied in order to checkpoint tensor names (without the leading `model.`) before the loader's own fused
-    q/k/v, gate/up and expert slots (see `loader.py`). Our module names follow the Gemma layout: the norm
+    q/k/v, gate/up and expert slots (see `checkpoint.py`). Our module names follow the Gemma layout: the norm
     before the MLP is `pre_feedforward_layernorm`, which Llama-layout checkpoints call `post_attention_layernorm`.
     """
 
