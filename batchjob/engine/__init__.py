@@ -2,9 +2,10 @@
 
 Each backend is a class taking `(model_path, **options)` with a `check_options(options)` classmethod that
 raises `ValueError` naming the bad option and the fix; `check_engine_options` runs it before any model
-is loaded, so a bad config fails before any GPU work. A backend that cannot run every model also has a
-`check_model(model_path, options)` classmethod, which reads the model's config files only and returns what
-it will run (the architecture).
+is loaded, so a bad config fails before any GPU work. A backend may also have a `check_model(model_path,
+options)` classmethod, which reads the model's config files and weight-file headers only, raises `ValueError`
+for a model it cannot run or weight files that cannot load (`weight_files.py`), and returns what it will run
+(the native engine: the architecture).
 
 `auto` is no backend of its own: `choose_backend` resolves it per model to `native` where the native engine
 supports the architecture, else `hf`. Its options are the native engine's plus an `hf` mapping for the
@@ -89,6 +90,7 @@ def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> Ba
             architecture = _check_model("native", model_path, native)
         except UnsupportedModelError as err:
             _check_fallback(native)
+            _check_model("hf", model_path, fallback)
             return BackendChoice("hf", fallback, f"the native engine cannot run it: {err}")
         return BackendChoice("native", native, f"the native engine supports {architecture}")
     _check_model(name, model_path, options)

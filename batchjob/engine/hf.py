@@ -15,6 +15,7 @@ import inspect
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from batchjob.engine.api import Completion, Request, Sample, SamplingParams
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.hf_sampling import RowState, choose_tokens, constraint_mask
+from batchjob.engine.weight_files import check_weight_files
 from batchjob.errors import did_you_mean
 from batchjob.transformers_import import from_transformers
 
@@ -52,6 +54,14 @@ def cache_keyword(model: torch.nn.Module) -> str:
 class HFEngine:
     """`HFEngine(model_path, dtype=, device=, max_batch_size=, max_batch_tokens=, lookahead=,
     max_model_len=, attn_implementation=)`; see `OPTION_DEFAULTS`."""
+
+    @classmethod
+    def check_model(cls, model_path: str, options: Mapping[str, Any]) -> None:
+        """Refuse weight files that cannot load (a missing shard, a truncated copy) from their headers; a hub id
+        is left to transformers, which fetches it."""
+        path = Path(model_path).expanduser()
+        if path.is_dir():
+            check_weight_files(path)
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:

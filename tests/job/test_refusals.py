@@ -49,6 +49,19 @@ def test_pickle_only_weights_are_refused_by_the_native_engine_before_loading(tmp
     assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_a_truncated_copy_of_the_weights_is_refused_before_loading(tmp_path: Path, model_dir: str, engine: str) -> None:
+    cut = tmp_path / "cut-model"
+    shutil.copytree(model_dir, cut)
+    weights = cut / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(size - 1000)  # a copy that stopped early
+    done = run_cli(f"engine={engine}", f"model.path={cut}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, str(weights), f"{size - 1000:,} bytes", f"{size:,}", "truncated", "copy or download it again")
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
 def test_a_model_without_tokenizer_files_says_so(tmp_path: Path, model_dir: str) -> None:
     bare = tmp_path / "no-tokenizer"
     shutil.copytree(model_dir, bare)

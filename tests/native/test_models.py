@@ -284,3 +284,31 @@ def test_a_hub_model_is_fetched_with_every_file_its_tokenizer_may_be_saved_as(tm
     assert not any(fnmatch.fnmatch("model-00001-of-00004.safetensors", p) for p in asked["org/model"])
     resolve_model_dir("org/model", with_weights=True)
     assert any(fnmatch.fnmatch("model-00001-of-00004.safetensors", p) for p in asked["org/model"])
+
+
+def test_damaged_weight_files_are_refused_from_their_headers(tiny, tmp_path):
+    from batchjob.engine.weight_files import BrokenWeightsError
+
+    arch, model_dir, _, hf = tiny
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    read_model_spec(sharded)  # intact
+
+    grown = shards[0].read_bytes()
+    shards[0].write_bytes(grown + b"\0" * 8)
+    with pytest.raises(BrokenWeightsError, match="bytes beyond its last tensor"):
+        read_model_spec(sharded)
+    shards[0].write_bytes(b"\x40" + b"\0" * 7 + b"{not json" + b" " * 55)
+    with pytest.raises(BrokenWeightsError, match="is not a readable safetensors file"):
+        read_model_spec(sharded)
+    shards[0].write_bytes(grown)
+    shards[1].unlink()
+    with pytest.raises(
+        BrokenWeightsError, match=f"1 of the {len(shards)} weight files .* are missing .*{shards[1].name}"
+    ):
+        read_model_spec(sharded)
+    for shard in shards:
+        shard.unlink(missing_ok=True)
+    read_model_spec(sharded)  # configs and the index only: the weights come later (a hub fetch, or dummy weights)

@@ -10,7 +10,6 @@ copied, and a parameter that no tensor filled completely is an error.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
 from batchjob.engine.native.parallel import TensorParallel
 from batchjob.engine.native.sharding import ParamShard
 from batchjob.engine.native.weight_stream import Piece, WeightReader, read_entries
+from batchjob.engine.weight_files import safetensors_paths
 
 _QKV = re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)")
 _GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.(weight|bias)")
@@ -41,12 +41,9 @@ class Slot:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / shard for shard in shards]
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
+    files = safetensors_paths(model_dir)
+    if files:
+        return files
     if any(model_dir.glob("pytorch_model*.bin")):
         raise UnsupportedModelError(
             f"{model_dir} holds only PyTorch pickle weights (pytorch_model*.bin); the native engine loads "

@@ -26,6 +26,7 @@ from batchjob.engine.native.models.registry import SUPPORTED_ARCHITECTURES, spec
 from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
 from batchjob.engine.native.parallel import TensorParallel
 from batchjob.engine.native.sharding import check_tensor_parallel, param_shard, rank_spec
+from batchjob.engine.weight_files import check_weight_files
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -67,11 +68,13 @@ def resolve_model_dir(model_path: str | Path, with_weights: bool = True) -> Path
 
 def read_model_spec(model_path: str | Path, dtype: str = "auto", max_model_len: int | None = None) -> ModelSpec:
     """The model's spec from its config files; cheap (no weights are read). Raises `UnsupportedModelError`
-    for architectures or features the native engine does not run (the message suggests engine=hf)."""
+    for architectures or features the native engine does not run (the message suggests engine=hf), and
+    `BrokenWeightsError` for weight files that cannot load (missing shards, truncated copies)."""
     model_dir = resolve_model_dir(model_path, with_weights=False)
     spec = spec_from_config_files(model_dir, dtype, max_model_len)
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.safetensors")):
         safetensors_files(model_dir)  # refuse pickle-only directories before any GPU work
+    check_weight_files(model_dir)  # missing shards, truncated copies: before any GPU work too
     return spec
 
 
