@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -63,6 +64,17 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def unloadable_copy(model_dir: str | Path, dest: Path) -> Path:
+    """A copy of `model_dir` whose weights fail only when they load: the file is whole (the checks before loading
+    read weight files' headers and would refuse a damaged one), but its one tensor has the wrong shape."""
+    import torch
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, dest)
+    save_file({"model.embed_tokens.weight": torch.zeros(3)}, dest / "model.safetensors")
+    return dest
 
 
 def tree_bytes(directory: Path) -> dict[str, bytes]:

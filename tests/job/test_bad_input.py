@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from jobtools import bookkeeping, read_output, read_report, run_in_process, write_prompts, write_table
+from jobtools import (
+    bookkeeping,
+    read_output,
+    read_report,
+    run_in_process,
+    unloadable_copy,
+    write_prompts,
+    write_table,
+)
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(1500))  # far more tokens than the tiny model's 1024 context
 
@@ -87,10 +94,7 @@ def test_fail_policy_stops_non_zero_after_committing_finished_rows(tmp_path: Pat
 @pytest.fixture
 def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
     """A model whose weights cannot load: any error other than the config's means the model was loaded."""
-    broken = tmp_path / "broken-model"
-    shutil.copytree(model_dir, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    return broken
+    return unloadable_copy(model_dir, tmp_path / "broken-model")
 
 
 @pytest.mark.parametrize(

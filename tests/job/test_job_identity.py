@@ -8,7 +8,15 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
-from jobtools import bookkeeping, read_output, run_cli, run_in_process, write_prompts, write_table
+from jobtools import (
+    bookkeeping,
+    read_output,
+    run_cli,
+    run_in_process,
+    unloadable_copy,
+    write_prompts,
+    write_table,
+)
 
 from batchjob.io import InputSpec
 from batchjob.status import job_status
@@ -117,9 +125,7 @@ def test_a_fresh_copy_of_the_input_elsewhere_resumes(tmp_path: Path) -> None:
 
 
 def test_a_start_that_failed_before_committing_does_not_block_the_fixed_rerun(tmp_path: Path) -> None:
-    broken = tmp_path / "broken-model"
-    shutil.copytree(default_tiny_model(), broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    broken = unloadable_copy(default_tiny_model(), tmp_path / "broken-model")
     path = write_prompts(tmp_path / "p.parquet", 3)
     try:
         failed = run_in_process(f"model.path={broken}", f"data.path={path}", f"output.dir={tmp_path / 'o'}")

@@ -15,6 +15,7 @@ from jobtools import (
     read_report,
     run_cli,
     run_in_process,
+    unloadable_copy,
     write_prompts,
     write_table,
 )
@@ -91,9 +92,7 @@ def test_a_first_run_with_an_id_column_scans_the_ids_beside_the_engine(tmp_path:
 def test_duplicate_ids_found_beside_a_failing_engine_are_the_error_reported(
     tmp_path: Path, model_dir: str, capsys
 ) -> None:
-    broken = tmp_path / "broken-model"
-    shutil.copytree(model_dir, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    broken = unloadable_copy(model_dir, tmp_path / "broken-model")
     path = write_table(tmp_path / "p.parquet", {"uid": [7, 8, 7], "prompt": ["a", "b", "c"]})
     code = run_in_process(f"model.path={broken}", f"data.path={path}", "data.id_column=uid", f"output.dir={tmp_path}/o")
     assert code == 2
