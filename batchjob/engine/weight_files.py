@@ -43,23 +43,32 @@ def check_weight_files(model_dir: Path) -> None:
         _check_size(file)
 
 
-def _check_size(path: Path) -> None:
+def read_header(path: Path) -> tuple[int, dict]:
+    """The byte offset where `path`'s data starts and its header (tensor name -> dtype, shape, `data_offsets`
+    from that offset). Raises `ValueError` when there is no readable header."""
     size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than the 8 bytes of its header's length")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise ValueError(f"its header's length {length:,} is more than the file holds")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return 8 + length, header
+
+
+def _check_size(path: Path) -> None:
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than the 8 bytes of its header's length")
-            (length,) = struct.unpack("<Q", head)
-            if length > size - 8:
-                raise ValueError(f"its header's length {length:,} is more than the file holds")
-            header = json.loads(f.read(length))
+        start, header = read_header(path)
         end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+    except (ValueError, TypeError, KeyError, IndexError) as err:
         raise BrokenWeightsError(
             f"{path} is not a readable safetensors file ({err}); copy or download it again"
         ) from None
-    expected = 8 + length + end
+    size, expected = path.stat().st_size, start + end
     if size != expected:
         what = "truncated: an interrupted download or copy?" if size < expected else "bytes beyond its last tensor"
         raise BrokenWeightsError(

@@ -113,9 +113,7 @@ def load_checkpoint(
                     loaded[name] += target.numel()
 
             def put(piece: Piece, rows: torch.Tensor, targets=targets) -> None:
-                target = targets.get(piece.entry.name)
-                if target is not None:
-                    target.narrow(0, piece.row, piece.rows).copy_(rows, non_blocking=True)
+                targets[piece.entry.name].narrow(0, piece.row, piece.rows).copy_(rows, non_blocking=True)
 
             reader.read(file, [e for e in entries if e.name in targets], put)
     missing = [name for name, param in params.items() if loaded[name] != _expected_elements(param, shards[name])]
@@ -123,17 +121,28 @@ def load_checkpoint(
         raise UnsupportedModelError(f"{model_dir}: weights missing or incomplete for {', '.join(missing)}")
 
 
-def _target(
-    file: Path, key: str, shape: tuple[int, ...], spec: ModelSpec, params: dict[str, torch.Tensor]
-) -> tuple[str, torch.Tensor] | None:
-    """The parameter that checkpoint tensor `key` (of `shape`) goes into and the part of it: the whole parameter,
-    its expert's entry, or its rows of a fused one; None for a tensor the model does not need."""
+def _slot_target(
+    file: Path, key: str, spec: ModelSpec, params: dict[str, torch.Tensor]
+) -> tuple[Slot, torch.Tensor] | None:
+    """Checkpoint tensor `key`'s slot and the parameter (or its expert's entry) it goes into; None for a tensor the
+    model does not need."""
     slot = checkpoint_slot(key, spec)
     if slot is None:
         return None
     if slot.name not in params:
         raise UnsupportedModelError(f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf")
-    target = params[slot.name] if slot.expert is None else params[slot.name][slot.expert]
+    return slot, params[slot.name] if slot.expert is None else params[slot.name][slot.expert]
+
+
+def _target(
+    file: Path, key: str, shape: tuple[int, ...], spec: ModelSpec, params: dict[str, torch.Tensor]
+) -> tuple[str, torch.Tensor] | None:
+    """The parameter that checkpoint tensor `key` (of `shape`) goes into and the part of it: the whole parameter,
+    its expert's entry, or its rows of a fused one; None for a tensor the model does not need."""
+    found = _slot_target(file, key, spec, params)
+    if found is None:
+        return None
+    slot, target = found
     if slot.row is not None:  # clipped to the parameter: a tensor too large then fails the shape check
         target = target.narrow(0, slot.row, min(shape[0] if shape else 0, target.shape[0] - slot.row))
     return slot.name, target
@@ -150,14 +159,11 @@ def _load_slices(
     """`file` through safetensors, each tensor or only this rank's slices of it."""
     with safe_open(file, framework="pt", device="cpu") as checkpoint:
         for key in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            slot = checkpoint_slot(key, spec)
-            if slot is None:
+            found = _slot_target(file, key, spec, params)
+            if found is None:
                 continue
-            name = slot.name
-            if name not in params:
-                raise UnsupportedModelError(f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf")
-            target = params[name] if slot.expert is None else params[name][slot.expert]
-            shard = shards[name]
+            slot, target = found
+            name, shard = slot.name, shards[slot.name]
             if shard is None:
                 tensor = checkpoint.get_tensor(key)
                 if slot.row is not None:
