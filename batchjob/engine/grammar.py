@@ -49,6 +49,14 @@ def string_slices(general: Sequence[str]) -> list[str]:
     return [s for s in others if s not in unbounded] + [f"{content}{{1,{n}}}" for n in STRING_SLICE_LENGTHS] + unbounded
 
 
+def grammar_eos_ids(eos_token_ids: Sequence[int], tokenizer_size: int) -> list[int] | None:
+    """The model's EOS ids that the tokenizer has: llguidance refuses an EOS beyond the tokenizer's vocabulary
+    (a model whose logits are wider than its tokenizer may name one in its config). None of them: None, and
+    llguidance takes the tokenizer's own EOS. A constrained sample then ends on an EOS its grammar knows; the
+    others still end unconstrained samples."""
+    return [t for t in eos_token_ids if t < tokenizer_size] or None
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -168,7 +176,7 @@ class GrammarCompiler:
                 self._lltokenizer = llguidance.hf.from_tokenizer(
                     self.tokenizer,
                     n_vocab=self.vocab_size,
-                    eos_token=self.eos_token_ids or None,
+                    eos_token=grammar_eos_ids(self.eos_token_ids, len(self.tokenizer)),
                     slices=string_slices(llguidance.LLTokenizer.general_slices()),
                 )
                 self._executor = llguidance.LLExecutor()

@@ -69,6 +69,22 @@ def test_masks_with_the_finer_slices_equal_masks_without_slices(tokenizer, seed)
     assert plain.is_stopped(), "the walk should finish the schema within its budget"
 
 
+@pytest.mark.parametrize("beyond_only", [True, False], ids=["only-beyond", "one-inside"])
+def test_eos_ids_beyond_the_tokenizer_leave_the_grammar_its_own_eos(tokenizer, beyond_only):
+    # The model's logits are 64 ids wider than its tokenizer, and its config names an EOS among those ids.
+    vocab = len(tokenizer) + 64
+    eos = [vocab - 3] if beyond_only else [vocab - 3, tokenizer.eos_token_id]
+    compiler = GrammarCompiler(tokenizer, vocab, eos)
+    matcher = compiler.matcher(Constraint("choice", json.dumps(["yes"])))
+    forced = matcher.forced_tokens()
+    assert forced and matcher.consume_forced(forced)
+    bitmask = torch.zeros((1, bitmask_words(vocab)), dtype=torch.int32)
+    compiler.fill_bitmasks([(matcher, 0)], bitmask)
+    allowed = np.flatnonzero(_allowed(bitmask[0], vocab))
+    # Complete: the tokenizer's EOS ends it, and nothing beyond the tokenizer is ever allowed.
+    assert allowed.tolist() == [tokenizer.eos_token_id]
+
+
 def test_the_index_built_beside_start_up_is_the_one_constraints_use(tokenizer):
     from concurrent.futures import Future
 

@@ -276,6 +276,7 @@ class NativeEngine:
                 max_num_batched_tokens=opts.max_num_batched_tokens,
                 enable_chunked_prefill=opts.enable_chunked_prefill,
                 constrained_lag=opts.constrained_lag and opts.async_loop,
+                token_buckets=tuple(self.runner.graph_buckets.mixed),
             ),
             self.blocks,
         )

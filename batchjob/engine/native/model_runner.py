@@ -39,7 +39,7 @@ from batchjob.engine.native.graphs import StepGraphs
 from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.sampler import SamplerMode, sample
 from batchjob.engine.native.scheduler import StepPlan
-from batchjob.engine.native.step_layout import StepLayout, layout_step
+from batchjob.engine.native.step_layout import GraphBuckets, StepLayout, layout_step
 from batchjob.engine.native.token_mask import TokenMask
 
 if TYPE_CHECKING:
@@ -177,6 +177,11 @@ class ModelRunner:
         self._sample(slot, shape, mode, self.logits[: shape.rows], masked=True)
 
     # ---- launching, sampling and collecting steps ----
+
+    @property
+    def graph_buckets(self) -> GraphBuckets:
+        """The shapes of the captured graphs, which steps are padded to (the scheduler fills mixed ones)."""
+        return self.graphs.buckets
 
     def launch(self, plan: StepPlan) -> StepHandle:
         """Enqueue `plan`: the whole step, or for a step with constrained rows only its forward (then

@@ -41,7 +41,7 @@ from batchjob.engine.native.io_slot import IOSlot
 from batchjob.engine.native.model_runner import StepHandle, StepResult
 from batchjob.engine.native.packed_step import PackedStep
 from batchjob.engine.native.scheduler import StepPlan
-from batchjob.engine.native.step_layout import layout_step
+from batchjob.engine.native.step_layout import GraphBuckets, layout_step
 from batchjob.engine.native.tp_rank import RankReady, RankSetup
 
 log = logging.getLogger("batchjob.engine.native")
@@ -122,6 +122,11 @@ class RankGroup:
         self._slot = IOSlot(0, first.limits, torch.device("cpu"))
 
     # ---- the runner interface the engine's loop uses ----
+
+    @property
+    def graph_buckets(self) -> GraphBuckets:
+        """The shapes of the graphs every rank captured."""
+        return self.graphs
 
     def launch(self, plan: StepPlan) -> StepHandle:
         began = time.perf_counter()

@@ -8,12 +8,18 @@ the input only when a sequence slot is free, so memory stays bounded for any inp
 
 With the asynchronous loop the step being planned runs after one still in flight; the plan assumes every
 sequence in flight grows by its pending token, and blocks are reserved for it.
+
+With CUDA graphs a step that carries prefill chunks is padded up to a token bucket of the mixed graphs, and a
+padded token costs a real token's compute. A step that would overshoot a bucket by less than half of its
+prefill takes smaller chunks to fill that bucket exactly; the rest of a prompt comes in the next step, which
+runs anyway for the decodes. Decodes are never cut for a chunk.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -29,6 +35,8 @@ class SchedulerConfig:
     # A constrained sequence whose last sampled token is still in flight sits the next step out, so its next mask
     # can be computed while that step runs (the asynchronous loop's `engine.constrained_lag`).
     constrained_lag: bool = False
+    # The mixed CUDA graphs' token buckets (ascending; empty: steps are not padded, so no step is cut to one).
+    token_buckets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -72,21 +80,49 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def _runs_now(self, seq: Sequence) -> bool:
+        """Whether running `seq` has tokens to feed this step: not when all are fed, when the pending token
+        already ends it (length: no wasted step), or when it sits out for its mask (`constrained_lag`)."""
+        if seq.num_tokens == seq.num_computed or seq.num_tokens >= seq.max_len:
+            return False
+        return not (self.config.constrained_lag and seq.matcher is not None and seq.pending)
+
+    def step_budget(self, decodes: int) -> int:
+        """Tokens this step may take: `max_num_batched_tokens`, or a mixed graph's token bucket that the step
+        would overshoot by less than half of its prefill tokens (module docstring). `decodes`: the running
+        sequences that feed one token."""
+        limit = self.config.max_num_batched_tokens
+        if not self.config.token_buckets or not self.config.enable_chunked_prefill:
+            return limit
+        wanted = sum(s.num_tokens - s.num_computed for s in self.running if self._runs_now(s))
+        for seq in islice(self.waiting, max(self.config.max_num_seqs - len(self.running), 0)):
+            if wanted >= limit or not seq.ready_for_prefill:
+                break
+            wanted += seq.num_tokens
+        wanted = min(wanted, limit)
+        prefill = wanted - decodes
+        below = [b for b in self.config.token_buckets if b < wanted and 2 * (b - decodes) >= prefill]
+        return below[-1] if prefill > 0 and wanted not in self.config.token_buckets and below else limit
+
     def schedule(self) -> StepPlan | None:
-        budget = self.config.max_num_batched_tokens
+        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1 and self._runs_now(s))
+        budget = self.step_budget(decodes)
         chosen: list[tuple[Sequence, int, int, bool]] = []
         scheduled: set[int] = set()
 
-        # Running sequences, oldest first; a sequence in the middle of its prefill continues with a chunk.
+        # Running sequences, oldest first; a sequence in the middle of its prefill continues with a chunk, as
+        # long as it leaves a token for each decode after it.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            if count == 0 or seq.num_tokens >= seq.max_len:
-                # Nothing new to feed, or the pending token already ends it (length): no wasted step.
+            if not self._runs_now(seq):
                 i += 1
                 continue
-            if self.config.constrained_lag and seq.matcher is not None and seq.pending:
+            remaining = seq.num_tokens - seq.num_computed
+            if remaining == 1:
+                decodes -= 1
+            count = min(remaining, budget - (decodes if remaining > 1 else 0))
+            if count <= 0:
                 i += 1
                 continue
             if not self._reserve(seq, seq.num_computed + count, scheduled):

@@ -1,0 +1,130 @@
+"""Steps that carry prefill chunks fill the mixed CUDA graphs' token buckets: a step that would overshoot a
+bucket by less than half of its prefill takes smaller chunks instead of being padded up to the next bucket,
+decodes are never cut for a chunk, and the engine's greedy output does not change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from batchjob.engine import Request, SamplingParams, create_engine
+from batchjob.engine.native.block_manager import KVBlockManager
+from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
+from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.tiny_model import default_tiny_model
+
+BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+BLOCK = 16
+
+
+def _sequence(seq_id: int, prompt_len: int) -> Sequence:
+    request = Request(seq_id, tuple(range(3, 3 + prompt_len)), SamplingParams(64))
+    return Sequence.create(seq_id, RequestGroup(request, prompt_len), 0, prompt_len + 64, seq_id, BLOCK)
+
+
+def _scheduler(buckets: tuple[int, ...], max_num_seqs: int = 1024) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, token_buckets=buckets)
+    return Scheduler(config, KVBlockManager(20_000, BLOCK, enable_prefix_caching=False))
+
+
+def _step_done(plan) -> None:
+    """What the engine does when a step's tokens are back: each sampled sequence gets its token."""
+    for seq, sampled in zip(plan.seqs, plan.samples, strict=True):
+        seq.inflight -= 1
+        if sampled:
+            seq.resolve_oldest(7)
+
+
+def _decoding(scheduler: Scheduler, count: int, first_id: int = 0) -> None:
+    """`count` sequences past their 8-token prompts, each with one token to feed (a decode); their prompts run
+    as one step, whatever the buckets."""
+    config = scheduler.config
+    scheduler.config = dataclasses.replace(config, token_buckets=())
+    for i in range(count):
+        scheduler.add(_sequence(first_id + i, 8))
+    _step_done(scheduler.schedule())
+    scheduler.config = config
+
+
+@pytest.mark.parametrize(
+    ("decodes", "prompt", "want"),
+    [
+        (250, 300, 512),  # 550 tokens: 262 of the prompt fill the 512 bucket (padded to 1024 otherwise)
+        (250, 1000, 1024),  # 1,250: 774 of 1,000 prompt tokens fill 1,024
+        (100, 2500, 2048),  # 2,600: 1,948 of 2,500 fill 2,048
+        (1000, 100, 1100),  # 24 of 100 prompt tokens would fill 1,024: less than half, so padded instead
+        (250, 262, 512),  # exactly a bucket: nothing to cut
+    ],
+)
+def test_a_mixed_step_fills_the_bucket_below_it_when_most_of_its_prefill_fits(decodes, prompt, want):
+    scheduler = _scheduler(BUCKETS)
+    _decoding(scheduler, decodes)
+    scheduler.add(_sequence(10_000, prompt))
+    plan = scheduler.schedule()
+    assert plan.num_tokens == want
+    assert int((plan.counts == 1).sum()) == decodes  # every decode runs
+    chunk = plan.counts[-1]
+    assert chunk == want - decodes and bool(plan.samples[-1]) == (chunk == prompt)
+    # The rest of the prompt continues next step, with the decodes again: all of it, or a bucket's worth.
+    _step_done(plan)
+    rest = scheduler.schedule()
+    if chunk < prompt:
+        assert rest.seqs[-1].seq_id == 10_000 and (rest.counts[-1] == prompt - chunk or rest.num_tokens in BUCKETS)
+
+
+def test_without_buckets_the_whole_prompt_comes_at_once():
+    scheduler = _scheduler(())
+    _decoding(scheduler, 250)
+    scheduler.add(_sequence(10_000, 300))
+    assert scheduler.schedule().num_tokens == 550
+
+
+def test_a_chunk_of_an_earlier_sequence_leaves_a_token_for_every_later_decode():
+    # 300 decodes, and a sequence admitted before them (older, so first in the running order) with 20,000 prompt
+    # tokens still to feed, more than the step's whole budget.
+    scheduler = _scheduler(())
+    _decoding(scheduler, 300, first_id=1)
+    scheduler.add(_sequence(0, 28_192))
+    _step_done(scheduler.schedule())  # its first 8,192 - 300 tokens, beside the decodes
+    long = scheduler.running.pop()
+    scheduler.running.insert(0, long)
+    plan = scheduler.schedule()
+    assert plan.seqs[0] is long and plan.counts[0] == 8192 - 300
+    assert len(plan.seqs) == 301 and (plan.counts[1:] == 1).all()
+
+
+def test_filling_buckets_does_not_change_greedy_output():
+    requests = [
+        Request(i, tuple(3 + (7 * i + j) % 400 for j in range(20 + (37 * i) % 90)), SamplingParams(24))
+        for i in range(40)
+    ]
+
+    def run(buckets: tuple[int, ...]) -> tuple[dict[int, tuple[int, ...]], list[int]]:
+        engine = create_engine(
+            "native", str(default_tiny_model()), {"dtype": "float32", "max_num_seqs": 16, "max_num_batched_tokens": 256}
+        )
+        try:
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config, token_buckets=buckets)
+            steps: list[int] = []
+            schedule = engine.scheduler.schedule
+
+            def counted():
+                plan = schedule()
+                if plan is not None:
+                    steps.append(plan.num_tokens)
+                return plan
+
+            engine.scheduler.schedule = counted
+            return {c.id: tuple(c.samples[0].token_ids) for c in engine.generate(requests)}, steps
+        finally:
+            engine.close()
+
+    plain, plain_steps = run(())
+    filled, filled_steps = run((32, 64, 128, 256))
+    assert filled == plain
+    # Mixed steps now land on a bucket far more often than before.
+    on_bucket = [np.isin(s, (32, 64, 128, 256)).mean() for s in (plain_steps, filled_steps)]
+    mixed = [t for t in filled_steps if t > 16]
+    assert on_bucket[1] > on_bucket[0] and mixed
