@@ -13,9 +13,12 @@ process never touches the GPU. Writes OUT/bench.json and OUT/bench.png and print
 each run's result (engine statistics included) the moment it finishes. Exits 1 if any
 run failed (after writing everything else).
 
-`--constrained` measures structured outputs: the workload's model gets a 128k byte-level BPE tokenizer (trained
-on first use, `bench_lib/bpe.py`; the weights are the same), and `native` runs unconstrained, `native_json` with
-every request under a realistic JSON schema, `native_json_mixed` with every other one.
+`--constrained` measures structured outputs: the workload's model gets a byte-level BPE tokenizer (the weights are
+the same), and `native` runs unconstrained, `native_json` with every request under a realistic JSON schema,
+`native_json_mixed` with every other one. `--tokenizer bpe` (the default) is a 128k BPE trained on first use on
+generated text (`bench_lib/bpe.py`), whose pseudo-word tokens are long; `--tokenizer cl100k` is tiktoken's
+cl100k_base, a real vocabulary (the first 100,256 tokens of Llama 3's; needs `pip install tiktoken` and its
+download, or TIKTOKEN_CACHE_DIR holding it).
 """
 
 from __future__ import annotations
@@ -33,10 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_lib.bpe import NUM_SPECIAL
 from bench_lib.hardware import HardwareRates
 from bench_lib.isolation import ChildFailed, kernel_cache_env, run_child
-from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, tiny_model_dir
+from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, text_tokens, tiny_model_dir
 from bench_lib.report import WorkloadReport, plot, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
 from bench_lib.systems import CONSTRAINED_SYSTEMS, NATIVE_ENGINES, NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult
@@ -101,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"structured outputs: a BPE tokenizer, and systems {','.join(CONSTRAINED_SYSTEMS)} by default",
     )
+    parser.add_argument(
+        "--tokenizer",
+        choices=("bpe", "cl100k"),
+        default="bpe",
+        help="with --constrained: the generated 128k BPE, or tiktoken's cl100k_base (a real vocabulary)",
+    )
     return parser.parse_args(argv)
 
 
@@ -152,10 +160,11 @@ def run_workload(
             model_dir = config_model_dir(spec.architecture, args.model_cache)
         else:
             task = {"kind": "model", "architecture": spec.architecture, "cache": str(args.model_cache)}
-            model_dir = Path(run_child({**task, "bpe": args.constrained})["model_dir"])
+            tokenizer = args.tokenizer if args.constrained else None
+            model_dir = Path(run_child({**task, "tokenizer": tokenizer})["model_dir"])
         shape = model_shape(ARCHITECTURES[spec.architecture])
-        # The BPE's special ids are its last 256: prompts are then ordinary text below them.
-        vocab = shape.vocab - NUM_SPECIAL + 1 if args.constrained else shape.vocab
+        # A BPE's special ids follow its ordinary tokens: prompts are then ordinary text below them.
+        vocab = text_tokens(spec.architecture, args.tokenizer) + 1 if args.constrained else shape.vocab
         special_ids = BENCH_SPECIAL_IDS
         requests = draw_requests(spec, vocab, special_ids)
         # A tensor-parallel engine reads its weights and cache with every GPU's bandwidth and keeps its cache in

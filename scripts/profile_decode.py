@@ -1,7 +1,10 @@
 """Where a decode step's GPU time goes: the whole step (eager and CUDA graph) next to its matmuls alone and
-its attention alone, against the bytes it must read; plus the top kernels of an eager step.
+its attention alone, against the bytes it must read and the FLOPs it must do; plus the top kernels of an eager
+step. `--prefill L,P` adds P sequences prefilling L prompt tokens each to the step (a mixed step, as when
+finished sequences are replaced), after `--prefill-past` tokens already cached (an earlier chunk).
 
     python scripts/profile_decode.py --arch llama-3.1-8b --batch 32 --context 640 [--out profile.json]
+    python scripts/profile_decode.py --arch llama-3.1-8b --batch 256 --context 1300 --prefill 1024,4
 
 Random bf16 weights built in memory (no checkpoint on disk); needs CUDA.
 """
@@ -20,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lib.hardware import graph_ms  # noqa: E402
+from bench_lib.hardware import graph_ms, measure_matmul_rate  # noqa: E402
 from bench_lib.models import _config  # noqa: E402
 
 from batchjob.engine.native.attention import make_metadata  # noqa: E402
@@ -35,14 +38,17 @@ def main() -> None:
     parser.add_argument("--arch", default="llama-3.1-8b")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=640)
+    parser.add_argument("--prefill", default="0,0", help="L,P: P sequences prefilling L tokens each")
+    parser.add_argument("--prefill-past", type=int, default=0, help="tokens the prefilling sequences had cached")
     parser.add_argument("--out")
     args = parser.parse_args()
+    chunk, prompts = (int(x) for x in args.prefill.split(","))
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(args.arch)
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
         config.save_pretrained(tmp)
-        spec = read_model_spec(tmp, "bfloat16", max_model_len=args.context + 64)
+        spec = read_model_spec(tmp, "bfloat16", max_model_len=max(args.context, args.prefill_past + chunk) + 64)
     attn = TritonPagedAttention()
     with torch.device("meta"):
         model = CausalLM(spec, attn).to(spec.dtype)
@@ -55,35 +61,45 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     b, ctx, bs = args.batch, args.context, 16
-    per_seq = -(-ctx // bs)
-    caches = allocate_kv_cache(spec, 1 + b * per_seq, bs, device)
-    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)]
-    meta = make_metadata([1] * b, [ctx] * b, tables, bs, device=device)
-    ids = torch.randint(0, spec.vocab_size, (b,), device=device)
-    positions = torch.full((b,), ctx - 1, device=device)
-    kv_bytes = 2 * spec.num_layers * b * ctx * spec.num_kv_heads * spec.head_dim * 2
+    prefill_len = args.prefill_past + chunk
+    query_lens = [1] * b + [chunk] * prompts
+    seq_lens = [ctx] * b + [prefill_len] * prompts
+    tokens = sum(query_lens)
+    per_seq = -(-max(ctx, prefill_len) // bs)
+    caches = allocate_kv_cache(spec, 1 + len(query_lens) * per_seq, bs, device)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(query_lens))]
+    meta = make_metadata(query_lens, seq_lens, tables, bs, device=device)
+    ids = torch.randint(0, spec.vocab_size, (tokens,), device=device)
+    positions = torch.tensor(
+        [ctx - 1] * b + [p for _ in range(prompts) for p in range(args.prefill_past, prefill_len)], device=device
+    )
+    kv_bytes = 2 * spec.num_layers * (b * ctx + prompts * prefill_len) * spec.num_kv_heads * spec.head_dim * 2
+    matmul_rate = measure_matmul_rate()
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
     copy_src = torch.empty(2**30, dtype=torch.uint8, device=device)
     copy_dst = torch.empty_like(copy_src)
     copy_ms = graph_ms(lambda: copy_dst.copy_(copy_src))
     bandwidth = 2 * copy_src.numel() / (copy_ms / 1000)
 
+    last_rows = torch.tensor([i for i in range(b)] + [b + (i + 1) * chunk - 1 for i in range(prompts)], device=device)
+
     def step():
         with torch.no_grad():
             h = model(ids, positions, meta, caches)
-            model.compute_logits(h).argmax(-1)
+            model.compute_logits(h[last_rows]).argmax(-1)
 
     linears = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     lm_weight = model.embed_tokens.weight if model.lm_head is None else None
-    x_in = {w.shape[1]: torch.randn(b, w.shape[1], device=device, dtype=spec.dtype) for w, _ in linears}
+    x_in = {w.shape[1]: torch.randn(tokens, w.shape[1], device=device, dtype=spec.dtype) for w, _ in linears}
 
     def matmuls():
         for w, bias in linears:
             F.linear(x_in[w.shape[1]], w, bias)
         if lm_weight is not None:
-            F.linear(x_in[spec.hidden_size], lm_weight)
+            F.linear(x_in[spec.hidden_size][: len(last_rows)], lm_weight)
 
-    q = torch.randn(b, spec.num_heads, spec.head_dim, device=device, dtype=spec.dtype)
-    kv = torch.randn(b, spec.num_kv_heads, spec.head_dim, device=device, dtype=spec.dtype)
+    q = torch.randn(tokens, spec.num_heads, spec.head_dim, device=device, dtype=spec.dtype)
+    kv = torch.randn(tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=spec.dtype)
 
     def attention():
         for k_cache, v_cache in caches:
@@ -101,6 +117,9 @@ def main() -> None:
         "arch": args.arch,
         "batch": b,
         "context": ctx,
+        "prefill": f"{prompts} x {chunk} after {args.prefill_past}",
+        "tokens": tokens,
+        "matmul_tflops": matmul_rate / 1e12,
         "copy_tb_s": bandwidth / 1e12,
         "weight_gb": weight_bytes / 1e9,
         "kv_gb": kv_bytes / 1e9,
@@ -109,6 +128,10 @@ def main() -> None:
         "graph_ms": graph_ms(step),
         "matmuls_graph_ms": graph_ms(matmuls),
         "matmul_floor_ms": weight_bytes / bandwidth * 1000,
+        "matmul_flops_floor_ms": 2
+        * (layer_params * tokens + spec.vocab_size * spec.hidden_size * len(last_rows))
+        / matmul_rate
+        * 1000,
         "attention_graph_ms": graph_ms(attention),
         "attention_floor_ms": kv_bytes / bandwidth * 1000,
     }

@@ -4,7 +4,8 @@ against none, on one schema and vocabulary, and check that all three give the sa
     python scripts/profile_masks.py [--walks 6] [--tokenizer DIR]
 
 The vocabulary is `bench_lib.bpe`'s 128,256-id byte-level BPE (trained on first use, then cached under
-`--cache`), or the tokenizer in `--tokenizer`; the schema is the benchmark's `RECORDS_SCHEMA`. Each walk starts a
+`--cache`), tiktoken's cl100k_base (`--tokenizer cl100k`, a real vocabulary), or the tokenizer in
+`--tokenizer DIR`; the schema is the benchmark's `RECORDS_SCHEMA`. Each walk starts a
 fresh matcher per setting and takes up to `--steps` tokens, each the highest of seeded random scores among the
 allowed ones (as a random-weight model does greedily), or on every other walk a fresh random draw; forced tokens
 are taken at once (jump-forward). Every mask is timed on one thread. Prints the mean, 90th percentile, maximum and
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--walks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=200, help="tokens per walk at most")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer directory (default: the 128k BPE)")
+    parser.add_argument(
+        "--tokenizer", default=None, help="a tokenizer directory, or cl100k (tiktoken's; default: the 128k BPE)"
+    )
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the 128k BPE is kept")
     args = parser.parse_args(argv)
 
@@ -50,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench_lib.bpe import bpe_tokenizer
 
         tokenizer = bpe_tokenizer(args.cache)
+    elif args.tokenizer == "cl100k":
+        from bench_lib.bpe import cl100k_tokenizer
+
+        tokenizer = cl100k_tokenizer(args.cache)
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab = len(tokenizer)

@@ -93,6 +93,32 @@ def train_bpe(vocab_size: int = 128_256, seed: int = 0, documents: int = 1500, w
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
+# tiktoken's cl100k_base: its 100,256 tokens are the first 100,256 of Llama 3's vocabulary (which adds 28,000
+# mostly non-English ones), so it is a real vocabulary of the benchmark models' size class. tiktoken reads it from
+# its cache (TIKTOKEN_CACHE_DIR) or downloads it.
+CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
+CL100K_TOKENS = 100_256
+
+
+def cl100k_tokenizer(cache_dir: Path):
+    """A `PreTrainedTokenizerFast` of cl100k_base's tokens (ids 0-100,255) with Llama 3's pre-tokenizer split
+    and 256 special tokens after them (BOS, EOS, PAD and reserved ones), saved under `cache_dir` on first use."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    path = Path(cache_dir) / "cl100k"
+    if not (path / "tokenizer.json").exists():
+        core = TikTokenConverter(vocab_file=CL100K_URL, pattern=LLAMA3_SPLIT).converted()
+        if core.get_vocab_size() != CL100K_TOKENS:
+            raise RuntimeError(f"cl100k_base gave {core.get_vocab_size()} tokens, not {CL100K_TOKENS}")
+        reserved = [f"<|reserved_special_token_{i}|>" for i in range(NUM_SPECIAL - 3)]
+        core.add_special_tokens([AddedToken(t, special=True) for t in (BOS, EOS, PAD, *reserved)])
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+        tokenizer.save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def bpe_tokenizer(cache_dir: Path, vocab_size: int = 128_256):
     """`train_bpe(vocab_size)`, saved under `cache_dir` on first use and loaded from there afterwards."""
     from transformers import AutoTokenizer

@@ -78,8 +78,9 @@ def _hardware() -> dict[str, Any]:
 def _model(task: dict[str, Any]) -> dict[str, Any]:
     from bench_lib.models import bpe_model_dir, random_model_dir
 
-    build = bpe_model_dir if task.get("bpe") else random_model_dir
-    return {"model_dir": str(build(task["architecture"], Path(task["cache"])))}
+    if task.get("tokenizer"):
+        return {"model_dir": str(bpe_model_dir(task["architecture"], Path(task["cache"]), task["tokenizer"]))}
+    return {"model_dir": str(random_model_dir(task["architecture"], Path(task["cache"])))}
 
 
 def _system(task: dict[str, Any]) -> dict[str, Any]:

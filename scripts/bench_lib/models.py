@@ -140,17 +140,21 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     return out_dir
 
 
-def bpe_model_dir(architecture: str, cache_dir: Path) -> Path:
-    """`random_model_dir(architecture)` with `bench_lib.bpe`'s byte-level BPE tokenizer instead of the word-level
-    one, for structured outputs (a word-level vocabulary cannot spell JSON). The weights are linked, not copied;
-    prompts must then avoid the BPE's special ids, the last 256."""
-    from bench_lib.bpe import bpe_tokenizer
+def bpe_model_dir(architecture: str, cache_dir: Path, tokenizer_name: str = "bpe") -> Path:
+    """`random_model_dir(architecture)` with a byte-level BPE tokenizer instead of the word-level one, for
+    structured outputs (a word-level vocabulary cannot spell JSON): `bench_lib.bpe`'s generated one ("bpe") or
+    cl100k_base's real vocabulary ("cl100k"). The weights are linked, not copied; prompts must then stay below
+    the tokenizer's special ids (`text_tokens`)."""
+    from bench_lib.bpe import bpe_tokenizer, cl100k_tokenizer
 
     base = random_model_dir(architecture, cache_dir)
-    out_dir = Path(cache_dir) / f"{base.name}-bpe"
+    out_dir = Path(cache_dir) / f"{base.name}-{tokenizer_name}"
     if (out_dir / "config.json").exists():
         return out_dir
-    tokenizer = bpe_tokenizer(cache_dir, vocab_size=ARCHITECTURES[architecture]["vocab_size"])
+    if tokenizer_name == "cl100k":
+        tokenizer = cl100k_tokenizer(cache_dir)
+    else:
+        tokenizer = bpe_tokenizer(cache_dir, vocab_size=ARCHITECTURES[architecture]["vocab_size"])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -163,3 +167,10 @@ def bpe_model_dir(architecture: str, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def text_tokens(architecture: str, tokenizer_name: str) -> int:
+    """How many ids below a constrained run's tokenizer's special ones (its ordinary tokens)."""
+    from bench_lib.bpe import CL100K_TOKENS, NUM_SPECIAL
+
+    return CL100K_TOKENS if tokenizer_name == "cl100k" else ARCHITECTURES[architecture]["vocab_size"] - NUM_SPECIAL
