@@ -88,15 +88,15 @@ def main() -> None:
             h = model(ids, positions, meta, caches)
             model.compute_logits(h[last_rows]).argmax(-1)
 
-    linears = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    lm_weight = model.embed_tokens.weight if model.lm_head is None else None
+    # The layers' linears run on every token, the output head (tied or not) on the sampled rows only.
+    linears = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    lm_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     x_in = {w.shape[1]: torch.randn(tokens, w.shape[1], device=device, dtype=spec.dtype) for w, _ in linears}
 
     def matmuls():
         for w, bias in linears:
             F.linear(x_in[w.shape[1]], w, bias)
-        if lm_weight is not None:
-            F.linear(x_in[spec.hidden_size][: len(last_rows)], lm_weight)
+        F.linear(x_in[spec.hidden_size][: len(last_rows)], lm_weight)
 
     q = torch.randn(tokens, spec.num_heads, spec.head_dim, device=device, dtype=spec.dtype)
     kv = torch.randn(tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=spec.dtype)

@@ -102,6 +102,17 @@ def test_workload_draws_are_reproducible_and_within_design_ranges(bench_lib):
     assert set(shared.prompt_lengths.tolist()) == {1088}
 
 
+def test_constrained_prompts_stay_below_each_tokenizers_special_ids(bench_lib):
+    from bench_lib.models import text_tokens
+
+    workloads = bench_lib.workloads
+    # The generated BPE: 128,000 ordinary ids, then 256 special ones; cl100k_base: its 100,256 tokens first.
+    assert text_tokens("llama-3.2-1b", "bpe") == 128_000 and text_tokens("llama-3.2-1b", "cl100k") == 100_256
+    for name in ("bpe", "cl100k"):
+        requests = workloads.draw_requests(workloads.WORKLOADS["W2"], text_tokens("llama-3.2-1b", name) + 1)
+        assert max(max(p) for p in requests.prompts) < text_tokens("llama-3.2-1b", name)
+
+
 def test_tied_lm_head_changes_the_weight_bytes_but_not_the_compute(bench_lib):
     roofline = bench_lib.roofline
     common = dict(layers=2, attention_heads=2, kv_heads=1, head_dim=4, hidden=8, vocab=100, embedding_parameters=800)
