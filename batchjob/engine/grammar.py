@@ -9,6 +9,8 @@ id (int32 words, bit `i % 32` of word `i // 32`); a set bit allows the token.
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -55,6 +57,32 @@ def grammar_eos_ids(eos_token_ids: Sequence[int], tokenizer_size: int) -> list[i
     llguidance takes the tokenizer's own EOS. A constrained sample then ends on an EOS its grammar knows; the
     others still end unconstrained samples."""
     return [t for t in eos_token_ids if t < tokenizer_size] or None
+
+
+def vocabulary_index(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's index of `tokenizer` for logits `vocab_size` wide (the model's). A tokenizer with added tokens
+    beyond the logits (a pad token appended without resizing the model) is indexed without them: the model cannot
+    produce them, and llguidance refuses a tokenizer larger than its vocabulary. Raises ValueError when ordinary
+    tokens lie beyond the logits, or for a tokenizer llguidance cannot read."""
+    import llguidance
+    import llguidance.hf
+
+    slices = string_slices(llguidance.LLTokenizer.general_slices())
+    size = len(tokenizer)
+    eos = grammar_eos_ids(eos_token_ids, min(size, vocab_size))
+    if size <= vocab_size:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos, slices=slices)
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < vocab_size]
+    if eos is None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id < vocab_size:
+        eos = [tokenizer.eos_token_id]
+    try:
+        return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=eos, slices=slices)
+    except ValueError as err:
+        raise ValueError(f"the tokenizer has {size} ids and the model's logits {vocab_size} ({err})") from err
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -168,22 +196,17 @@ class GrammarCompiler:
             if self._lltokenizer is None:
                 if self.tokenizer is None:
                     self.tokenizer = load_tokenizer(self.model_dir)
-                # llguidance.hf imports transformers: after the tokenizer's load, which imported it under the
-                # process's lock (transformers_import.py), it finds it imported.
                 import llguidance
-                import llguidance.hf
 
-                self._lltokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer,
-                    n_vocab=self.vocab_size,
-                    eos_token=grammar_eos_ids(self.eos_token_ids, len(self.tokenizer)),
-                    slices=string_slices(llguidance.LLTokenizer.general_slices()),
-                )
+                # The index imports llguidance.hf, which imports transformers: after the tokenizer's load, which
+                # imported it under the process's lock (transformers_import.py), it finds it imported.
+                self._lltokenizer = vocabulary_index(self.tokenizer, self.vocab_size, self.eos_token_ids)
                 self._executor = llguidance.LLExecutor()
         return self._lltokenizer
 
     def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher for `constraint`; raises `GrammarError` if it cannot compile."""
+        """A fresh matcher for `constraint`; raises `GrammarError` if it cannot compile, or if the vocabulary
+        index cannot be built for this model (then every constrained request fails alike, each with the reason)."""
         from llguidance import LLMatcher
 
         start = self._cache.get(constraint)
@@ -191,7 +214,10 @@ class GrammarCompiler:
             self._cache.move_to_end(constraint)
             self.cache_hits += 1
         else:
-            lltokenizer = self._ensure_tokenizer()
+            try:
+                lltokenizer = self._ensure_tokenizer()
+            except ValueError as err:
+                raise GrammarError(f"structured outputs cannot run with this model's tokenizer: {err}") from err
             try:
                 grammar = grammar_text(constraint)
             except ValueError as err:

@@ -5,6 +5,7 @@ differs."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -19,7 +20,14 @@ from structured_cases import PET_SCHEMA
 from transformers import AutoTokenizer
 
 from batchjob.engine.api import Constraint
-from batchjob.engine.grammar import STRING_SLICE_LENGTHS, GrammarCompiler, bitmask_words, grammar_text, string_slices
+from batchjob.engine.grammar import (
+    STRING_SLICE_LENGTHS,
+    GrammarCompiler,
+    GrammarError,
+    bitmask_words,
+    grammar_text,
+    string_slices,
+)
 from batchjob.tiny_model import default_tiny_model
 
 
@@ -83,6 +91,33 @@ def test_eos_ids_beyond_the_tokenizer_leave_the_grammar_its_own_eos(tokenizer, b
     allowed = np.flatnonzero(_allowed(bitmask[0], vocab))
     # Complete: the tokenizer's EOS ends it, and nothing beyond the tokenizer is ever allowed.
     assert allowed.tolist() == [tokenizer.eos_token_id]
+
+
+def test_added_tokens_beyond_the_logits_are_left_out_of_the_index(tokenizer):
+    # A pad token appended to the tokenizer without resizing the model: the tokenizer has one id more than the
+    # logits. Before, llguidance refused the tokenizer and the first constrained request failed the job.
+    padded = copy.deepcopy(tokenizer)
+    padded.add_special_tokens({"additional_special_tokens": ["<|extra_pad|>"]})
+    vocab = len(tokenizer)
+    assert len(padded) == vocab + 1
+    compiler = GrammarCompiler(padded, vocab, [tokenizer.eos_token_id])
+    matcher = compiler.matcher(Constraint("json_schema", json.dumps(PET_SCHEMA)))
+    bitmask = torch.zeros((1, bitmask_words(vocab)), dtype=torch.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        compiler.fill_bitmasks([(matcher, 0)], bitmask)
+        allowed = np.flatnonzero(_allowed(bitmask[0], vocab))
+        token = int(rng.choice(allowed))
+        if token == tokenizer.eos_token_id:
+            break
+        assert compiler.consume([(matcher, token)]) == [True]
+    assert matcher.is_stopped and token == tokenizer.eos_token_id
+
+
+def test_a_tokenizer_whose_ordinary_tokens_pass_the_logits_fails_each_constrained_request_by_name(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer) - 10, [tokenizer.eos_token_id])
+    with pytest.raises(GrammarError, match=f"tokenizer has {len(tokenizer)} ids and the model's logits"):
+        compiler.matcher(Constraint("regex", "[a-z]{3}"))
 
 
 def test_the_index_built_beside_start_up_is_the_one_constraints_use(tokenizer):

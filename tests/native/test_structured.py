@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from structured_cases import CHOICES, PET_SCHEMA, POINT_SCHEMA, check_stop_rows, matches_code, valid_json
@@ -132,6 +133,21 @@ def test_a_schema_that_cannot_compile_fails_only_its_own_request(model_dir):
     assert done[0].finish_reason == "error" and "json_schema cannot be compiled" in done[0].error
     assert done[1].finish_reason == "error" and "regex cannot be compiled" in done[1].error
     assert done[2].error is None and valid_json(done[2].text, POINT_SCHEMA)
+
+
+def test_a_tokenizer_with_a_pad_token_beyond_the_logits_still_constrains(model_dir, tmp_path):
+    # A pad token appended to the tokenizer without resizing the model (as some fine-tunes ship): one id more
+    # than the logits. The constrained rows must still run and stop valid, not fail the job.
+    from transformers import AutoTokenizer
+
+    copied = tmp_path / "padded"
+    shutil.copytree(model_dir, copied)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"pad_token": "<|extra_pad|>"})
+    tokenizer.save_pretrained(copied)
+    done, stats = _run(str(copied), _requests(8, 0.0, json_schema=PET))
+    assert check_stop_rows(list(done.values()), lambda t: valid_json(t, PET_SCHEMA)) >= 0.8
+    assert stats["constrained_steps"] > 0
 
 
 def test_n_samples_each_follow_the_constraint(model_dir):
