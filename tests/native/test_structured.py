@@ -104,6 +104,26 @@ def test_constrained_rows_that_sit_out_a_step_generate_what_sync_does(model_dir,
     check_stop_rows([lagged[r.id] for r in reqs if r.sampling.json_schema == PET], lambda t: valid_json(t, PET_SCHEMA))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_masks_filled_chunk_by_chunk_generate_what_sync_does(model_dir, temperature, chunk):
+    # Each chunk of processed rows sends its masks of the step in flight at once, in a call of its own.
+    reqs = _mixed(temperature) + _requests(12, temperature, max_new_tokens=80, json_schema=PET)
+    reqs = [Request(i, r.prompt_ids, r.sampling) for i, r in enumerate(reqs)]
+    chunked, stats = _run(model_dir, reqs, "native", mask_chunk_rows=chunk)
+    sync_done, _ = _run(model_dir, reqs, "native_sync", mask_chunk_rows=chunk)
+    assert {i: c.token_ids for i, c in chunked.items()} == {i: c.token_ids for i, c in sync_done.items()}
+    assert stats["constrained_steps"] > 0 and stats["mask_ms_per_constrained_step"] > 0
+    # Small chunks split most steps' masks into several calls; one chunk of 64 holds every row here.
+    assert (stats["mask_calls_per_constrained_step"] > 1.5) == (chunk < 64)
+    check_stop_rows([chunked[r.id] for r in reqs if r.sampling.json_schema == PET], lambda t: valid_json(t, PET_SCHEMA))
+
+
+def test_a_negative_mask_chunk_is_refused_before_loading(model_dir):
+    with pytest.raises(ValueError, match="engine.mask_chunk_rows=-1: must be >= 0"):
+        create_engine("native", model_dir, {"mask_chunk_rows": -1})
+
+
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -111,8 +131,17 @@ def test_constrained_rows_that_sit_out_a_step_generate_what_sync_does(model_dir,
         dict(num_kv_blocks=30, block_size=4, max_model_len=100, max_num_batched_tokens=24),  # preemption
         dict(debug_poison_slots=True),  # an unfilled bitmask row would forbid every token
         dict(constrained_lag=True, num_kv_blocks=30, block_size=4, max_model_len=100, max_num_batched_tokens=24),
+        dict(mask_chunk_rows=3, num_kv_blocks=30, block_size=4, max_model_len=100, max_num_batched_tokens=24),
+        dict(mask_chunk_rows=2, debug_poison_slots=True),
     ],
-    ids=["7-token budget", "tiny cache: preemption", "poisoned slots", "sitting out steps, with preemption"],
+    ids=[
+        "7-token budget",
+        "tiny cache: preemption",
+        "poisoned slots",
+        "sitting out steps, with preemption",
+        "masks in chunks, with preemption",
+        "masks in chunks, poisoned slots",
+    ],
 )
 def test_schedule_does_not_change_constrained_greedy_output(model_dir, schedule):
     reqs = _requests(10, 0.0, max_new_tokens=80, json_schema=PET)

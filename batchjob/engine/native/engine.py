@@ -284,7 +284,7 @@ class NativeEngine:
         if self.grammars.tokenizer is None:
             self.grammars.tokenizer = self.tokenizer
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
-        self.masks = StepMasks(self.runner, self.grammars)
+        self.masks = StepMasks(self.runner, self.grammars, chunked=self._chunked_masks)
 
     # ---- the loop ----
 
@@ -317,7 +317,8 @@ class NativeEngine:
                         self.masks.start(inflight[-1], at_launch=True)
                 # Async: keep one step in flight while this one's results are processed.
                 while len(inflight) > (depth if plan is not None else 0):
-                    yield from self._process(inflight.popleft())
+                    step = inflight.popleft()
+                    yield from self._process(step, inflight[0] if inflight else None)
                 if inflight and not inflight[-1].sampled and not self.masks.busy:
                     # Every step before it is processed: its constrained rows' masks can be computed now, by the
                     # worker, while this thread prepares the next step.
@@ -406,13 +407,24 @@ class NativeEngine:
             return self.runner.launch(prepared)
         return self.runner.launch_prepared(prepared)
 
-    def _process(self, step: StepHandle) -> Iterator[Completion]:
+    @property
+    def _chunked_masks(self) -> bool:
+        return self.options.mask_chunk_rows > 0 and self.options.async_loop
+
+    def _process(self, step: StepHandle, follower: StepHandle | None = None) -> Iterator[Completion]:
+        """Apply `step`'s tokens. `follower`, the step in flight after it: with `engine.mask_chunk_rows`, its
+        masks fill chunk by chunk as this step's rows settle their matchers (step_masks.py)."""
         if not step.sampled:
             if self.masks.holds(step):
                 self.masks.finish()
             else:
                 self.masks.fill_now(step)
-        yield from self.outputs.process(step, self.runner.collect(step), self.scheduler)
+        settle = None
+        if self._chunked_masks and follower is not None and not follower.sampled and not self.masks.busy:
+            self.masks.begin(follower, step.plan.seqs)
+            settle = self.masks.settle
+        result = self.runner.collect(step)
+        yield from self.outputs.process(step, result, self.scheduler, settle, self.options.mask_chunk_rows)
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
@@ -437,6 +449,7 @@ class NativeEngine:
                 constrained_steps=runner.masked_steps,
                 mask_ms_per_constrained_step=1000 * self.masks.fill_s / runner.masked_steps,
                 mask_wait_ms_per_constrained_step=1000 * self.masks.wait_s / runner.masked_steps,
+                mask_calls_per_constrained_step=self.masks.fill_calls / runner.masked_steps,
                 constrained_steps_masked_at_launch=self.masks.started_at_launch,
                 sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,

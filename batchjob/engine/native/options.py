@@ -48,6 +48,7 @@ class NativeOptions:
     graph_sampling: str = "all"
     graph_constrained: bool = True
     constrained_lag: bool = False
+    mask_chunk_rows: int = 0
     graph_mixed: bool = True
     graph_max_batch: int | None = None
     warmup: bool | None = None
@@ -105,6 +106,10 @@ class NativeOptions:
         if self.admission_window < 0:
             problems.append(
                 f"engine.admission_window={self.admission_window}: must be >= 0 (0 admits requests in input order)"
+            )
+        if self.mask_chunk_rows < 0:
+            problems.append(
+                f"engine.mask_chunk_rows={self.mask_chunk_rows}: must be >= 0 (0 fills a step's masks in one call)"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append(f"engine.num_kv_blocks={self.num_kv_blocks}: must be >= 2 (or null to size it)")

@@ -9,7 +9,7 @@ and jumps forward over tokens its constraint forces.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion, Sample
 from batchjob.engine.grammar import GrammarCompiler
@@ -29,14 +29,27 @@ class OutputProcessor:
         self.wasted = 0
         self.forced_tokens = 0  # jump-forward: tokens appended without a step of their own
 
-    def process(self, step: StepHandle, result: StepResult, scheduler: Scheduler) -> Iterator[Completion]:
+    def process(
+        self,
+        step: StepHandle,
+        result: StepResult,
+        scheduler: Scheduler,
+        settle: Callable[[list[Sequence]], None] | None = None,
+        chunk: int = 0,
+    ) -> Iterator[Completion]:
         """Apply one collected step: resolve each sampled row's pending token, stop what must stop, and
-        yield the requests whose samples have all finished."""
+        yield the requests whose samples have all finished. With `settle`, every `chunk` sequences done are
+        passed to it: their matchers are final for the next step."""
         tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
         samples = step.plan.samples.tolist()
         accepted = self._advance_matchers(step.plan.seqs, samples, tokens)
         row = 0
+        done: list[Sequence] = []
         for seq, sampled in zip(step.plan.seqs, samples, strict=True):
+            if settle is not None and len(done) == chunk:
+                settle(done)
+                done = []
+            done.append(seq)
             seq.inflight -= 1
             if sampled:
                 if seq.status is Status.FINISHED:
@@ -47,6 +60,8 @@ class OutputProcessor:
                         yield finished
                 row += 1
             scheduler.release_if_idle(seq)
+        if settle is not None and done:
+            settle(done)
 
     def _advance_matchers(self, seqs: list[Sequence], samples: list[bool], tokens: list[int]) -> dict[int, bool]:
         """Advance every constrained sequence's matcher by its new token, unless its constraint had already forced

@@ -5,11 +5,17 @@ its own threads, off the GIL.
 A step with constrained rows is launched as its forward only; `StepMasks` fills its bitmask rows from the rows'
 matchers and then enqueues its masked sampler (`ModelRunner.enqueue_masked_sampler`). While the worker fills a
 step's masks, the loop touches none of that step's matchers.
+
+With `engine.mask_chunk_rows` the masks of the step in flight do not wait for the whole previous step to be
+processed: `begin` sends the rows whose matchers are already settled (their sequences were not in the step being
+processed), and `settle` the rows of each chunk of processed sequences, each chunk one llguidance call from a
+worker thread of its own (the calls share llguidance's threads), while the loop processes the next chunk.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -21,16 +27,26 @@ if TYPE_CHECKING:
 
     from batchjob.engine.grammar import GrammarCompiler
     from batchjob.engine.native.model_runner import StepHandle
+    from batchjob.engine.native.sequence import Sequence
+
+# Worker threads for chunked fills: enough for the chunks of one step to overlap each other's waits.
+CHUNK_WORKERS = 4
 
 
 class StepMasks:
-    def __init__(self, runner: Any, grammars: GrammarCompiler) -> None:
+    def __init__(self, runner: Any, grammars: GrammarCompiler, chunked: bool = False) -> None:
         self.runner = runner
         self.grammars = grammars
+        self._workers = CHUNK_WORKERS if chunked else 1
         self._worker: ThreadPoolExecutor | None = None  # started with the first step it fills
-        self._job: tuple[StepHandle, Future] | None = None
-        self.fill_s = 0.0  # filling bitmasks, wherever it ran
+        self._job: tuple[StepHandle, list[Future]] | None = None
+        # A step being filled chunk by chunk: its bitmask, and its rows not yet sent by sequence id.
+        self._bitmask: torch.Tensor | None = None
+        self._unsettled: dict[int, tuple[Sequence, int]] = {}
+        self._spans: list[tuple[float, float]] = []  # (start, end) of each fill call of the step
+        self.fill_s = 0.0  # filling bitmasks, wherever it ran (a chunked step: first call's start to last's end)
         self.wait_s = 0.0  # the loop waiting for the worker's bitmasks
+        self.fill_calls = 0  # grammar-library calls that filled bitmask rows
         self.started_at_launch = 0  # steps whose masks began filling at their launch (engine.constrained_lag)
 
     @property
@@ -44,34 +60,65 @@ class StepMasks:
     def fill_now(self, step: StepHandle) -> None:
         """Fill `step`'s bitmask in this thread and enqueue its sampler (the synchronous loop)."""
         bitmask = self.runner.bitmask_rows(step)
-        self._fill(self._rows(step, bitmask), bitmask)
+        rows = self._rows(step, bitmask)
+        self.fill_calls += bool(rows)
+        self._fill(rows, bitmask)
+        self._count_fill_time()
         self.runner.enqueue_masked_sampler(step)
 
     def start(self, step: StepHandle, at_launch: bool = False) -> None:
         """Have the worker fill `step`'s bitmask; `finish` enqueues its sampler."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjob-masks")
         bitmask = self.runner.bitmask_rows(step)
         rows = self._rows(step, bitmask)
-        self._job = (step, self._worker.submit(self._fill, rows, bitmask))
+        self._job = (step, [self._submit(rows, bitmask)])
         self.started_at_launch += at_launch
+
+    def begin(self, step: StepHandle, processing: Iterable[Sequence]) -> None:
+        """Fill `step`'s bitmask chunk by chunk: the rows of sequences outside `processing` (the step whose tokens
+        are being processed) go now, the others as `settle` names them; `settle_rest` sends what is left."""
+        self._bitmask = self.runner.bitmask_rows(step)
+        self._unsettled = {seq.seq_id: (seq, k) for seq, k in self._constrained_rows(step)}
+        self._job = (step, [])
+        busy = {seq.seq_id for seq in processing}
+        self.settle(seq for seq, _ in list(self._unsettled.values()) if seq.seq_id not in busy)
+
+    def settle(self, seqs: Iterable[Sequence]) -> None:
+        """These sequences' matchers are final for the step being filled: send their rows."""
+        if self._job is None or not self._unsettled:
+            return
+        rows = []
+        for seq in seqs:
+            entry = self._unsettled.pop(seq.seq_id, None)
+            if entry is not None and self._row(seq, entry[1], self._bitmask):
+                rows.append((seq.matcher, entry[1]))
+        if rows:
+            self._job[1].append(self._submit(rows, self._bitmask))
+
+    def settle_rest(self) -> None:
+        self.settle([seq for seq, _ in list(self._unsettled.values())])
 
     def finish(self) -> None:
         """Wait for the worker's bitmask, if one is being filled, and enqueue that step's masked sampler."""
         if self._job is None:
             return
-        step, job = self._job
+        self.settle_rest()
+        step, jobs = self._job
         self._job = None
         began = time.perf_counter()
-        job.result()
+        for job in jobs:
+            job.result()
         self.wait_s += time.perf_counter() - began
+        self._count_fill_time()
         self.runner.enqueue_masked_sampler(step)
 
     def abandon(self) -> None:
         """The loop stopped early: let the worker finish with the matchers before they are dropped."""
         if self._job is not None:
-            self._job[1].exception()
+            for job in self._job[1]:
+                job.exception()
             self._job = None
+            self._unsettled = {}
+            self._spans = []
 
     def close(self) -> None:
         if self._worker is not None:
@@ -86,26 +133,42 @@ class StepMasks:
         rows = [seq for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True) if sampled and seq.matcher]
         return not step.sampled and bool(rows) and all(len(seq.pending) == 1 for seq in rows)
 
+    @staticmethod
+    def _constrained_rows(step: StepHandle) -> list[tuple[Sequence, int]]:
+        """Each constrained sampled row of `step` with its bitmask row: the k-th such row has row k."""
+        rows = [seq for seq, sampled in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True) if sampled]
+        return [(seq, k) for k, seq in enumerate(seq for seq in rows if seq.matcher is not None)]
+
+    @staticmethod
+    def _row(seq: Sequence, k: int, bitmask: torch.Tensor) -> bool:
+        """Write row `k` of `bitmask` if it needs no matcher (a stopped row, a token jump-forward already chose);
+        True when the matcher must fill it."""
+        if seq.status is Status.FINISHED:
+            bitmask[k].fill_(-1)  # stopped at the previous step: this row is discarded
+            return False
+        _, position = seq.pending[-1]
+        if position < seq.forced_until:
+            one_hot_bitmask_(bitmask[k], int(seq.tokens[position]))  # jump-forward already chose it
+            return False
+        return True
+
     def _rows(self, step: StepHandle, bitmask: torch.Tensor) -> list:
         """Row k of `bitmask` is what the k-th constrained sampled row of `step` may sample. Writes the rows that
-        need no matcher (a stopped row, a token jump-forward already chose) and returns `(matcher, k)` for the
-        others."""
-        by_matcher, k = [], 0
-        for seq, sampled in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True):
-            if not sampled or seq.matcher is None:
-                continue
-            if seq.status is Status.FINISHED:
-                bitmask[k].fill_(-1)  # stopped at the previous step: this row is discarded
-            else:
-                _, position = seq.pending[-1]
-                if position < seq.forced_until:
-                    one_hot_bitmask_(bitmask[k], int(seq.tokens[position]))  # jump-forward already chose it
-                else:
-                    by_matcher.append((seq.matcher, k))
-            k += 1
-        return by_matcher
+        need no matcher and returns `(matcher, k)` for the others."""
+        return [(seq.matcher, k) for seq, k in self._constrained_rows(step) if self._row(seq, k, bitmask)]
+
+    def _count_fill_time(self) -> None:
+        if self._spans:
+            self.fill_s += max(end for _, end in self._spans) - min(start for start, _ in self._spans)
+            self._spans = []
+
+    def _submit(self, rows: list, bitmask: torch.Tensor) -> Future:
+        self.fill_calls += bool(rows)  # counted here, in the loop's thread
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="batchjob-masks")
+        return self._worker.submit(self._fill, rows, bitmask)
 
     def _fill(self, rows: list, bitmask: torch.Tensor) -> None:
         began = time.perf_counter()
         self.grammars.fill_bitmasks(rows, bitmask)
-        self.fill_s += time.perf_counter() - began
+        self._spans.append((began, time.perf_counter()))  # list.append is atomic: the chunks' threads share it

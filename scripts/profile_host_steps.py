@@ -1,0 +1,125 @@
+"""Where the host's time goes in steps with constrained rows, on the CPU: a model with tiny layers and a full-size
+vocabulary runs requests under the benchmark's records schema through the native engine's asynchronous loop,
+under cProfile, and the loop thread's host work per constrained step is printed by part (processing a step's
+tokens, scheduling, laying steps out), beside the engine's own mask figures (the masks fill in other threads,
+which cProfile does not see) and the loop thread's biggest single functions.
+
+    python scripts/profile_host_steps.py [--tokenizer bpe|cl100k] [--requests 256] [--engine-option KEY=VALUE]
+
+The layers are tiny (hidden size 64), so the forward is cheap next to the vocabulary-wide work: the output head,
+the sampler and the grammar's masks. On a CPU the forward and sampler run in the loop's thread, so wall time says
+little about a GPU run; the per-part host times are what this measures. `--tokenizer cl100k` needs tiktoken and
+its cached encoding (bench_lib/bpe.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib.workloads import RECORDS_SCHEMA  # noqa: E402
+
+DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
+# (label, file suffix, function): the loop's parts, by cumulative time
+PARTS = (
+    ("processing a step's tokens", "native/output.py", "process"),
+    ("  jump-forward", "native/output.py", "_jump_forward"),
+    ("  advancing matchers", "native/output.py", "_advance_matchers"),
+    ("scheduling", "native/scheduler.py", "schedule"),
+    ("laying steps out", "native/model_runner.py", "prepare"),
+)
+
+
+def tiny_model(cache: Path, tokenizer_name: str) -> Path:
+    """A two-layer Llama with hidden size 64 and the tokenizer's whole vocabulary, random weights, kept in `cache`."""
+    import torch
+    from bench_lib.bpe import bpe_tokenizer, cl100k_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = cache / f"host-steps-{tokenizer_name}"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = cl100k_tokenizer(cache) if tokenizer_name == "cl100k" else bpe_tokenizer(cache)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", choices=("bpe", "cl100k"), default="bpe")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=120)
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the model and tokenizers are kept")
+    args = parser.parse_args(argv)
+
+    from batchjob.engine import Request, SamplingParams, create_engine
+
+    model = tiny_model(args.cache, args.tokenizer)
+    options = {"dtype": "float32", "max_num_seqs": args.requests, "max_num_batched_tokens": 4096}
+    for pair in args.engine_option:
+        key, _, value = pair.partition("=")
+        options[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    engine = create_engine("native", str(model), options)
+    rng = np.random.default_rng(0)
+    schema = json.dumps(RECORDS_SCHEMA)
+    text_ids = len(engine.tokenizer) - 256  # below the special tokens
+    requests = [
+        Request(
+            i,
+            tuple(int(t) for t in rng.integers(3, text_ids, 32)),
+            SamplingParams(args.max_new_tokens, json_schema=schema),
+        )
+        for i in range(args.requests)
+    ]
+    try:
+        engine.grammars.matcher(requests[0].sampling.constraint)  # builds the vocabulary index, compiles the schema
+        profile = cProfile.Profile()
+        began = time.perf_counter()
+        profile.enable()
+        list(engine.generate(requests))
+        profile.disable()
+        wall = time.perf_counter() - began
+        stats = engine.stats()
+    finally:
+        engine.close()
+    steps = max(int(stats.get("constrained_steps", 0)), 1)
+    table = pstats.Stats(profile).stats  # (file, line, function) -> (calls, primitive calls, own s, cumulative s, _)
+    print(f"{args.requests} requests, vocabulary {text_ids + 256:,}, {wall:.1f} s, {stats['steps']} steps")
+    for label, suffix, name in PARTS:
+        seconds = sum(v[3] for (file, _, function), v in table.items() if file.endswith(suffix) and function == name)
+        print(f"  {label:<30} {1000 * seconds / steps:7.2f} ms a step")
+    print(
+        f"  engine: masks {stats.get('mask_ms_per_constrained_step', 0):.2f} ms, waited "
+        f"{stats.get('mask_wait_ms_per_constrained_step', 0):.2f} ms a constrained step"
+    )
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
