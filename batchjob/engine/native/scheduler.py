@@ -87,14 +87,24 @@ class Scheduler:
             return False
         return not (self.config.constrained_lag and seq.matcher is not None and seq.pending)
 
-    def step_budget(self, decodes: int) -> int:
+    def _demand(self) -> tuple[int, int]:
+        """The running sequences' decodes (one token to feed) and all the tokens they have to feed, in one pass."""
+        decodes = tokens = 0
+        for seq in self.running:
+            if self._runs_now(seq):
+                remaining = seq.num_tokens - seq.num_computed
+                tokens += remaining
+                decodes += remaining == 1
+        return decodes, tokens
+
+    def step_budget(self, decodes: int, running_tokens: int) -> int:
         """Tokens this step may take: `max_num_batched_tokens`, or a mixed graph's token bucket that the step
-        would overshoot by less than half of its prefill tokens (module docstring). `decodes`: the running
-        sequences that feed one token."""
+        would overshoot by less than half of its prefill tokens (module docstring). `decodes` and
+        `running_tokens`: `_demand()`."""
         limit = self.config.max_num_batched_tokens
         if not self.config.token_buckets or not self.config.enable_chunked_prefill:
             return limit
-        wanted = sum(s.num_tokens - s.num_computed for s in self.running if self._runs_now(s))
+        wanted = running_tokens
         for seq in islice(self.waiting, max(self.config.max_num_seqs - len(self.running), 0)):
             if wanted >= limit or not seq.ready_for_prefill:
                 break
@@ -105,8 +115,8 @@ class Scheduler:
         return below[-1] if prefill > 0 and wanted not in self.config.token_buckets and below else limit
 
     def schedule(self) -> StepPlan | None:
-        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1 and self._runs_now(s))
-        budget = self.step_budget(decodes)
+        decodes, running_tokens = self._demand()
+        budget = self.step_budget(decodes, running_tokens)
         chosen: list[tuple[Sequence, int, int, bool]] = []
         scheduled: set[int] = set()
 
