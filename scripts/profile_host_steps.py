@@ -4,7 +4,7 @@ under cProfile, and the loop thread's host work per constrained step is printed 
 tokens, scheduling, laying steps out), beside the engine's own mask figures (the masks fill in other threads,
 which cProfile does not see) and the loop thread's biggest single functions.
 
-    python scripts/profile_host_steps.py [--tokenizer bpe|cl100k] [--requests 256] [--engine-option KEY=VALUE]
+    python scripts/profile_host_steps.py [--tokenizer bpe|cl100k|DIR] [--requests 256] [--engine-option KEY=VALUE]
 
 The layers are tiny (hidden size 64), so the forward is cheap next to the vocabulary-wide work: the output head,
 the sampler and the grammar's masks. On a CPU the forward and sampler run in the loop's thread, so wall time says
@@ -41,15 +41,19 @@ PARTS = (
 
 
 def tiny_model(cache: Path, tokenizer_name: str) -> Path:
-    """A two-layer Llama with hidden size 64 and the tokenizer's whole vocabulary, random weights, kept in `cache`."""
+    """A two-layer Llama with hidden size 64 and the tokenizer's whole vocabulary, random weights, in `cache`."""
     import torch
     from bench_lib.bpe import bpe_tokenizer, cl100k_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out = cache / f"host-steps-{tokenizer_name}"
-    if (out / "config.json").exists():
-        return out
-    tokenizer = cl100k_tokenizer(cache) if tokenizer_name == "cl100k" else bpe_tokenizer(cache)
+    if tokenizer_name in ("bpe", "cl100k"):
+        out = cache / f"host-steps-{tokenizer_name}"
+        if (out / "config.json").exists():
+            return out
+        tokenizer = cl100k_tokenizer(cache) if tokenizer_name == "cl100k" else bpe_tokenizer(cache)
+    else:  # a tokenizer directory: a model of its vocabulary, made again each time
+        out = cache / f"host-steps-{Path(tokenizer_name).resolve().name}"
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -70,7 +74,7 @@ def tiny_model(cache: Path, tokenizer_name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", choices=("bpe", "cl100k"), default="bpe")
+    parser.add_argument("--tokenizer", default="bpe", help="bpe (generated, 128k), cl100k, or a tokenizer directory")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=120)
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
@@ -87,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = create_engine("native", str(model), options)
     rng = np.random.default_rng(0)
     schema = json.dumps(RECORDS_SCHEMA)
-    text_ids = len(engine.tokenizer) - 256  # below the special tokens
+    vocabulary = len(engine.tokenizer)
+    special = len(engine.tokenizer.all_special_ids)
+    # Prompts of ordinary tokens: the generated tokenizers put their 256 special ids last, the others' count low.
+    text_ids = vocabulary - (256 if args.tokenizer in ("bpe", "cl100k") else special)
     requests = [
         Request(
             i,
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     steps = max(int(stats.get("constrained_steps", 0)), 1)
     table = pstats.Stats(profile).stats  # (file, line, function) -> (calls, primitive calls, own s, cumulative s, _)
-    print(f"{args.requests} requests, vocabulary {text_ids + 256:,}, {wall:.1f} s, {stats['steps']} steps")
+    print(f"{args.requests} requests, vocabulary {vocabulary:,}, {wall:.1f} s, {stats['steps']} steps")
     for label, suffix, name in PARTS:
         seconds = sum(v[3] for (file, _, function), v in table.items() if file.endswith(suffix) and function == name)
         print(f"  {label:<30} {1000 * seconds / steps:7.2f} ms a step")

@@ -1,7 +1,8 @@
 """The host side of structured outputs: the finer string slices give exactly the masks a mask computation
 without any slices gives, along random walks through a schema with bounded strings; the vocabulary index built
-beside start-up is the one the first constraint uses; `scripts/profile_masks.py` runs and finds no mask that
-differs."""
+beside start-up is the one the first constraint uses; a tokenizer and logits of different widths still index
+(EOS ids beyond the tokenizer, added tokens beyond the logits); `scripts/profile_masks.py` runs and finds no mask
+that differs, and `scripts/profile_host_steps.py` times each part of the loop's host work."""
 
 from __future__ import annotations
 
@@ -142,3 +143,15 @@ def test_the_mask_profile_script_finds_the_same_masks_with_every_slice_setting()
     assert "masks that differed: 0" in run.stdout and "slices engine" in run.stdout
     share = float(run.stdout.split("allowed share of the vocabulary: mean ")[1].split(";")[0])
     assert 0 < share < 1
+
+
+def test_the_host_step_profile_script_times_each_part_of_constrained_steps(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_steps.py"
+    command = [sys.executable, str(script), "--tokenizer", str(default_tiny_model()), "--requests", "8"]
+    command += ["--max-new-tokens", "24", "--cache", str(tmp_path), "--engine-option", "mask_chunk_rows=4"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "8 requests, vocabulary 512" in run.stdout
+    for part in ("processing a step's tokens", "jump-forward", "scheduling", "laying steps out"):
+        ms = float(run.stdout.split(part)[1].split("ms a step")[0])
+        assert ms > 0, part
