@@ -159,14 +159,17 @@ def _config(arch: str, vocab_size: int, tokenizer, **overrides):
     return getattr(transformers, config_name)(**{**common, **family, **overrides})
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **config_overrides) -> Path:
+def make_tiny_model(
+    out_dir: str | Path, arch: str = "llama", seed: int = 0, tokenizer=None, **config_overrides
+) -> Path:
     """Write a tiny random model of `arch` to `out_dir` (atomically: a half-written directory never
-    appears under the final name). Returns the directory."""
+    appears under the final name), with `tokenizer`'s whole vocabulary (default: a small one trained now).
+    Returns the directory."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out_dir = Path(out_dir)
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer() if tokenizer is None else tokenizer
     config = _config(arch, len(tokenizer), tokenizer, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -6,7 +6,7 @@ which cProfile does not see) and the loop thread's biggest single functions.
 
     python scripts/profile_host_steps.py [--tokenizer bpe|cl100k|DIR] [--requests 256] [--engine-option KEY=VALUE]
 
-The layers are tiny (hidden size 64), so the forward is cheap next to the vocabulary-wide work: the output head,
+The layers are tiny (`batchjob.tiny_model`), so the forward is cheap next to the vocabulary-wide work: the output head,
 the sampler and the grammar's masks. On a CPU the forward and sampler run in the loop's thread, so wall time says
 little about a GPU run; the per-part host times are what this measures. `--tokenizer cl100k` needs tiktoken and
 its cached encoding (bench_lib/bpe.py).
@@ -41,10 +41,12 @@ PARTS = (
 
 
 def tiny_model(cache: Path, tokenizer_name: str) -> Path:
-    """A two-layer Llama with hidden size 64 and the tokenizer's whole vocabulary, random weights, in `cache`."""
-    import torch
+    """The project's tiny Llama (two layers, hidden size 64, random weights) with the tokenizer's whole vocabulary,
+    in `cache`."""
     from bench_lib.bpe import bpe_tokenizer, cl100k_tokenizer
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    from batchjob.tiny_model import make_tiny_model
 
     if tokenizer_name in ("bpe", "cl100k"):
         out = cache / f"host-steps-{tokenizer_name}"
@@ -54,22 +56,7 @@ def tiny_model(cache: Path, tokenizer_name: str) -> Path:
     else:  # a tokenizer directory: a model of its vocabulary, made again each time
         out = cache / f"host-steps-{Path(tokenizer_name).resolve().name}"
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return make_tiny_model(out, tokenizer=tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,12 +51,15 @@ def string_slices(general: Sequence[str]) -> list[str]:
     return [s for s in others if s not in unbounded] + [f"{content}{{1,{n}}}" for n in STRING_SLICE_LENGTHS] + unbounded
 
 
-def grammar_eos_ids(eos_token_ids: Sequence[int], tokenizer_size: int) -> list[int] | None:
-    """The model's EOS ids that the tokenizer has: llguidance refuses an EOS beyond the tokenizer's vocabulary
-    (a model whose logits are wider than its tokenizer may name one in its config). None of them: None, and
-    llguidance takes the tokenizer's own EOS. A constrained sample then ends on an EOS its grammar knows; the
-    others still end unconstrained samples."""
-    return [t for t in eos_token_ids if t < tokenizer_size] or None
+def grammar_eos_ids(eos_token_ids: Sequence[int], tokenizer_eos: int | None, limit: int) -> list[int] | None:
+    """The EOS ids to give llguidance: the model's below `limit` (the narrower of the tokenizer and the logits;
+    llguidance refuses an EOS beyond the tokenizer, and a model whose logits are wider than its tokenizer may name
+    one in its config), else the tokenizer's own. A constrained sample then ends on an EOS its grammar knows; the
+    model's others still end unconstrained samples."""
+    inside = [t for t in eos_token_ids if t < limit]
+    if inside:
+        return inside
+    return [tokenizer_eos] if tokenizer_eos is not None and tokenizer_eos < limit else None
 
 
 def vocabulary_index(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
@@ -69,7 +72,7 @@ def vocabulary_index(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[in
 
     slices = string_slices(llguidance.LLTokenizer.general_slices())
     size = len(tokenizer)
-    eos = grammar_eos_ids(eos_token_ids, min(size, vocab_size))
+    eos = grammar_eos_ids(eos_token_ids, tokenizer.eos_token_id, min(size, vocab_size))
     if size <= vocab_size:
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos, slices=slices)
     backend = copy.copy(tokenizer.backend_tokenizer)
@@ -77,8 +80,6 @@ def vocabulary_index(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[in
     backend.no_truncation()
     spec = json.loads(backend.to_str())
     spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < vocab_size]
-    if eos is None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id < vocab_size:
-        eos = [tokenizer.eos_token_id]
     try:
         return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=eos, slices=slices)
     except ValueError as err:
