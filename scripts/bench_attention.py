@@ -173,6 +173,63 @@ def prefill_bench(query_lens: list[int], seq_lens: list[int], sweep: bool, iters
     return result
 
 
+def mixed_bench(decodes: int, context: int, prompts: int, prompt_len: int, iters: int) -> dict:
+    """A mixed step as the engine runs them when finished sequences are replaced: `decodes` one-token rows at
+    `context` and `prompts` fresh prompts of `prompt_len` tokens. Times the varlen kernel over the whole step
+    and over each part alone, and the decode kernel over the decode rows, so the cost of carrying decodes
+    through the varlen kernel can be read off."""
+    query_lens = [1] * decodes + [prompt_len] * prompts
+    seq_lens = [context] * decodes + [prompt_len] * prompts
+    q, k, v, k_cache, v_cache, meta = paged_step(query_lens, seq_lens)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    kv_bytes = 2 * decodes * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    pairs = prompts * prompt_len * (prompt_len + 1) // 2
+    flops = 4 * pairs * HEADS * HEAD_DIM
+
+    def part(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block tables, lengths and query offsets of sequences [first, last) as a step of their own."""
+        cu = meta.cu_query_lens[first : last + 1]
+        return meta.block_tables[first:last], meta.seq_lens[first:last], cu - cu[0]
+
+    decode_part, prefill_part = part(0, decodes), part(decodes, decodes + prompts)
+    q_decode, q_prefill = q[:decodes], q[decodes:]
+    out_decode, out_prefill = out[:decodes], out[decodes:]
+    splits = TritonPagedAttention().decode_splits(decodes, KV_HEADS, DEVICE)
+
+    def varlen(query, parts, into, config=DEFAULT_PREFILL_CONFIG):
+        return lambda: paged_prefill_attention(query, k_cache, v_cache, *parts, scale, into, config)
+
+    def decode():
+        return paged_decode_attention(q_decode, k_cache, v_cache, *decode_part, scale, splits, out_decode)
+
+    whole = (meta.block_tables, meta.seq_lens, meta.cu_query_lens)
+    rows = {
+        "varlen kernel, whole step": time_graph(varlen(q, whole, out), iters),
+        "varlen kernel, decode rows only": time_graph(varlen(q_decode, decode_part, out_decode), iters),
+        f"decode kernel ({splits} split), decode rows only": time_graph(decode, iters),
+        "varlen kernel, prompts only": time_graph(varlen(q_prefill, prefill_part, out_prefill), iters),
+    }
+    sweep = []
+    for config in [PrefillConfig(m, n, w, s) for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3, 4)]:
+        for name, query, parts, into in (
+            ("decode rows", q_decode, decode_part, out_decode),
+            ("prompts", q_prefill, prefill_part, out_prefill),
+        ):
+            work = kv_bytes if name == "decode rows" else flops
+            sweep.append(
+                {
+                    "part": name,
+                    **asdict(config),
+                    **sweep_point(time_graph, varlen(query, parts, into, config), iters, work),
+                }
+            )
+    shape = {"decodes": decodes, "context": context, "prompts": prompts, "prompt_len": prompt_len}
+    timed = {name: {"seconds": t} for name, t in rows.items()}
+    return {**shape, "kv_bytes": kv_bytes, "flops": flops, "rows": timed, "sweep": sweep}
+
+
 def store_bench(num_tokens: int, iters: int) -> dict:
     q, k, v, k_cache, v_cache, meta = paged_step([num_tokens], [num_tokens])
     flat_k, flat_v = k_cache.view(-1, KV_HEADS, HEAD_DIM), v_cache.view(-1, KV_HEADS, HEAD_DIM)
@@ -233,6 +290,19 @@ def main() -> None:
         )
         if "sweep" in case:
             print(f"  best of sweep (rate in FLOP/s): {best_of(case['sweep'])}")
+    results["mixed"] = [
+        mixed_bench(d, c, p, n, args.iters // 4) for d, c, p, n in ((256, 1300, 4, 1024), (64, 600, 2, 1024))
+    ]
+    for case in results["mixed"]:
+        print(
+            f"\nmixed step: {case['decodes']} decodes at {case['context']}"
+            f" + {case['prompts']} x {case['prompt_len']} prompt"
+        )
+        for name, row in case["rows"].items():
+            print(f"  {name:<42} {row['seconds'] * 1e6:10.1f} us")
+        for part in ("decode rows", "prompts"):
+            best = max((r for r in case["sweep"] if r["part"] == part and r["rate"]), key=lambda r: r["rate"])
+            print(f"  best varlen config for the {part}: {best}")
     results["store"] = [store_bench(n, args.iters) for n in (64, 8192)]
     for case in results["store"]:
         print_table(f"store {case['num_tokens']} tokens", case["rows"], "bytes_per_s", "TB/s", 1e12)

@@ -193,6 +193,21 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     partial.prepare(positions).apply(q, k)  # rotates the first 96 channels of each head (Phi-4-mini), in place
     torch.testing.assert_close(k.float(), want, **tol)
 
+    # Per-head q/k norms fused into the rotation (Qwen 3, Gemma 3), against norm then rotate on the CPU.
+    for style in ({}, {"unit_offset": True}):
+        q_norm, k_norm = (RMSNorm(128, 1e-6, **style).to("cuda", dtype) for _ in range(2))
+        for norm in (q_norm, k_norm):
+            norm.weight.data.normal_()
+        q, k = qkv[:, : 8 * 128].view(37, 8, 128), qkv[:, 8 * 128 : 10 * 128].view(37, 2, 128)
+        cpu_norms = [RMSNorm(128, 1e-6, **style).to(dtype) for _ in range(2)]
+        for cpu_norm, norm in zip(cpu_norms, (q_norm, k_norm), strict=True):
+            cpu_norm.weight.data.copy_(norm.weight.data.cpu())
+        cos, sin = (t.cpu() for t in rope(positions))
+        want_q, want_k = (apply_rotary(n(x.cpu()), cos, sin) for n, x in zip(cpu_norms, (q, k), strict=True))
+        rope.prepare(positions).apply(q, k, (q_norm, k_norm))
+        torch.testing.assert_close(q.cpu(), want_q, **tol)
+        torch.testing.assert_close(k.cpu(), want_k, **tol)
+
 
 def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")

@@ -55,7 +55,10 @@ def test_fp32_prefill_and_decode_match_reference_tightly():
     # The fp32 engine is compared token for token with transformers: no TF32 anywhere.
     prefill = random_step([5, 300, 1], [5, 700, 90], 16, dtype=torch.float32, **LLAMA_8B)
     decode = random_step([1] * 8, [3, 64, 65, 500, 1025, 7, 9, 2000], 16, dtype=torch.float32, **LLAMA_8B)
-    for step in (prefill, decode):
+    # 40 sequences x 8 KV heads fill the GPU without splitting: one split, no reduce.
+    wide = random_step([1] * 40, [17 * i + 1 for i in range(40)], 16, dtype=torch.float32, **LLAMA_8B)
+    assert TritonPagedAttention().decode_splits(40, 8, torch.device("cuda")) == 1
+    for step in (prefill, decode, wide):
         out = TritonPagedAttention().forward(*step, scale=0.088)
         torch.testing.assert_close(out.double(), reference(*step, scale=0.088), atol=2e-5, rtol=2e-5)
 

@@ -52,3 +52,48 @@ def test_fused_rotary_turns_only_the_leading_channels_of_each_head():
     triton_ops.rotary_(got[..., :12], positions, rotary.cos_sin)
 
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("style", [{}, {"unit_offset": True}], ids=["qwen3", "gemma"])
+def test_fused_head_norms_and_rotary_on_q_and_k_equal_the_torch_path(style):
+    # q and k as the decoder has them: strided views into one fused qkv projection, 4 query and 2 key heads.
+    gen = torch.Generator().manual_seed(2)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3
+    positions = torch.tensor([0, 1, 7, 30, 63])
+    rotary = RotaryEmbedding(RopeSpec(theta=500000.0), rotary_dim=dim, max_positions=64)
+    q_norm, k_norm = RMSNorm(dim, 1e-6, **style), RMSNorm(dim, 1e-6, **style)
+    q_norm.weight.data.normal_(generator=gen)
+    k_norm.weight.data.normal_(generator=gen)
+
+    def views(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = flat.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+    cos, sin = rotary(positions)
+    q, k, _ = views(qkv)
+    want_q, want_k = apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)
+
+    fused = qkv.clone()
+    got_q, got_k, got_v = views(fused)
+    norms = (q_norm.weight, k_norm.weight, 1e-6, q_norm.weight_fp32, q_norm.offset)
+    triton_ops.rotary_qk_(got_q, got_k, positions, rotary.cos_sin, norms)
+
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_v, views(qkv)[2])  # v, beside them in the same rows, untouched
+
+
+def test_one_rotary_call_turns_q_and_k_of_different_head_counts():
+    rotary = RotaryEmbedding(RopeSpec(theta=10000.0), rotary_dim=12, max_positions=64)
+    positions = torch.tensor([3, 9])
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 6, 16, generator=gen), torch.randn(2, 3, 16, generator=gen)
+    cos, sin = rotary(positions)
+
+    got_q, got_k = q.clone(), k.clone()
+    triton_ops.rotary_qk_(got_q[..., :12], got_k[..., :12], positions, rotary.cos_sin)
+
+    for got, x in ((got_q, q), (got_k, k)):
+        want = torch.cat((apply_rotary(x[..., :12], cos, sin), x[..., 12:]), dim=-1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

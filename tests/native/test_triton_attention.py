@@ -31,11 +31,13 @@ def test_prefill_mixed_batch_matches_dense_reference(group, block_size):
     check_against_reference(step, TritonPagedAttention())
 
 
+@pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("block_size", [16, 1])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_decode_matches_dense_reference(group, block_size):
+def test_decode_matches_dense_reference(group, block_size, splits):
+    # One split: stage 1 writes the output itself and the reduce is not launched.
     step = random_step([1, 1, 1, 1], [1, 17, 45, 130], block_size, group)
-    check_against_reference(step, TritonPagedAttention(num_decode_splits=2))
+    check_against_reference(step, TritonPagedAttention(num_decode_splits=splits))
 
 
 def test_decode_with_more_splits_than_context_tiles_matches_reference():
@@ -70,7 +72,8 @@ def test_half_precision_inputs_give_outputs_in_their_dtype():
     check_against_reference(random_step([1, 1], [20, 33], 16, 2, dtype=half), TritonPagedAttention(), atol=2e-2)
 
 
-def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan():
+@pytest.mark.parametrize("splits", [1, 4])
+def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits):
     # A CUDA-graph bucket larger than the batch pads with empty sequences whose token writes to block 0.
     q, k, v, k_cache, v_cache, meta = random_step([1, 1], [5, 12], 16, 2, seed=3)
     padded = AttentionMetadata(
@@ -83,7 +86,11 @@ def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan():
     )
     q, k, v = (torch.cat([t, torch.randn_like(t[:1])]) for t in (q, k, v))
 
-    out = TritonPagedAttention(num_decode_splits=4).forward(q, k, v, k_cache, v_cache, padded, 0.25)
+    triton_attention.store_kv(k, v, k_cache, v_cache, padded.slot_mapping)
+    out = torch.full_like(q, float("nan"))  # whatever a graph's memory pool last held
+    triton_decode.paged_decode_attention(
+        q, k_cache, v_cache, padded.block_tables, padded.seq_lens, padded.cu_query_lens, 0.25, splits, out
+    )
 
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert not out[:2].isnan().any()

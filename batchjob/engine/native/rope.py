@@ -1,5 +1,5 @@
 """Rotary position embeddings: the parameters of every supported rope type, their cos/sin tables, and applying
-them to q and k (in place by one Triton kernel each on CUDA).
+them to q and k (in place by one Triton kernel for both on CUDA, with any per-head q/k norms).
 
 Tables are computed once in float32, as transformers computes them, for every position the engine may use;
 a step only gathers rows. Partial rotary embeddings (Phi-4-mini) rotate the first `rotary_dim` channels of
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from batchjob.engine.native.layers import RMSNorm
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -172,14 +174,26 @@ class RopeStep:
     cos: torch.Tensor | None
     sin: torch.Tensor | None
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k [T, H, D] rotated over their first `rotary_dim` channels (in place, one kernel each, on CUDA)."""
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [T, H, D] rotated over their first `rotary_dim` channels, after `norms` (per-head q and k
+        norms) where given. On CUDA in place, q and k in one kernel, the norms in it too when rope turns
+        whole heads."""
         if self.cos is None:
             from batchjob.engine.native import triton_ops
 
-            triton_ops.rotary_(q[..., : self.rotary_dim], self.positions, self.table)
-            triton_ops.rotary_(k[..., : self.rotary_dim], self.positions, self.table)
+            fused = None
+            if norms is not None and self.rotary_dim == q.shape[-1]:
+                q_norm, k_norm = norms
+                fused = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.weight_fp32, q_norm.offset)
+            elif norms is not None:
+                q, k = norms[0](q), norms[1](k)
+            rotary = self.rotary_dim
+            triton_ops.rotary_qk_(q[..., :rotary], k[..., :rotary], self.positions, self.table, fused)
             return q, k
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         return self._rotate(q), self._rotate(k)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:

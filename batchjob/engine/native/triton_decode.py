@@ -3,7 +3,9 @@
 One query token per sequence. Stage 1 runs one program per (sequence, KV head, split): it reads its
 slice of the sequence's context through the block table once for every query head sharing that KV
 head (GQA grouping, so each KV byte leaves HBM once) and writes a partial output with its log-sum-exp.
-Stage 2 combines the partials of each (sequence, query head).
+Stage 2 combines the partials of each (sequence, query head). With one split (a batch large enough to
+fill the GPU without splitting: 33 sequences or more for 8 KV heads on 132 SMs) stage 1 writes the output
+itself and stage 2 is not launched; on an H200 the reduce was 5% of an 8B decode step at 256 sequences.
 
 The launch (grid, split count, workspace shapes) depends only on the batch size, never on the context
 lengths: a captured graph replays with other `seq_lens`, and splits that fall past a sequence's end
@@ -82,11 +84,14 @@ def _decode_split_kernel(
     cu_query_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    out_ptr,
     score_scale,
     softcap_log2,
     window,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -112,14 +117,19 @@ def _decode_split_kernel(
     kv_start, first_tile, num_tiles, tiles_per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
     tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
-    if tile_start >= tile_end:
-        return
-
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_h = offs_h < GROUP
     q_heads = kv_head * GROUP + offs_h
     q_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
+    # With one split this program writes the output (a runtime branch: no second compiled variant).
+    out_rows = out_ptr + q_row * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
+    if tile_start >= tile_end:
+        if num_splits == 1:
+            # An empty sequence (a padding slot in a graph bucket): zeros, as the reduce writes, not NaN.
+            tl.store(out_rows, tl.zeros([BLOCK_H, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=mask_h[:, None])
+        return
+
     q = tl.load(
         q_ptr + q_row * stride_qt + q_heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None],
@@ -152,6 +162,9 @@ def _decode_split_kernel(
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
 
+    if num_splits == 1:
+        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+        return
     # Partials are laid out [seq, q_head, split, (dim)], so the reduce reads each head's splits contiguously.
     part_row = (seq * GROUP * tl.num_programs(1) + q_heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=mask_h[:, None])
@@ -255,11 +268,14 @@ def paged_decode_attention(
         cu_query_lens,
         part_out,
         part_lse,
+        out,
         score_scale,
         softcap_log2,
         window,
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -279,6 +295,8 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages if q.element_size() <= 2 else min(config.num_stages, 2),
     )
+    if num_splits == 1:
+        return out
     _decode_reduce_kernel[(num_seqs, q.shape[1])](
         part_out,
         part_lse,

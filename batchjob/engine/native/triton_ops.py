@@ -1,6 +1,7 @@
-"""Fused elementwise kernels for the CUDA path: residual-add + RMSNorm, rotary embedding on q and k in place,
-and SiLU-and-mul. In plain torch each is 3-12 kernels; at batch 32 of an 8B model those launches cost more GPU
-time than the math, so each is one kernel here. (The sampler's kernels are in triton_sampling.py.)
+"""Fused elementwise kernels for the CUDA path: residual-add + RMSNorm, rotary embedding on q and k in place
+(with the per-head q/k norms of the families that have them), and SiLU-and-mul. In plain torch each is 3-12
+kernels; at batch 32 of an 8B model those launches cost more GPU time than the math, so each is one kernel
+here. (The sampler's kernels are in triton_sampling.py.)
 
 Rounding follows transformers (fp32 statistics, a round to the model dtype before the weight multiply, SiLU
 rounded before the multiply), so bf16 results stay within bf16 tolerance of theirs and fp32 results agree
@@ -72,35 +73,95 @@ def rms_norm(
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, table_ptr, stride_t, stride_h, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _qk_rope_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    table_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    eps,
+    offset,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHT_FP32: tl.constexpr,
+):
+    """Program (token, 0) rotates every query head of one token, (token, 1) every key head; with NORM each
+    head is first RMS-normalised over its 2 * HALF channels, rounded as `_rms_norm_kernel` rounds."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    if tl.program_id(1) == 1:
+        x_ptr, w_ptr, stride_t, stride_h, num_heads = k_ptr, k_norm_ptr, stride_kt, stride_kh, K_HEADS
+    else:
+        x_ptr, w_ptr, stride_t, stride_h, num_heads = q_ptr, q_norm_ptr, stride_qt, stride_qh, Q_HEADS
     pos = tl.load(pos_ptr + token)
     offs = tl.arange(0, BLOCK)
+    heads = tl.arange(0, HEADS)
     # A partial rotary dim (Phi-4-mini: 96 of 128) makes HALF no power of two.
-    mask = offs < HALF
+    mask_c = offs < HALF
+    mask = (heads[:, None] < num_heads) & mask_c[None, :]
     # The table row is [cos | sin], each of the rotated dim with its two halves equal (transformers' layout).
-    cos = tl.load(table_ptr + pos * 4 * HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(table_ptr + pos * 4 * HALF + 2 * HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    base = x_ptr + token * stride_t + head * stride_h
-    x1 = tl.load(base + offs, mask=mask, other=0.0)
+    cos = tl.load(table_ptr + pos * 4 * HALF + offs, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(table_ptr + pos * 4 * HALF + 2 * HALF + offs, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    base = x_ptr + token * stride_t + heads[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
     dtype = x1.dtype
     x1 = x1.to(tl.float32)
-    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base + offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        inv = tl.rsqrt(variance + eps)[:, None]
+        h1, h2 = x1 * inv, x2 * inv
+        if not WEIGHT_FP32:
+            h1, h2 = h1.to(dtype).to(tl.float32), h2.to(dtype).to(tl.float32)
+        w1 = tl.load(w_ptr + offs, mask=mask_c, other=0.0).to(tl.float32)[None, :] + offset
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask_c, other=0.0).to(tl.float32)[None, :] + offset
+        # The normed head is rounded to the model dtype, as the norm kernel's output would be, before rotating.
+        x1, x2 = (h1 * w1).to(dtype).to(tl.float32), (h2 * w2).to(dtype).to(tl.float32)
+    tl.store(base, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(base + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+def rotary_qk_(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float, bool, float] | None = None,
+) -> None:
+    """Rotate `q` [T, Hq, D] and `k` [T, Hk, D] in place (any strides with a contiguous last dim; `k` may be
+    None) by the cos/sin `table` rows of `positions` (each 2 * D wide), in one kernel.
+
+    `norms` = (q weight, k weight, eps, weight_fp32, offset): first RMS-normalise each head over its D
+    channels as `rms_norm` would (Qwen 3's and Gemma's per-head q/k norms), which needs the whole head rotated.
+    """
+    tokens, q_heads, dim = q.shape
+    if tokens == 0:
+        return
+    k_heads = 0 if k is None else k.shape[1]
+    half = dim // 2
+    heads = triton.next_power_of_2(max(q_heads, k_heads))
+    block = triton.next_power_of_2(half)
+    q_weight, k_weight, eps, weight_fp32, offset = norms if norms is not None else (q, q, 0.0, False, 0.0)
+    k = q if k is None else k
+    _qk_rope_kernel[(tokens, 1 if k is q else 2)](
+        q, k, positions, table, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, offset,
+        Q_HEADS=q_heads, K_HEADS=k_heads, HEADS=heads, HALF=half, BLOCK=block, NORM=norms is not None,
+        WEIGHT_FP32=weight_fp32, num_warps=4 if heads * block <= 2048 else 8,
+    )  # fmt: skip
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
     """Rotate `x` [T, H, D] in place (any strides with a contiguous last dim), by the cos/sin `table` rows
     of `positions` (each 2 * D wide)."""
-    tokens, heads, dim = x.shape
-    if tokens == 0:
-        return
-    half = dim // 2
-    _rope_kernel[(tokens, heads)](
-        x, positions, table, x.stride(0), x.stride(1), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1
-    )
+    rotary_qk_(x, None, positions, table)
 
 
 @triton.jit

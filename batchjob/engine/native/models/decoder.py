@@ -78,10 +78,11 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm == "head" else None
         if rope is not None:
-            q, k = rope.apply(q, k)
+            q, k = rope.apply(q, k, norms)
+        elif norms is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window, softcap=self.softcap
         )
