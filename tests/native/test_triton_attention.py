@@ -96,6 +96,26 @@ def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits):
     assert not out[:2].isnan().any()
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(splits):
+    # Each kernel writes only its own rows (the others keep their NaN), and together they are the step.
+    q, k, v, k_cache, v_cache, meta = step = random_step([4, 1, 6, 1], [4, 40, 70, 9], 16, 2, seed=7)
+    triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    tables = (meta.block_tables, meta.seq_lens, meta.cu_query_lens)
+    one_token = torch.tensor([4, 11])
+
+    decoded = torch.full_like(q, float("nan"))
+    triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, splits, decoded)
+    chunked = torch.full_like(q, float("nan"))
+    triton_prefill.paged_prefill_attention(q, k_cache, v_cache, *tables, 0.3, chunked, skip_single=True)
+
+    written = ~decoded.isnan().any(-1).any(-1)
+    assert torch.equal(written.nonzero().flatten(), one_token)
+    assert torch.equal(chunked.isnan().any(-1).any(-1).nonzero().flatten(), one_token)
+    decoded[~written] = chunked[~written]
+    torch.testing.assert_close(decoded, TritonPagedAttention().forward(*step, 0.3), atol=1e-5, rtol=1e-5)
+
+
 def _pad_like_a_mixed_graph(step, tokens: int, seqs: int):
     """`step` padded as io_slot.py pads a mixed graph's step: a one-token sequence in the scratch block per
     padding token while sequences last, zero-length sequences after that, and tokens past the last sequence's

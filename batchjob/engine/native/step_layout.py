@@ -5,9 +5,10 @@ Two kinds of graph, each captured per sampler mode and IO slot (model_runner.py)
 - decode graphs, per batch-size bucket: B one-token sequences padded up to the bucket with one-token padding
   sequences, so tokens T, sequences B and sampled rows S all equal the bucket; attention by the decode kernels.
 - mixed graphs, per token-count bucket, for steps that carry prefill chunks (or decodes beyond the largest
-  decode bucket): T padded up to the bucket, B and S to `max_num_seqs`. Attention always by the varlen prefill
-  kernel, whose grid depends only on T and B and which finds each program's sequence on the device, so one
-  graph serves every mix of chunk lengths that fits its bucket.
+  decode bucket): T padded up to the bucket, B and S to `max_num_seqs`. Attention by the decode kernels for the
+  one-token sequences and the varlen prefill kernel for the rest, each skipping the other's; their grids
+  depend only on T and B, and the varlen kernel finds each program's sequence on the device, so one graph
+  serves every mix of chunk lengths that fits its bucket.
 
 Padding (io_slot.py fills it): a padding sequence takes one padding token while they last and none after
 that; padding tokens past the last sequence's belong to no sequence; every padding token writes its K/V into

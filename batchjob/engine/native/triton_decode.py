@@ -1,6 +1,7 @@
 """Split-K paged decode attention (flash-decoding) in Triton, safe to capture in a CUDA graph.
 
-One query token per sequence. Stage 1 runs one program per (sequence, KV head, split): it reads its
+One query token per sequence (sequences with another count are skipped: a mixed step runs this kernel for its
+one-token sequences beside the varlen kernel for the rest). Stage 1 runs one program per (sequence, KV head, split): it reads its
 slice of the sequence's context through the block table once for every query head sharing that KV
 head (GQA grouping, so each KV byte leaves HBM once) and writes a partial output with its log-sum-exp.
 Stage 2 combines the partials of each (sequence, query head). With one split (a batch large enough to
@@ -113,6 +114,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    q_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
+    # In a mixed step the decode kernel takes the one-token sequences and the varlen kernel the rest.
+    if tl.load(cu_query_lens_ptr + seq + 1) - q_row != 1:
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     kv_start, first_tile, num_tiles, tiles_per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
     tile_start = first_tile + split * tiles_per_split
@@ -121,7 +126,6 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_h = offs_h < GROUP
     q_heads = kv_head * GROUP + offs_h
-    q_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
     # With one split this program writes the output (a runtime branch: no second compiled variant).
     out_rows = out_ptr + q_row * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
     if tile_start >= tile_end:
@@ -194,6 +198,9 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
 
+    q_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
+    if tl.load(cu_query_lens_ptr + seq + 1) - q_row != 1:
+        return  # not a one-token sequence: the varlen kernel's
     # Recompute which splits ran, with stage 1's arithmetic; the others left their partials unwritten.
     seq_len = tl.load(seq_lens_ptr + seq)
     _, _, num_tiles, tiles_per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
@@ -218,7 +225,7 @@ def _decode_reduce_kernel(
         denom += w
     total = tl.sum(denom, 0)
     out = acc / tl.where(total > 0, total, 1.0)
-    out_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64) * stride_ot + head * stride_oh
+    out_row = q_row * stride_ot + head * stride_oh
     tl.store(out_ptr + out_row + offs_d, out.to(out_ptr.dtype.element_ty))
 
 

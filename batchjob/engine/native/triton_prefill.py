@@ -34,7 +34,7 @@ SEQ_CHUNK = 256
 
 
 @triton.jit(
-    do_not_specialize=["num_seqs", "window", "stride_bt"],
+    do_not_specialize=["num_seqs", "window", "stride_bt", "skip_single"],
     do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr"],
 )
 def _prefill_kernel(
@@ -60,6 +60,7 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    skip_single,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -88,6 +89,8 @@ def _prefill_kernel(
     q0 = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     if q0 >= q_len:
         return
+    if skip_single != 0 and q_len == 1:
+        return  # the decode kernel's
 
     seq_len = tl.load(seq_lens_ptr + seq)
     context_before = seq_len - q_len
@@ -164,12 +167,14 @@ def paged_prefill_attention(
     config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
     window: int = 0,
     softcap: float = 0.0,
+    skip_single: bool = False,
 ) -> torch.Tensor:
     """Causal varlen attention of `q` [T, Hq, D] over the paged cache; writes `out` [T, Hq, D] and returns it.
 
     Query token j of sequence b sits at position `seq_lens[b] - q_len_b + j` and sees cache positions
     [0, that position], or with `window` > 0 only the last `window` of them; `softcap` > 0 caps scores with
-    a tanh. Any mix of query lengths (decodes included) and context lengths is allowed.
+    a tanh. Any mix of query lengths (decodes included) and context lengths is allowed; `skip_single` leaves
+    the rows of one-token sequences unwritten (the decode kernel reads their context faster).
     """
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -201,6 +206,7 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        int(skip_single),
         GROUP=group,
         GROUP_P2=group_p2,
         HEAD_DIM=head_dim,
