@@ -1,12 +1,12 @@
 """Split-K paged decode attention (flash-decoding) in Triton, safe to capture in a CUDA graph.
 
-One query token per sequence (sequences with another count are skipped: a mixed step runs this kernel for its
-one-token sequences beside the varlen kernel for the rest). Stage 1 runs one program per (sequence, KV head, split): it reads its
-slice of the sequence's context through the block table once for every query head sharing that KV
-head (GQA grouping, so each KV byte leaves HBM once) and writes a partial output with its log-sum-exp.
-Stage 2 combines the partials of each (sequence, query head). With one split (a batch large enough to
-fill the GPU without splitting: 33 sequences or more for 8 KV heads on 132 SMs) stage 1 writes the output
-itself and stage 2 is not launched; on an H200 the reduce was 5% of an 8B decode step at 256 sequences.
+One query token per sequence (sequences with another count are skipped: a mixed step runs this kernel for
+its one-token sequences beside the varlen kernel for the rest). Stage 1 runs one program per (sequence, KV
+head, split): it reads its slice of the sequence's context through the block table once for every query
+head sharing that KV head (GQA grouping, so each KV byte leaves HBM once) and writes a partial output with
+its log-sum-exp. Stage 2 combines the partials of each (sequence, query head). With one split (a batch large
+enough to fill the GPU without splitting: 33 sequences or more for 8 KV heads on 132 SMs) stage 1 writes the
+output itself and stage 2 is not launched; on an H200 the reduce was 5% of an 8B decode step at 256 sequences.
 
 The launch (grid, split count, workspace shapes) depends only on the batch size, never on the context
 lengths: a captured graph replays with other `seq_lens`, and splits that fall past a sequence's end
