@@ -205,14 +205,23 @@ def mixed_bench(decodes: int, context: int, prompts: int, prompt_len: int, iters
         return paged_decode_attention(q_decode, k_cache, v_cache, *decode_part, scale, splits, out_decode)
 
     whole = (meta.block_tables, meta.seq_lens, meta.cu_query_lens)
+    whole_splits = TritonPagedAttention().decode_splits(decodes + prompts, KV_HEADS, DEVICE)
+
+    def split_by_kernel():
+        """What the engine runs: the decode kernel over the step (it skips the chunks), then the varlen kernel
+        skipping the one-token rows."""
+        paged_decode_attention(q, k_cache, v_cache, *whole, scale, whole_splits, out)
+        paged_prefill_attention(q, k_cache, v_cache, *whole, scale, out, skip_single=True)
+
     rows = {
         "varlen kernel, whole step": time_graph(varlen(q, whole, out), iters),
+        "decode kernel + varlen kernel, whole step": time_graph(split_by_kernel, iters),
         "varlen kernel, decode rows only": time_graph(varlen(q_decode, decode_part, out_decode), iters),
         f"decode kernel ({splits} split), decode rows only": time_graph(decode, iters),
         "varlen kernel, prompts only": time_graph(varlen(q_prefill, prefill_part, out_prefill), iters),
     }
     sweep = []
-    for config in [PrefillConfig(m, n, w, s) for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3, 4)]:
+    for config in [PrefillConfig(m, n, w, s) for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)]:
         for name, query, parts, into in (
             ("decode rows", q_decode, decode_part, out_decode),
             ("prompts", q_prefill, prefill_part, out_prefill),

@@ -7,15 +7,19 @@ head sharing that KV head (GQA grouping, so each KV byte leaves HBM once) and wr
 its log-sum-exp. Stage 2 combines the partials of each (sequence, query head). With one split (a batch large
 enough to fill the GPU without splitting: 33 sequences or more for 8 KV heads on 132 SMs) stage 1 writes the
 output itself and stage 2 is not launched; on an H200 the reduce was 5% of an 8B decode step at 256 sequences.
+That is a compiled variant of its own (`DIRECT`, layers without a sliding window): as a runtime branch, the
+output's addresses raised the kernel from 96 to 150 registers a thread (sm_90), and an 8B decode of 32
+sequences (two splits) ran its attention about a quarter slower at 1,100 tokens of context.
 
 The launch (grid, split count, workspace shapes) depends only on the batch size, never on the context
 lengths: a captured graph replays with other `seq_lens`, and splits that fall past a sequence's end
 exit at once. With a sliding window only the in-window tiles are dealt out to the splits, so a sliding
 layer reads at most `window` keys (plus one partial tile) per sequence, whatever its length.
 
-Nothing that changes between steps is a compile-time specialisation: the split count, the window and the
-block-table stride are plain runtime integers, and the metadata pointers (views into a packed buffer at
-step-dependent offsets) are not specialised on alignment. One compiled variant serves a whole run.
+Nothing that changes between steps is a compile-time specialisation but whether there is one split: the split
+count, the window and the block-table stride are plain runtime integers, and the metadata pointers (views into
+a packed buffer at step-dependent offsets) are not specialised on alignment. Two compiled variants (one split,
+several) serve a whole run; the start-up warm-up's batch sizes meet both.
 """
 
 from __future__ import annotations
@@ -109,31 +113,36 @@ def _decode_split_kernel(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    q_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
-    # In a mixed step the decode kernel takes the one-token sequences and the varlen kernel the rest.
-    if tl.load(cu_query_lens_ptr + seq + 1) - q_row != 1:
+    # In a mixed step this kernel takes the one-token sequences and the varlen kernel the rest. (Checked first
+    # and alone: folded into the later exit, it raised the sliding variant from 122 to 154 registers a thread.)
+    if tl.load(cu_query_lens_ptr + seq + 1) - tl.load(cu_query_lens_ptr + seq) != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     kv_start, first_tile, num_tiles, tiles_per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
     tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
+    if tile_start >= tile_end:
+        if DIRECT:
+            # An empty sequence (a padding slot in a graph bucket): zeros, as the reduce writes, not NaN.
+            offs_h = tl.arange(0, BLOCK_H)
+            offs_d = tl.arange(0, HEAD_DIM)
+            q_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
+            out_rows = out_ptr + q_row * stride_ot + (kv_head * GROUP + offs_h)[:, None] * stride_oh + offs_d[None, :]
+            zeros = tl.zeros([BLOCK_H, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_rows, zeros, mask=(offs_h < GROUP)[:, None])
+        return
+
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_h = offs_h < GROUP
     q_heads = kv_head * GROUP + offs_h
-    # With one split this program writes the output (a runtime branch: no second compiled variant).
-    out_rows = out_ptr + q_row * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
-    if tile_start >= tile_end:
-        if num_splits == 1:
-            # An empty sequence (a padding slot in a graph bucket): zeros, as the reduce writes, not NaN.
-            tl.store(out_rows, tl.zeros([BLOCK_H, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=mask_h[:, None])
-        return
-
+    q_row = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
     q = tl.load(
         q_ptr + q_row * stride_qt + q_heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None],
@@ -166,7 +175,8 @@ def _decode_split_kernel(
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
 
-    if num_splits == 1:
+    if DIRECT:
+        out_rows = out_ptr + q_row * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
         return
     # Partials are laid out [seq, q_head, split, (dim)], so the reduce reads each head's splits contiguously.
@@ -264,6 +274,9 @@ def paged_decode_attention(
     group = q.shape[1] // num_kv_heads
     block_n = kv_tile(config.block_n, head_dim, q.element_size())
     score_scale, softcap_log2 = score_scales(scale, softcap)
+    # Sliding layers keep the reduce: writing the output from stage 1 raised their variant from 122 to 154
+    # registers a thread (sm_90), one program fewer per SM.
+    direct = num_splits == 1 and window == 0
     part_out = torch.empty(num_seqs, q.shape[1], num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, q.shape[1], num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -299,10 +312,11 @@ def paged_decode_attention(
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
         DOT_PRECISION=dot_precision(q.dtype),
+        DIRECT=direct,
         num_warps=config.num_warps,
         num_stages=config.num_stages if q.element_size() <= 2 else min(config.num_stages, 2),
     )
-    if num_splits == 1:
+    if direct:
         return out
     _decode_reduce_kernel[(num_seqs, q.shape[1])](
         part_out,
