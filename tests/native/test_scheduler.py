@@ -1,10 +1,14 @@
 """Steps that carry prefill chunks fill the mixed CUDA graphs' token buckets: a step that would overshoot a
 bucket by less than half of its prefill takes smaller chunks instead of being padded up to the next bucket,
-decodes are never cut for a chunk, and the engine's greedy output does not change."""
+decodes are never cut for a chunk, and the engine's greedy output does not change; `scripts/profile_host_loop.py`
+times the loop's host work without a model."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,3 +132,15 @@ def test_filling_buckets_does_not_change_greedy_output():
     on_bucket = [np.isin(s, (32, 64, 128, 256)).mean() for s in (plain_steps, filled_steps)]
     mixed = [t for t in filled_steps if t > 16]
     assert on_bucket[1] > on_bucket[0] and mixed
+
+
+def test_the_host_loop_profile_script_times_scheduling_fill_and_processing():
+    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_loop.py"
+    command = [sys.executable, str(script), "--seqs", "24", "--context", "100", "--steps", "30", "--sampling"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "24 sequences at 100 tokens of context, sampling, 30 steps" in run.stdout
+    for part in ("scheduling", "layout and slot fill", "processing the tokens", "host work a step"):
+        assert float(run.stdout.split(part)[1].split("ms")[0]) > 0, part
+    # Every sequence decodes every steady-state step (one finishes and one is admitted every third step).
+    assert float(run.stdout.split("sequences a step")[1].split()[0]) == 24

@@ -160,7 +160,8 @@ class IOSlot:
 
         tables = self.host_tables.numpy()
         for i, seq in enumerate(plan.seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
+            table = seq.table_array()
+            tables[i, : len(table)] = table
         tables[n : shape.seqs, :] = 0
 
         view = _views(self.host_int.numpy(), shape.int_fields())

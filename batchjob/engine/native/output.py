@@ -59,7 +59,8 @@ class OutputProcessor:
                     if finished is not None:
                         yield finished
                 row += 1
-            scheduler.release_if_idle(seq)
+            if seq.status is Status.FINISHED:
+                scheduler.release_if_idle(seq)
         if settle is not None and done:
             settle(done)
 
@@ -75,7 +76,7 @@ class OutputProcessor:
                         pairs.append((seq.matcher, tokens[row]))
                         ids.append(seq.seq_id)
                 row += 1
-        return dict(zip(ids, self.grammars.consume(pairs), strict=True))
+        return dict(zip(ids, self.grammars.consume(pairs), strict=True)) if pairs else {}
 
     def _append(
         self, seq: Sequence, token: int, result: StepResult, row: int, scheduler: Scheduler, accepted: bool | None

@@ -119,23 +119,28 @@ class Scheduler:
         budget = self.step_budget(decodes, running_tokens)
         chosen: list[tuple[Sequence, int, int, bool]] = []
         scheduled: set[int] = set()
+        block_size = self.blocks.block_size
 
         # Running sequences, oldest first; a sequence in the middle of its prefill continues with a chunk, as
-        # long as it leaves a token for each decode after it.
+        # long as it leaves a token for each decode after it. This loop runs for every sequence every step, so
+        # the common case (a decode whose blocks already hold its token, prompt blocks registered) calls nothing.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if not self._runs_now(seq):
                 i += 1
                 continue
-            remaining = seq.num_tokens - seq.num_computed
+            start = seq.num_computed
+            remaining = seq.num_tokens - start
             if remaining == 1:
                 decodes -= 1
-            count = min(remaining, budget - (decodes if remaining > 1 else 0))
-            if count <= 0:
-                i += 1
-                continue
-            if not self._reserve(seq, seq.num_computed + count, scheduled):
+                count = 1
+            else:
+                count = min(remaining, budget - decodes)
+                if count <= 0:
+                    i += 1
+                    continue
+            if start + count > len(seq.block_table) * block_size and not self._reserve(seq, start + count, scheduled):
                 continue  # `seq` itself was preempted and left self.running: index i is the next one
             self._choose(chosen, seq, count)
             scheduled.add(seq.seq_id)
@@ -170,19 +175,21 @@ class Scheduler:
 
         if not chosen:
             return None
-        n = len(chosen)
-        seqs = [c[0] for c in chosen]
-        starts = np.fromiter((c[1] for c in chosen), dtype=np.int64, count=n)
-        counts = np.fromiter((c[2] for c in chosen), dtype=np.int64, count=n)
-        samples = np.fromiter((c[3] for c in chosen), dtype=bool, count=n)
-        carry_rows = np.full(n, -1, dtype=np.int64)
+        seqs, starts, counts, samples = (list(column) for column in zip(*chosen, strict=True))
+        carry_rows = []
         row = 0
-        for i, seq in enumerate(seqs):
-            carry_rows[i] = seq.carry_row()
-            if samples[i]:
+        for seq, sampled in zip(seqs, samples, strict=True):
+            carry_rows.append(seq.carry_row())
+            if sampled:
                 seq.append_pending(row)
                 row += 1
-        return StepPlan(seqs=seqs, starts=starts, counts=counts, samples=samples, carry_rows=carry_rows)
+        return StepPlan(
+            seqs=seqs,
+            starts=np.array(starts, dtype=np.int64),
+            counts=np.array(counts, dtype=np.int64),
+            samples=np.array(samples, dtype=bool),
+            carry_rows=np.array(carry_rows, dtype=np.int64),
+        )
 
     def _choose(self, chosen: list, seq: Sequence, count: int) -> None:
         start = seq.num_computed
@@ -191,7 +198,8 @@ class Scheduler:
         chosen.append((seq, start, count, seq.num_computed == seq.num_tokens))
         # Registered now, a later sequence in this same step can share these blocks: every layer stores the
         # step's K/V for all tokens before any of them attends.
-        self._register_full_prompt_blocks(seq)
+        if seq.num_registered < min(seq.num_computed, seq.prompt_len) // self.blocks.block_size:
+            self._register_full_prompt_blocks(seq)
 
     def _fits(self, shared: list[int], needed: int) -> bool:
         reusable = sum(1 for b in shared if self.blocks.ref_counts[b] == 0)

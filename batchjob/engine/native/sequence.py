@@ -66,6 +66,9 @@ class Sequence:
     sampler_row: tuple = ()
     matcher: Any = None  # batchjob.engine.grammar.Matcher of a constrained sequence
     error: str | None = None
+    # `block_table` as an array (`table_array`), and the list it was made from
+    _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
+    _table_source: list[int] | None = field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -111,6 +114,16 @@ class Sequence:
     def ready_for_prefill(self) -> bool:
         # A preempted sequence whose last token is still pending cannot be recomputed yet: its value is unknown.
         return not self.pending
+
+    def table_array(self) -> np.ndarray:
+        """`block_table` as an int32 array for the step's host buffers, converted again only when the table has
+        changed: blocks are only ever appended to a table or the whole list replaced (admission, preemption,
+        release), so the same list at the same length holds the same blocks."""
+        table = self.block_table
+        if self._table_source is not table or len(self._table_array) != len(table):
+            self._table_array = np.array(table, dtype=np.int32)
+            self._table_source = table
+        return self._table_array
 
     def carry_row(self) -> int:
         """The output row of the step in flight that samples this sequence's last token, or -1 when the host
