@@ -4,7 +4,10 @@
 
 Decode: time per call (eager and replayed from a CUDA graph) and effective bandwidth = KV bytes read / time,
 next to SDPA on the same K/V laid out densely, and to a device-to-device copy measured in the same run.
-Prefill: time and TFLOP/s of the varlen kernel vs dense causal SDPA. Store: Triton kernel vs index_copy_.
+Prefill: time and TFLOP/s of the varlen kernel vs dense causal SDPA. Mixed step (decodes beside fresh prompts):
+the varlen kernel over the whole step and over each part, the decode kernel over the decodes, and both kernels
+as the engine runs them, with a sweep of the varlen launch configs on each part. Store: Triton kernel vs
+index_copy_.
 `--sweep` also times every launch config and split count, to pick the defaults in triton_decode.py and
 triton_prefill.py. Prints a table and writes everything as JSON to the path given.
 """

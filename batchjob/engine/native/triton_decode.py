@@ -260,7 +260,8 @@ def paged_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One query token per sequence over the paged cache; writes `out` [B, Hq, D] and returns it.
+    """One query token per sequence over the paged cache; writes `out` [B, Hq, D] and returns it. Sequences of
+    another query count (a mixed step's chunks) are skipped: their rows of `out` are left as they were.
 
     `q` is [B, Hq, D] (row `cu_query_lens[b]` belongs to sequence b); caches are
     [num_blocks, block_size, Hkv, D]. `window` > 0 limits each query to its last `window` keys and
