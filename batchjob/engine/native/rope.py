@@ -180,20 +180,19 @@ class RopeStep:
         """q, k [T, H, D] rotated over their first `rotary_dim` channels, after `norms` (per-head q and k
         norms) where given. On CUDA in place, q and k in one kernel, the norms in it too when rope turns
         whole heads."""
+        fuse = norms is not None and self.cos is None and self.rotary_dim == q.shape[-1]
+        if norms is not None and not fuse:
+            q, k = norms[0](q), norms[1](k)
         if self.cos is None:
             from batchjob.engine.native import triton_ops
 
             fused = None
-            if norms is not None and self.rotary_dim == q.shape[-1]:
+            if fuse:
                 q_norm, k_norm = norms
                 fused = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.weight_fp32, q_norm.offset)
-            elif norms is not None:
-                q, k = norms[0](q), norms[1](k)
             rotary = self.rotary_dim
             triton_ops.rotary_qk_(q[..., :rotary], k[..., :rotary], self.positions, self.table, fused)
             return q, k
-        if norms is not None:
-            q, k = norms[0](q), norms[1](k)
         return self._rotate(q), self._rotate(k)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:

@@ -174,34 +174,11 @@ class TritonPagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # Every step's one-token sequences go through the decode kernels; a mixed step's chunks then through
         # the varlen kernel, which skips those rows (it would read their context a third slower).
+        paged = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale)
         num_splits = self.decode_splits(meta.seq_lens.shape[0], k_cache.shape[2], q.device)
-        paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.cu_query_lens,
-            scale,
-            num_splits,
-            out,
-            self.decode_config,
-            window=window,
-            softcap=softcap,
-        )
+        paged_decode_attention(*paged, num_splits, out, self.decode_config, window=window, softcap=softcap)
         if meta.max_query_len == 1:
             return out
         return paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.cu_query_lens,
-            scale,
-            out,
-            self.prefill_config,
-            window=window,
-            softcap=softcap,
-            skip_single=True,
+            *paged, out, self.prefill_config, window=window, softcap=softcap, skip_single=True
         )
