@@ -22,7 +22,7 @@ from concurrent.futures import wait as wait_for
 from omegaconf import DictConfig
 
 from batchjob.config import load_settings
-from batchjob.engine import EngineFailure, create_engine
+from batchjob.engine import EngineFailure, EngineSetupError, create_engine
 from batchjob.errors import EXIT_USAGE, ConfigError
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import OutputDirError
@@ -138,11 +138,13 @@ def _generate(
     settings, output = job.settings, job.output
     try:
         engine = create_engine(settings.engine_name, job.model_path, settings.engine_options)
-    except Exception:
+    except Exception as err:
         # A bad tokenizer or output directory found beside the engine explains a failed load better.
         error = _check_error(checks)
         if error is not None:
             raise error from None
+        if isinstance(err, EngineSetupError):
+            raise ConfigError(str(err)) from None
         raise
     try:
         startup.lap("engine_s")

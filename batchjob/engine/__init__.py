@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batchjob.engine.api import Completion, Engine, EngineFailure, Request, Sample, SamplingParams
+from batchjob.engine.api import Completion, Engine, EngineFailure, EngineSetupError, Request, Sample, SamplingParams
 
 __all__ = [
     "BACKENDS",
@@ -27,6 +27,7 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineFailure",
+    "EngineSetupError",
     "Request",
     "Sample",
     "SamplingParams",

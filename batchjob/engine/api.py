@@ -194,6 +194,12 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class EngineSetupError(ValueError):
+    """The engine cannot start with its options on this machine (a KV cache too small for one sequence, a
+    GPU whose memory another process holds): found while it starts, before any request runs. The message
+    names what to change; a job reports it like a config error (exit 2, no traceback)."""
+
+
 class EngineFailure(RuntimeError):
     """The engine lost part of itself mid-run (a tensor-parallel rank died or hung), through no fault of the
     requests: a rerun may well succeed. `generate` raises it; the job commits what had finished and exits with

@@ -86,3 +86,14 @@ def test_bad_sampling_value_fails_fast_naming_the_key(tmp_path: Path) -> None:
     assert "temperature must be >= 0" in failed.stderr
     assert "Traceback" not in failed.stderr
     assert not list((tmp_path / "out").glob("*.parquet"))
+
+
+def test_a_kv_cache_too_small_for_one_sequence_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    # Found only once the engine starts (the cache is sized after the weights load), yet the user's to fix.
+    out = tmp_path / "out"
+    done = run_cli("engine=native", "engine.num_kv_blocks=2", f"output.dir={out}", "data.limit=2")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = done.stderr[done.stderr.index("error: ") :]
+    assert "fewer than one sequence" in error and "engine.max_model_len" in error
+    assert not list(out.glob("*.parquet"))

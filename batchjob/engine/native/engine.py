@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchjob.engine.api import Completion, Request
+from batchjob.engine.api import Completion, EngineSetupError, Request
 from batchjob.engine.grammar import GrammarCompiler, GrammarError, bitmask_words
 from batchjob.engine.native import parallel
 from batchjob.engine.native.admission import AdmissionQueue
@@ -157,13 +157,13 @@ class NativeEngine:
         kv_sized = time.perf_counter()
         blocks_per_seq = -(-(self.max_model_len + 1) // opts.block_size)
         if num_blocks - 1 < blocks_per_seq:
-            raise ValueError(
+            raise EngineSetupError(
                 f"the KV cache holds {num_blocks - 1} blocks of {opts.block_size} tokens, fewer than one sequence "
                 f"of max_model_len={self.max_model_len} needs ({blocks_per_seq}); lower engine.max_model_len "
                 f"or give the cache more memory (engine.gpu_memory_utilization / engine.kv_cache_gb)"
             )
         if not opts.enable_chunked_prefill and opts.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
+            raise EngineSetupError(
                 f"without chunked prefill a whole sequence must fit one step, but engine.max_num_batched_tokens="
                 f"{opts.max_num_batched_tokens} < max_model_len={self.max_model_len}; raise it, lower "
                 "engine.max_model_len, or set engine.enable_chunked_prefill=true"

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from batchjob.engine.api import EngineSetupError
 from batchjob.engine.native.attention import make_metadata
 from batchjob.engine.native.options import NativeOptions
 
@@ -58,6 +59,8 @@ def decide_num_blocks(model, spec, opts: NativeOptions, device: torch.device) ->
         return opts.num_kv_blocks
     if opts.kv_cache_gb is not None or device.type != "cuda":
         gb = opts.kv_cache_gb if opts.kv_cache_gb is not None else CPU_DEFAULT_KV_GB
+        if device.type == "cuda":
+            _check_fits(int(gb * 2**30), device)
         return max(2, int(gb * 2**30) // block_bytes)
     peak = _profile_peak_bytes(model, spec, opts, device)
     free, total = torch.cuda.mem_get_info(device)
@@ -66,6 +69,8 @@ def decide_num_blocks(model, spec, opts: NativeOptions, device: torch.device) ->
     budget = int(total * opts.gpu_memory_utilization) - peak - outside
     # The ranks of a tensor-parallel engine share one block manager: every rank takes the smallest count.
     num_blocks = model.tp.min_int(budget // block_bytes, device)
+    if num_blocks < 2:
+        raise EngineSetupError(no_room_for_kv_cache(peak, outside, total, opts.gpu_memory_utilization))
     log.info(
         "KV cache: %d blocks of %d tokens (%.1f GiB); weights+activations peak %.1f GiB of %.1f GiB",
         num_blocks,
@@ -74,9 +79,34 @@ def decide_num_blocks(model, spec, opts: NativeOptions, device: torch.device) ->
         peak / 2**30,
         total / 2**30,
     )
-    if num_blocks < 2:
-        raise ValueError(
-            f"no GPU memory left for the KV cache (peak use {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); "
-            "raise engine.gpu_memory_utilization or lower engine.max_num_batched_tokens"
-        )
     return num_blocks
+
+
+# Above this, memory outside the engine is another process's, not only the CUDA context's.
+_CONTEXT_BYTES = 2 * 2**30
+
+
+def no_room_for_kv_cache(peak: int, outside: int, total: int, utilization: float) -> str:
+    """Why no KV cache fits `utilization` of a `total`-byte GPU, and what to change."""
+    gib = 2**30
+    held = ""
+    if outside > _CONTEXT_BYTES:
+        held = (
+            f", and {outside / gib:.1f} GiB of it is held outside this engine (another process on the same GPU: "
+            "see nvidia-smi; free it, or give this job a GPU of its own)"
+        )
+    return (
+        f"no GPU memory left for the KV cache: engine.gpu_memory_utilization={utilization} allows "
+        f"{total * utilization / gib:.1f} GiB of {total / gib:.1f} GiB, the weights and the largest step take "
+        f"{peak / gib:.1f} GiB{held}; raise engine.gpu_memory_utilization or lower engine.max_num_batched_tokens"
+    )
+
+
+def _check_fits(nbytes: int, device: torch.device) -> None:
+    free, total = torch.cuda.mem_get_info(device)
+    if nbytes > free:
+        raise EngineSetupError(
+            f"engine.kv_cache_gb={nbytes / 2**30:g} does not fit: {free / 2**30:.1f} GiB of the GPU's "
+            f"{total / 2**30:.1f} GiB is free after the weights; lower engine.kv_cache_gb, or leave it null to "
+            "size the cache from engine.gpu_memory_utilization"
+        )
