@@ -13,7 +13,7 @@ import copy
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -232,13 +232,24 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return Matcher(start.deep_copy())
 
-    def fill_bitmasks(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """Fill row `i` of the contiguous int32 CPU tensor `bitmask` for each `(matcher, i)`, in parallel threads."""
+    def fill_bitmasks(
+        self,
+        matchers: Sequence[tuple[Matcher, int]],
+        bitmask: torch.Tensor,
+        entering: Callable[[], None] | None = None,
+    ) -> None:
+        """Fill row `i` of the contiguous int32 CPU tensor `bitmask` for each `(matcher, i)`, in parallel threads.
+        `entering` is called last before the library's call, which runs without the GIL."""
         if not matchers:
+            if entering is not None:
+                entering()
             return
         self._ensure_tokenizer()
         rows, words = bitmask.shape
-        self._executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in matchers], bitmask.data_ptr(), words * 4, rows)
+        pairs = [(m.inner, i) for m, i in matchers]
+        if entering is not None:
+            entering()
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
 
     def consume(self, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:
         """Advance each matcher by its token; False where the token was not allowed. A token takes a couple of

@@ -14,8 +14,9 @@ worker thread of its own (the calls share llguidance's threads), while the loop 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from batchjob.engine.native.sequence import Sequence
 
 # Worker threads for chunked fills: enough for the chunks of one step to overlap each other's waits.
-CHUNK_WORKERS = 4
+CHUNK_WORKERS = 8
 
 
 class StepMasks:
@@ -166,9 +167,22 @@ class StepMasks:
         self.fill_calls += bool(rows)  # counted here, in the loop's thread
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="batchjob-masks")
-        return self._worker.submit(self._fill, rows, bitmask)
+        # The worker needs the GIL to reach the library's call, and the loop's Python work would hold it for up
+        # to the interpreter's switch interval (5 ms) first: the masks would start only when the loop next waits.
+        # So the loop waits here, without the GIL, until the worker is about to enter the call.
+        # A job queued behind busy workers is not waited for: that would hold the loop for a whole fill.
+        idle = self._job is None or sum(not job.done() for job in self._job[1]) < self._workers
+        entering = threading.Event()
+        job = self._worker.submit(self._fill, rows, bitmask, entering.set)
+        if idle:
+            entering.wait()
+        return job
 
-    def _fill(self, rows: list, bitmask: torch.Tensor) -> None:
+    def _fill(self, rows: list, bitmask: torch.Tensor, entering: Callable[[], None] | None = None) -> None:
         began = time.perf_counter()
-        self.grammars.fill_bitmasks(rows, bitmask)
+        try:
+            self.grammars.fill_bitmasks(rows, bitmask, entering)
+        finally:
+            if entering is not None:
+                entering()  # never leave the loop waiting, whatever the fill raised
         self._spans.append((began, time.perf_counter()))  # list.append is atomic: the chunks' threads share it
