@@ -1,0 +1,71 @@
+"""The mask worker of the asynchronous loop starts filling before the loop goes on with its own Python work."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from batchjob.engine.native.sequence import Status
+from batchjob.engine.native.step_masks import StepMasks
+
+
+class SlowLibrary:
+    """Stands in for llguidance: its call runs without the GIL (a sleep) after `entering`."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.entered_at: float | None = None
+
+    def fill_bitmasks(self, rows, bitmask, entering=None) -> None:
+        if self.fails:
+            raise RuntimeError("the library failed")
+        self.entered_at = time.perf_counter()
+        if entering is not None:
+            entering()
+        time.sleep(0.02)
+        bitmask[[k for _, k in rows]] = 7
+
+
+def one_constrained_step():
+    seq = SimpleNamespace(seq_id=0, matcher=object(), status=Status.RUNNING, pending=[(0, 3)], forced_until=0)
+    plan = SimpleNamespace(seqs=[seq], samples=torch.tensor([True]))
+    bitmask = torch.zeros(1, 4, dtype=torch.int32)
+    enqueued = []
+    runner = SimpleNamespace(bitmask_rows=lambda step: bitmask, enqueue_masked_sampler=enqueued.append)
+    return SimpleNamespace(plan=plan, sampled=False), runner, bitmask, enqueued
+
+
+def python_work(seconds: float) -> None:
+    """Pure-Python work that holds the GIL, like the loop laying out the next step."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_the_fill_has_entered_the_library_before_start_returns() -> None:
+    step, runner, bitmask, enqueued = one_constrained_step()
+    library = SlowLibrary()
+    masks = StepMasks(runner, library)
+    for _ in range(3):  # the first step also starts the worker thread, which hands it the GIL anyway
+        bitmask.zero_()
+        masks.start(step)
+        returned_at = time.perf_counter()
+        python_work(0.03)  # without the hand-over the worker would wait out the switch interval here
+        masks.finish()
+        assert library.entered_at is not None and library.entered_at <= returned_at
+        assert bitmask.eq(7).all()
+    masks.close()
+    assert enqueued == [step] * 3
+
+
+def test_a_fill_that_fails_never_leaves_the_loop_waiting() -> None:
+    step, runner, _, enqueued = one_constrained_step()
+    masks = StepMasks(runner, SlowLibrary(fails=True))
+    masks.start(step)  # returns: the worker signals even when the library raises
+    with pytest.raises(RuntimeError, match="the library failed"):
+        masks.finish()
+    masks.close()
+    assert enqueued == []
