@@ -1,7 +1,7 @@
 """Time llguidance's token masks with the engine's string slices against the library's default slices and
 against none, on one schema and vocabulary, and check that all three give the same masks.
 
-    python scripts/profile_masks.py [--walks 6] [--tokenizer DIR]
+    python scripts/profile_masks.py [--walks 6] [--tokenizer DIR] [--fill-rows 256]
 
 The vocabulary is `bench_lib.bpe`'s 128,256-id byte-level BPE (trained on first use, then cached under
 `--cache`), tiktoken's cl100k_base (`--tokenizer cl100k`, a real vocabulary), or the tokenizer in
@@ -10,7 +10,9 @@ fresh matcher per setting and takes up to `--steps` tokens, each the highest of 
 allowed ones (as a random-weight model does greedily), or on every other walk a fresh random draw; forced tokens
 are taken at once (jump-forward). Every mask is timed on one thread. Prints the mean, 90th percentile, maximum and
 the slowest 5%'s share of the time per setting, the number of masks that differed (must be 0), and how much of
-the vocabulary the masks allow.
+the vocabulary the masks allow. With `--fill-rows`, a batch of that many rows is also timed as a step fills it,
+in one parallel call: with the engine's matchers, and with matchers that all share one lexer (llguidance's copies
+of one matcher do), against the rows' masks one by one on one thread and the slowest row's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer", default=None, help="a tokenizer directory, or cl100k (tiktoken's; default: the 128k BPE)"
     )
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the 128k BPE is kept")
+    parser.add_argument(
+        "--fill-rows", type=int, default=0, help="also time parallel fills of this many rows at once (a step's masks)"
+    )
+    parser.add_argument("--fill-steps", type=int, default=10, help="steps timed for each way of filling")
     args = parser.parse_args(argv)
 
     import llguidance
@@ -116,7 +122,82 @@ def main(argv: list[str] | None = None) -> int:
         f"  allowed share of the vocabulary: mean {share.mean():.3f}; masks allowing >= half of it"
         f" {(share >= 0.5).mean():.1%}, >= 90% {(share >= 0.9).mean():.1%}"
     )
+    if args.fill_rows:
+        time_parallel_fills(tokenizer, vocab, eos, args.fill_rows, args.fill_steps)
     return 1 if differing else 0
+
+
+def time_parallel_fills(tokenizer, vocab: int, eos: list[int], rows: int, steps: int) -> None:
+    """A batch of rows advances together, each drawing uniformly among its allowed tokens (a fresh matcher once
+    one stops), as a batch of a random-weight model does. It is kept twice, advanced by the same tokens: with
+    the engine's matchers (`GrammarCompiler.matcher`: several copies of the constraint, each with its lexer)
+    and with copies of one matcher, whose lexer they all share. Each step times one way of filling the batch's
+    masks, in turn: one llguidance call on either, or every row alone on this thread; only the first fill of
+    a state is timed (a matcher keeps its last mask), and both batches' masks are then filled untimed, so
+    their lexers stay as warm as a run's."""
+    import torch
+
+    from batchjob.engine.api import Constraint
+    from batchjob.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, vocab, eos)
+    constraint = Constraint("json_schema", json.dumps(RECORDS_SCHEMA))
+    one = compiler.matcher(constraint).inner
+    batches = {
+        "engine": [compiler.matcher(constraint).inner for _ in range(rows)],
+        "one": [one.deep_copy() for _ in range(rows)],
+    }
+    bitmask = torch.zeros(rows, compiler.words, dtype=torch.int32)
+    single = torch.zeros(compiler.words, dtype=torch.int32)
+    rng = np.random.default_rng(1)
+    ways = ("alone", "one", "engine")
+    fills: dict[str, list[float]] = {way: [] for way in ways}
+    slowest: list[float] = []
+
+    def fill(matchers: list) -> float:
+        began = time.perf_counter()
+        compiler._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), compiler.words * 4, rows
+        )
+        return time.perf_counter() - began
+
+    warmup = 10  # steps that spread the rows over the schema first
+    for step in range(warmup + steps * len(ways)):
+        way = ways[step % len(ways)]
+        if step >= warmup and way == "alone":
+            each = []
+            for matcher in [m.deep_copy() for m in batches["engine"]]:
+                began = time.perf_counter()
+                matcher.unsafe_compute_mask_ptr(single.data_ptr(), compiler.words * 4)
+                each.append(time.perf_counter() - began)
+            fills[way].append(sum(each))
+            slowest.append(max(each))
+        elif step >= warmup:
+            fills[way].append(fill([m.deep_copy() for m in batches[way]]))
+        fill(batches["one"])
+        fill(batches["engine"])
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        for i, matcher in enumerate(batches["engine"]):
+            if matcher.is_stopped():
+                batches["engine"][i] = compiler.matcher(constraint).inner
+                batches["one"][i] = one.deep_copy()
+                continue
+            token = int(rng.choice(np.flatnonzero(allowed[i])))
+            for name in batches:
+                assert batches[name][i].consume_token(token), batches[name][i].get_error()
+                forced = batches[name][i].compute_ff_tokens()
+                if forced:
+                    batches[name][i].consume_tokens(forced)
+    print(
+        f"{rows} rows' masks a step, {steps} steps a way (medians); llguidance threads {compiler.threads}, "
+        f"lexers a constraint {compiler.lexers}:"
+    )
+    print(
+        f"  row by row on one thread: {1e3 * np.median(fills['alone']):.2f} ms,"
+        f" its slowest row {1e3 * np.median(slowest):.2f} ms"
+    )
+    print(f"  one call, every row sharing one lexer: {1e3 * np.median(fills['one']):.2f} ms")
+    print(f"  one call, the engine's matchers: {1e3 * np.median(fills['engine']):.2f} ms")
 
 
 if __name__ == "__main__":

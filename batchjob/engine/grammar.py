@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -23,8 +24,24 @@ from batchjob.transformers_import import load_tokenizer
 if TYPE_CHECKING:
     import torch
 
-# Distinct compiled constraints kept (per-row schemas can all differ; each entry is a matcher in its start state).
+# Distinct compiled constraints kept (per-row schemas can all differ; each entry holds matchers in their start
+# state).
 CACHE_ENTRIES = 256
+
+
+def mask_threads() -> int:
+    """llguidance's threads for the bitmasks: its own default (80% of the CPUs this process may run on, at most
+    32), counted here so the engine knows it."""
+    return max(1, min(32, len(os.sched_getaffinity(0)) * 80 // 100))
+
+
+def lexers_per_constraint(threads: int) -> int:
+    """Copies of a compiled constraint that do not share a lexer. llguidance's matchers copied from one share
+    their lexer behind one lock, held for a whole mask: the rows of one constraint then fill their masks one at
+    a time however many threads the library has (docs/engine.md, "Masks in parallel"). Rows draw from this many
+    copies in turn, enough that two threads seldom want the same one; odd, so that the halves the library splits
+    a step's rows into do not line up copy for copy."""
+    return 4 * threads + 1
 
 
 class GrammarError(ValueError):
@@ -163,8 +180,12 @@ class GrammarCompiler:
         self._executor = None
         self._building = threading.Lock()  # one build of the vocabulary index, whichever thread asks first
         self._builder: threading.Thread | None = None
-        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
-        self.compiled = 0
+        # Per constraint: its grammar, its start-state matchers (each with a lexer of its own, up to `self.lexers`)
+        # and how many matchers it has handed out.
+        self._cache: OrderedDict[Constraint, _Starts] = OrderedDict()
+        self.threads = mask_threads()
+        self.lexers = lexers_per_constraint(self.threads)
+        self.compiled = 0  # distinct constraints compiled
         self.cache_hits = 0
 
     def prepare_beside(self, tokenizer: Future[Any] | None = None) -> None:
@@ -202,7 +223,7 @@ class GrammarCompiler:
                 # The index imports llguidance.hf, which imports transformers: after the tokenizer's load, which
                 # imported it under the process's lock (transformers_import.py), it finds it imported.
                 self._lltokenizer = vocabulary_index(self.tokenizer, self.vocab_size, self.eos_token_ids)
-                self._executor = llguidance.LLExecutor()
+                self._executor = llguidance.LLExecutor(self.threads)
         return self._lltokenizer
 
     def matcher(self, constraint: Constraint) -> Matcher:
@@ -210,8 +231,8 @@ class GrammarCompiler:
         index cannot be built for this model (then every constrained request fails alike, each with the reason)."""
         from llguidance import LLMatcher
 
-        start = self._cache.get(constraint)
-        if start is not None:
+        starts = self._cache.get(constraint)
+        if starts is not None:
             self._cache.move_to_end(constraint)
             self.cache_hits += 1
         else:
@@ -227,10 +248,10 @@ class GrammarCompiler:
             if start.is_error():
                 raise GrammarError(f"{constraint.kind} cannot be compiled: {start.get_error()}")
             self.compiled += 1
-            self._cache[constraint] = start
+            starts = self._cache[constraint] = _Starts(grammar, [start])
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-        return Matcher(start.deep_copy())
+        return Matcher(starts.next(self.lexers, self._lltokenizer).deep_copy())
 
     def fill_bitmasks(
         self,
@@ -256,3 +277,22 @@ class GrammarCompiler:
         microseconds, so this thread does it: the executor's threads may be filling another step's masks
         (`engine.constrained_lag`), and its parallel call would queue behind them."""
         return [m.inner.consume_token(t) for m, t in pairs]
+
+
+class _Starts:
+    """A compiled constraint's matchers in their start state, each with a lexer of its own; handed out in turn,
+    and compiled again (about a millisecond and a half for a JSON schema) until there are as many as asked for."""
+
+    def __init__(self, grammar: str, matchers: list[Any]) -> None:
+        self.grammar = grammar
+        self.matchers = matchers
+        self.handed = 0
+
+    def next(self, count: int, lltokenizer: Any) -> Any:
+        from llguidance import LLMatcher
+
+        k = self.handed % count
+        self.handed += 1
+        if k == len(self.matchers):
+            self.matchers.append(LLMatcher(lltokenizer, self.grammar, log_level=0))
+        return self.matchers[k]

@@ -121,6 +121,31 @@ def test_a_tokenizer_whose_ordinary_tokens_pass_the_logits_fails_each_constraine
         compiler.matcher(Constraint("regex", "[a-z]{3}"))
 
 
+def test_matchers_of_one_constraint_come_from_as_many_compiled_copies_as_lexers_in_turn(tokenizer):
+    # Copies of one llguidance matcher share its lexer behind one lock; rows drawing from several compiled copies
+    # fill their masks in parallel. The copies are the same grammar: every matcher allows the same tokens.
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiler.lexers = 3
+    constraint = Constraint("json_schema", json.dumps(PET_SCHEMA))
+    matchers = [compiler.matcher(constraint) for _ in range(7)]
+    starts = compiler._cache[constraint].matchers
+    assert len(starts) == 3 and compiler.compiled == 1 and compiler.cache_hits == 6
+    bitmask = torch.zeros(len(matchers), compiler.words, dtype=torch.int32)
+    compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
+    assert all(torch.equal(bitmask[0], row) for row in bitmask)
+    token = int(np.flatnonzero(_allowed(bitmask[0], len(tokenizer)))[0])
+    assert all(m.consume(token) for m in matchers)
+    compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
+    assert all(torch.equal(bitmask[0], row) for row in bitmask)
+
+
+def test_the_engine_runs_more_lexers_than_mask_threads():
+    from batchjob.engine.grammar import lexers_per_constraint, mask_threads
+
+    assert 1 <= mask_threads() <= 32
+    assert all(lexers_per_constraint(n) > 2 * n and lexers_per_constraint(n) % 2 for n in (1, 12, 32))
+
+
 def test_the_index_built_beside_start_up_is_the_one_constraints_use(tokenizer):
     from concurrent.futures import Future
 
@@ -138,9 +163,12 @@ def test_the_index_built_beside_start_up_is_the_one_constraints_use(tokenizer):
 def test_the_mask_profile_script_finds_the_same_masks_with_every_slice_setting():
     script = Path(__file__).resolve().parents[2] / "scripts" / "profile_masks.py"
     command = [sys.executable, str(script), "--tokenizer", str(default_tiny_model()), "--walks", "2", "--steps", "40"]
+    command += ["--fill-rows", "16", "--fill-steps", "2"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "masks that differed: 0" in run.stdout and "slices engine" in run.stdout
+    for way in ("row by row on one thread:", "every row sharing one lexer:", "the engine's matchers:"):
+        assert float(run.stdout.split(way)[1].split("ms")[0]) > 0, way
     share = float(run.stdout.split("allowed share of the vocabulary: mean ")[1].split(";")[0])
     assert 0 < share < 1
 
