@@ -32,8 +32,9 @@ FORMATS = ("auto", "parquet", "openai_batch", "hf_disk", "hf_hub")
 # streaming), or null. The feeder turns it into an error row.
 INPUT_ERROR_COLUMN = "__batchjob_input_error"
 PATH_HELP = (
-    "data.path must be a Parquet file, directory or glob, an OpenAI batch .jsonl file, a directory written by "
-    "datasets' save_to_disk, or a dataset name for datasets.load_dataset"
+    "data.path must be a Parquet file, directory or glob, an OpenAI batch .jsonl file, a JSON Lines, JSON, CSV or "
+    "text file (.jsonl, .json, .csv, .txt, also compressed), a directory written by datasets' save_to_disk, or a "
+    "dataset name for datasets.load_dataset"
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -13,6 +14,12 @@ HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _GLOB = re.compile(r"[*?\[]")
 # What a hub dataset id looks like ("name" or "org/name"); anything else that does not exist is a typo.
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+# Files read through datasets' builder of their kind (`load_dataset(builder, data_files=file)`), by extension.
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
+# Compressions datasets opens by itself.
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
 def open_input(spec: InputSpec) -> InputSource:
@@ -27,12 +34,23 @@ def open_input(spec: InputSpec) -> InputSource:
     # Imported only when needed: `datasets` adds about a second to start-up.
     from batchjob.io.hf_reader import open_hf_dataset
 
+    if fmt == "file":
+        return open_hf_dataset(dataclasses.replace(spec, path=file_builder(spec.path), data_files=spec.path), "hf_hub")
     return open_hf_dataset(spec, fmt)
+
+
+def file_builder(path: str) -> str | None:
+    """The datasets builder that reads a JSON Lines, JSON, CSV or text file at `path` (compressed or not)."""
+    name = path.lower()
+    for suffix in _COMPRESSED:
+        name = name.removesuffix(suffix)
+    return FILE_BUILDERS.get(os.path.splitext(name)[1])
 
 
 def resolve_format(spec: InputSpec) -> str:
     """auto: .parquet file/dir/glob -> parquet; a .jsonl file of OpenAI batch requests -> openai_batch;
-    save_to_disk dir -> hf_disk; else a load_dataset name."""
+    save_to_disk dir -> hf_disk; another JSON Lines, JSON, CSV or text file -> file (read by datasets' builder
+    of its kind); else a load_dataset name."""
     if spec.format != "auto":
         return spec.format
     if spec.data_files is not None:
@@ -50,7 +68,12 @@ def resolve_format(spec: InputSpec) -> str:
     if storage.exists(path):
         if path.endswith(".jsonl") and looks_like_openai_batch(storage, path):
             return "openai_batch"
-        raise InputError(f"{spec.path} is neither Parquet, an OpenAI batch file nor a dataset directory; {PATH_HELP}")
+        if file_builder(path) is not None:
+            return "file"
+        raise InputError(
+            f"{spec.path} is neither Parquet, an OpenAI batch file, a JSON Lines, JSON, CSV or text file nor a "
+            f"dataset directory; {PATH_HELP}"
+        )
     if "://" in spec.path or spec.path.startswith(("/", ".", "~")) or not _HUB_ID.match(spec.path):
         raise InputError(f"no such file or directory: {spec.path}; {PATH_HELP}")
     if os.sep in spec.path and os.path.exists(os.path.dirname(spec.path)):

@@ -67,3 +67,47 @@ def test_streaming_fingerprint_follows_content_not_file_times(tmp_path: Path) ->
     assert open_input(spec).fingerprint() == before
     jsonl.write_text(jsonl.read_text().replace("prompt 3", "prompt 9"))
     assert open_input(spec).fingerprint() != before
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "json", "csv"])
+def test_a_plain_file_of_prompts_is_read_by_the_datasets_builder_of_its_kind(tmp_path: Path, kind: str) -> None:
+    frame = prompts_table(0, 5).to_pandas()
+    path = tmp_path / f"prompts.{kind}"
+    if kind == "csv":
+        frame.to_csv(path, index=False)
+    elif kind == "json":
+        frame.to_json(path, orient="records")
+    else:
+        frame.to_json(path, orient="records", lines=True)
+    source = open_input(InputSpec(str(path)))
+    assert source.num_rows() == 5
+    table = next(source.iter_batches(["prompt"]))
+    assert table.column("prompt").to_pylist() == [f"prompt {i}" for i in range(5)]
+    assert table.column("row_id").to_pylist() == list(range(5))
+
+
+def test_a_text_file_is_a_prompt_a_line_in_its_text_column(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("first\nsecond\n")
+    source = open_input(InputSpec(str(path)))
+    assert source.columns[:1] == ["text"] and source.num_rows() == 2
+
+
+def test_a_copied_prompt_file_keeps_its_identity_and_an_edit_changes_it(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "prompts.jsonl"
+    path.parent.mkdir()
+    prompts_table(0, 5).to_pandas().to_json(path, orient="records", lines=True)
+    before = open_input(InputSpec(str(path))).fingerprint()
+    copy = tmp_path / "b" / "prompts.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert open_input(InputSpec(str(copy))).fingerprint() == before
+    copy.write_text(copy.read_text().replace("prompt 3", "prompt 9"))
+    assert open_input(InputSpec(str(copy))).fingerprint() != before
+
+
+def test_a_file_of_another_kind_names_the_kinds_read(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.xlsx"
+    path.write_bytes(b"PK")
+    with pytest.raises(InputError, match="a JSON Lines, JSON, CSV or text file"):
+        open_input(InputSpec(str(path)))

@@ -97,3 +97,13 @@ def test_a_kv_cache_too_small_for_one_sequence_is_one_line_and_exit_2(tmp_path: 
     error = done.stderr[done.stderr.index("error: ") :]
     assert "fewer than one sequence" in error and "engine.max_model_len" in error
     assert not list(out.glob("*.parquet"))
+
+
+def test_a_json_lines_file_of_prompts_runs_by_its_path_alone(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "question {i}", "topic": "t{i}"}}\n' for i in range(3)))
+    done = run_cli(f"data.path={prompts}", f"output.dir={tmp_path / 'out'}")
+    assert done.returncode == 0, done.stderr
+    table = read_output(tmp_path / "out")
+    assert table.column("row_id").to_pylist() == [0, 1, 2]
+    assert table.column("topic").to_pylist() == ["t0", "t1", "t2"]
