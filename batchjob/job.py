@@ -28,7 +28,7 @@ from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import OutputDirError
 from batchjob.io.lock import LockError, LockLost
 from batchjob.io.readers import InputError
-from batchjob.io.storage import StorageFull
+from batchjob.io.storage import StorageAccessError, StorageFull, access_reported
 from batchjob.job_checks import PreparedJob, ReadyToFeed, check_beside_engine, prepare
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.run_files import recorded_run
@@ -40,7 +40,7 @@ log = logging.getLogger("batchjob")
 # sysexits' EX_TEMPFAIL: the output could take no more rows (a full disk, a lost lock) or the engine broke down
 # (a tensor-parallel rank died); everything committed is kept, and the same command resumes once the cause is gone.
 EXIT_RESUMABLE = 75
-USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError, OutputDirError)
+USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError, OutputDirError, StorageAccessError)
 
 
 def import_libraries() -> None:
@@ -82,7 +82,9 @@ def run_shard(cfg: DictConfig, startup: StartupClock | None = None) -> int:
     startup.lap("config_s")  # Hydra composed the config since the clock's last lap
     import_libraries()
     startup.lap("imports_s")
-    job = prepare(load_settings(cfg), startup)
+    settings = load_settings(cfg)
+    with access_reported((settings.data.path, settings.output.dir)):
+        job = prepare(settings, startup)
     startup.lap("checks_s")
     settings = job.settings
     if job.complete:

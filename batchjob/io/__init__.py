@@ -10,7 +10,7 @@ from batchjob.io.lock import LockError, LockLost
 from batchjob.io.output import OutputDataset
 from batchjob.io.readers import open_input
 from batchjob.io.status import shard_status
-from batchjob.io.storage import StorageFull
+from batchjob.io.storage import StorageAccessError, StorageFull
 
 __all__ = [
     "InputError",
@@ -22,6 +22,7 @@ __all__ = [
     "OutputDataset",
     "OutputDirError",
     "ShardOutput",
+    "StorageAccessError",
     "StorageFull",
     "open_input",
     "shard_status",

@@ -15,7 +15,7 @@ import errno
 import os
 import posixpath
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
@@ -29,6 +29,49 @@ _READ_CONCURRENCY = 16  # objects fetched at once from an object store; a batch 
 
 class StorageFull(RuntimeError):
     """A write failed because the device (or the user's quota) holding the output is full."""
+
+
+class StorageAccessError(ValueError):
+    """The input or output location cannot be reached with this machine's credentials and network."""
+
+
+# Raised by the object stores' client libraries (botocore, google-auth, azure) when the credentials are missing
+# or refused, or the endpoint cannot be reached; named, so that none of them need be importable here.
+_ACCESS_ERRORS = frozenset(
+    {
+        "NoCredentialsError",
+        "PartialCredentialsError",
+        "NoRegionError",
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "InvalidAccessKeyId",
+        "DefaultCredentialsError",
+        "RefreshError",
+        "ClientAuthenticationError",
+    }
+)
+
+
+def is_access_error(err: BaseException) -> bool:
+    return isinstance(err, PermissionError) or any(cls.__name__ in _ACCESS_ERRORS for cls in type(err).__mro__)
+
+
+@contextlib.contextmanager
+def access_reported(locations: Sequence[str | None]) -> Iterator[None]:
+    """Turn a failure to reach any of `locations` (missing or refused credentials, an unreachable endpoint, a
+    permission denied) into `StorageAccessError`, whose message names the locations and the fix."""
+    try:
+        yield
+    except Exception as err:
+        if not is_access_error(err):
+            raise
+        remote = [where for where in locations if where and "://" in where]
+        where = " or ".join(remote) if remote else " or ".join(where for where in locations if where)
+        raise StorageAccessError(
+            f"cannot access {where}: {type(err).__name__}: {err}. Check that this machine has credentials for "
+            "it (for S3: AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for an "
+            "S3-compatible server), that they may read and write there, and that the endpoint is reachable"
+        ) from None
 
 
 @contextlib.contextmanager

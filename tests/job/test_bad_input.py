@@ -11,6 +11,7 @@ from jobtools import (
     bookkeeping,
     read_output,
     read_report,
+    run_cli,
     run_in_process,
     unloadable_copy,
     write_prompts,
@@ -140,6 +141,20 @@ def test_missing_model_path_is_a_config_error(tmp_path: Path, capsys) -> None:
 def test_a_bucket_root_as_output_dir_is_a_config_error(capsys) -> None:
     assert run_in_process("output.dir=s3://bucket") == 2
     assert "output.dir='s3://bucket' is a bucket's root" in capsys.readouterr().err
+
+
+def test_an_object_store_without_credentials_is_one_line_and_exit_2(tmp_path: Path, monkeypatch) -> None:
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached: an unsigned request is not sent
+    done = run_cli("output.dir=s3://bucket/run1", "data.limit=2")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = done.stderr[done.stderr.index("error: ") :]
+    assert "cannot access s3://bucket/run1: NoCredentialsError" in error and "AWS_ACCESS_KEY_ID" in error
 
 
 def test_an_output_dir_of_the_older_layout_is_refused_before_the_model_loads(
