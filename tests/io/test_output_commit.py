@@ -269,9 +269,8 @@ def test_a_bucket_or_filesystem_root_is_refused_as_output_dir(uri: str) -> None:
 def test_a_location_that_cannot_be_reached_is_named_and_other_errors_pass(tmp_path: Path) -> None:
     from batchjob.io.storage import StorageAccessError, access_reported
 
-    with pytest.raises(StorageAccessError, match=r"cannot access s3://b/out: PermissionError: denied"):
-        with access_reported((str(tmp_path / "in.parquet"), "s3://b/out")):
-            raise PermissionError("denied")
-    with pytest.raises(KeyError):
-        with access_reported(("s3://b/out",)):
-            raise KeyError("not an access error")
+    denied = pytest.raises(StorageAccessError, match=r"cannot access s3://b/out: PermissionError: denied")
+    with denied, access_reported((str(tmp_path / "in.parquet"), "s3://b/out")):
+        raise PermissionError("denied")
+    with pytest.raises(KeyError), access_reported(("s3://b/out",)):
+        raise KeyError("not an access error")
