@@ -28,7 +28,7 @@ from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import OutputDirError
 from batchjob.io.lock import LockError, LockLost
 from batchjob.io.readers import InputError
-from batchjob.io.storage import StorageAccessError, StorageFull, access_reported
+from batchjob.io.storage import StorageAccessError, StorageFull, access_reported, is_access_error
 from batchjob.job_checks import PreparedJob, ReadyToFeed, check_beside_engine, prepare
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.run_files import recorded_run
@@ -119,6 +119,16 @@ def run_shard(cfg: DictConfig, startup: StartupClock | None = None) -> int:
             return EXIT_RESUMABLE
         except (StorageFull, LockLost) as err:
             print(f"error: {err} ({job.output.committed_rows} rows committed)", file=sys.stderr)
+            return EXIT_RESUMABLE
+        except Exception as err:
+            if not is_access_error(err):
+                raise
+            print(
+                f"error: lost access to the output or input mid-run: {type(err).__name__}: {err}\n"
+                f"{job.output.committed_rows} rows committed; resumable: rerun the same command once "
+                f"{settings.output.dir} can be reached",
+                file=sys.stderr,
+            )
             return EXIT_RESUMABLE
         finally:
             wait_for([checks])  # the checks' thread may be opening the output: let it finish before closing

@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 
 import psutil
 
-from batchjob.io.storage import Storage
+from batchjob.io.storage import Storage, is_access_error
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
@@ -266,10 +266,17 @@ class ShardLock:
         self._stop.set()
         if self._refresher is not None:
             self._refresher.join()
-        current = self.read() if self._lost is None else None
-        if current is not None and current.holder.token == self.holder.token:
-            with contextlib.suppress(FileNotFoundError):
-                self.storage.remove(self.path)
-        else:
-            log.warning("lock %s is no longer ours at release (taken over as stale?); left alone", self.path)
-        self.holder = None
+        try:
+            current = self.read() if self._lost is None else None
+            if current is not None and current.holder.token == self.holder.token:
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.remove(self.path)
+            else:
+                log.warning("lock %s is no longer ours at release (taken over as stale?); left alone", self.path)
+        except Exception as err:
+            if not is_access_error(err):
+                raise
+            # The storage went out of reach: the next run takes the lock over (this host's, or stale by then).
+            log.warning("could not release lock %s (%s); left for the next run to take over", self.path, err)
+        finally:
+            self.holder = None

@@ -53,7 +53,11 @@ _ACCESS_ERRORS = frozenset(
 
 
 def is_access_error(err: BaseException) -> bool:
-    return isinstance(err, PermissionError) or any(cls.__name__ in _ACCESS_ERRORS for cls in type(err).__mro__)
+    """True for a location this process cannot reach: refused or missing credentials, permission denied, a
+    connection that failed or timed out."""
+    if isinstance(err, (PermissionError, ConnectionError, TimeoutError)):
+        return True
+    return any(cls.__name__ in _ACCESS_ERRORS for cls in type(err).__mro__)
 
 
 @contextlib.contextmanager

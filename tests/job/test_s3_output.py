@@ -25,6 +25,17 @@ def read_s3_output(uri: str) -> pa.Table:
     return pads.dataset(path, filesystem=fs, format="parquet").to_table().sort_by("row_id")
 
 
+def without_records_of(logger: str, log: str) -> str:
+    """`log` less the records of `logger` (each from its header line to the next record's)."""
+    kept, skipping = [], False
+    for line in log.splitlines():
+        if line.startswith("[20"):  # a record's header: [date time][logger][LEVEL] - ...
+            skipping = f"][{logger}][" in line
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_dir: str, tmp_path: Path) -> None:
     prompts = write_prompts(tmp_path / "prompts.parquet", ROWS)
     local = tmp_path / "local"
@@ -46,5 +57,51 @@ def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_di
     log = log.with_name(log.name + ".batchjob") / "_hydra" / "shard-0-of-1" / "batchjob.log"
     assert log.read_text().count("ready to generate") == 2
     got, want = read_s3_output(s3_output_dir), read_output(local)
+    assert got.column("row_id").to_pylist() == list(range(ROWS))
+    assert got.column("generation").to_pylist() == want.column("generation").to_pylist()
+
+
+def test_a_store_lost_mid_run_exits_resumable_and_the_rerun_yields_every_row_once(
+    s3_output_dir: str, tmp_path: Path, monkeypatch
+) -> None:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    # A server of this test's own, stopped mid-run and started again on the same port; moto keeps its buckets
+    # in this process, so the objects are there again, as after an outage.
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("outage")
+    out = "s3://outage/out"
+    prompts = write_prompts(tmp_path / "prompts.parquet", ROWS)
+    local = tmp_path / "local"
+    assert run_cli(f"data.path={prompts}", f"output.dir={local}", *SMALL_PARTS).returncode == 0
+    args = (f"data.path={prompts}", f"output.dir={out}", *SMALL_PARTS)
+    job = start_cli(*args, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while len(s3_parts(out)) < 2:
+        assert job.poll() is None, job.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "no parts committed in time"
+        time.sleep(0.05)
+    server.stop()
+    _, stderr = job.communicate(timeout=240)
+    assert job.returncode == 75, stderr[-3000:]
+    # aiohttp's tasks cut off with the server may be logged by asyncio, with their traces; batchjob's own
+    # report is the one line below, without a trace.
+    assert "Traceback" not in without_records_of("asyncio", stderr), stderr[-3000:]
+    assert "lost access to the output or input mid-run" in stderr
+    assert "resumable: rerun the same command" in stderr
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        resumed = run_cli(*args, cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr
+        got, want = read_s3_output(out), read_output(local)
+    finally:
+        server.stop()
     assert got.column("row_id").to_pylist() == list(range(ROWS))
     assert got.column("generation").to_pylist() == want.column("generation").to_pylist()
