@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from batchjob.io.layout import JOB_RECORD_NAME, OutputDirError, bookkeeping_dir
 from batchjob.io.status import committed_parts, shard_status
-from batchjob.io.storage import Storage
+from batchjob.io.storage import Storage, StorageAccessError, access_reported
 from batchjob.pipelines.openai_output import EXPORT_COLUMNS, batch_output_line
 
 USAGE = "usage: python -m batchjob.export output.dir=DIR format=openai_batch|jsonl path=FILE [model=NAME]"
@@ -146,8 +146,9 @@ def _parse(argv: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(sys.argv[1:] if argv is None else argv)
-        done = export(args["output.dir"], args["format"], args["path"], args.get("model"))
-    except ExportError as err:
+        with access_reported((args["output.dir"], args["path"])):
+            done = export(args["output.dir"], args["format"], args["path"], args.get("model"))
+    except (ExportError, StorageAccessError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {done.lines} lines ({done.errors} errors) to {args['path']}", file=sys.stderr)

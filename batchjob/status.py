@@ -32,7 +32,7 @@ from batchjob.io.readers import open_input
 from batchjob.io.recovery import ShardFiles, check_parts
 from batchjob.io.sharding import shard_range
 from batchjob.io.status import shard_status
-from batchjob.io.storage import Storage
+from batchjob.io.storage import Storage, access_reported
 from batchjob.io.unique_ids import PARTITION_ROWS, find_duplicates
 
 USAGE = (
@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         output_dir, spec, verify = _parse(args)
-        status = job_status(output_dir, spec, verify)
+        with access_reported((spec.path if spec is not None else None, output_dir)):
+            status = job_status(output_dir, spec, verify)
     except (ValueError, InputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from jobtools import (
     bookkeeping,
+    cli_env,
     read_output,
     read_report,
     run_cli,
@@ -143,14 +146,30 @@ def test_a_bucket_root_as_output_dir_is_a_config_error(capsys) -> None:
     assert "output.dir='s3://bucket' is a bucket's root" in capsys.readouterr().err
 
 
-def test_an_object_store_without_credentials_is_one_line_and_exit_2(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("batchjob", "output.dir=s3://bucket/run1", "data.limit=2"),
+        ("batchjob.status", "output.dir=s3://bucket/run1"),
+        ("batchjob.export", "output.dir=s3://bucket/run1", "format=jsonl", "path=PATH"),
+    ],
+    ids=["job", "status", "export"],
+)
+def test_an_object_store_without_credentials_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, command) -> None:
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached: an unsigned request is not sent
-    done = run_cli("output.dir=s3://bucket/run1", "data.limit=2")
+    module, *args = command
+    args = [arg.replace("PATH", str(tmp_path / "out.jsonl")) for arg in args]
+    if module == "batchjob":
+        done = run_cli(*args)
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", module, *args], env=cli_env(), capture_output=True, text=True, timeout=120
+        )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     error = done.stderr[done.stderr.index("error: ") :]
