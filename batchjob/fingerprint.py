@@ -37,6 +37,12 @@ def resolve_model_path(path: str | None) -> str:
                 "(config.json, *.safetensors, tokenizer files)"
             )
         return str(local.resolve())
+    if local.is_file():
+        parent = f" (its folder {local.parent} holds config.json)" if (local.parent / "config.json").is_file() else ""
+        raise ConfigError(
+            f"model.path={path} is a file{parent}: point it at a Hugging Face model directory (config.json, "
+            "*.safetensors, tokenizer files); single-file formats such as GGUF are not read"
+        )
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise ConfigError(

@@ -141,6 +141,17 @@ def test_missing_model_path_is_a_config_error(tmp_path: Path, capsys) -> None:
     assert "model.path=/no/such/model does not exist" in capsys.readouterr().err
 
 
+def test_a_model_file_instead_of_its_directory_is_named(tmp_path: Path, capsys, model_dir: str) -> None:
+    weights = Path(model_dir) / "model.safetensors"
+    assert run_in_process(f"model.path={weights}", f"output.dir={tmp_path / 'o'}") == 2
+    error = capsys.readouterr().err
+    assert f"model.path={weights} is a file (its folder {model_dir} holds config.json)" in error
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert run_in_process(f"model.path={gguf}", f"output.dir={tmp_path / 'o'}") == 2
+    assert "GGUF are not read" in capsys.readouterr().err
+
+
 def test_a_bucket_root_as_output_dir_is_a_config_error(capsys) -> None:
     assert run_in_process("output.dir=s3://bucket") == 2
     assert "output.dir='s3://bucket' is a bucket's root" in capsys.readouterr().err
