@@ -26,9 +26,15 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 def resolve_model_path(path: str | None) -> str:
     """A local model directory or a hub id; null means the embedded tiny model (created on first use)."""
     if path is None:
-        from batchjob.tiny_model import default_tiny_model
+        from batchjob.tiny_model import DEFAULT_CACHE, default_tiny_model
 
-        return str(default_tiny_model())
+        try:
+            return str(default_tiny_model())
+        except OSError as err:
+            raise ConfigError(
+                f"the bundled model cannot be created in {DEFAULT_CACHE} ({err}): set BATCHJOB_CACHE to a folder "
+                "this user may write, or give model.path"
+            ) from None
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():

@@ -107,3 +107,13 @@ def test_a_json_lines_file_of_prompts_runs_by_its_path_alone(tmp_path: Path) -> 
     table = read_output(tmp_path / "out")
     assert table.column("row_id").to_pylist() == [0, 1, 2]
     assert table.column("topic").to_pylist() == ["t0", "t1", "t2"]
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named_when_the_bundled_model_needs_it(tmp_path: Path, monkeypatch):
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("BATCHJOB_CACHE", str(blocked))
+    done = run_cli(f"output.dir={tmp_path / 'out'}")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"the bundled model cannot be created in {blocked}" in done.stderr and "BATCHJOB_CACHE" in done.stderr
