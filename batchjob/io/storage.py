@@ -70,12 +70,16 @@ def access_reported(locations: Sequence[str | None]) -> Iterator[None]:
         if not is_access_error(err):
             raise
         remote = [where for where in locations if where and "://" in where]
+        if remote:
+            fix = (
+                "Check that this machine has credentials for it (for S3: AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for an S3-compatible server), that they may read and "
+                "write there, and that the endpoint is reachable"
+            )
+        else:
+            fix = "Check that this user may read the input and write beside output.dir"
         where = " or ".join(remote) if remote else " or ".join(where for where in locations if where)
-        raise StorageAccessError(
-            f"cannot access {where}: {type(err).__name__}: {err}. Check that this machine has credentials for "
-            "it (for S3: AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for an "
-            "S3-compatible server), that they may read and write there, and that the endpoint is reachable"
-        ) from None
+        raise StorageAccessError(f"cannot access {where}: {type(err).__name__}: {err}. {fix}") from None
 
 
 @contextlib.contextmanager

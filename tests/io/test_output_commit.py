@@ -274,3 +274,6 @@ def test_a_location_that_cannot_be_reached_is_named_and_other_errors_pass(tmp_pa
         raise PermissionError("denied")
     with pytest.raises(KeyError), access_reported(("s3://b/out",)):
         raise KeyError("not an access error")
+    local = pytest.raises(StorageAccessError, match=r"cannot access /in or /out: .* this user may read the input")
+    with local, access_reported(("/in", "/out")):
+        raise PermissionError("denied")
