@@ -28,7 +28,13 @@ from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import OutputDirError
 from batchjob.io.lock import LockError, LockLost
 from batchjob.io.readers import InputError
-from batchjob.io.storage import StorageAccessError, StorageFull, access_reported, is_access_error
+from batchjob.io.storage import (
+    StorageAccessError,
+    StorageFull,
+    access_reported,
+    is_access_error,
+    quiet_lost_connections,
+)
 from batchjob.job_checks import PreparedJob, ReadyToFeed, check_beside_engine, prepare
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.run_files import recorded_run
@@ -52,6 +58,7 @@ def import_libraries() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     warnings.filterwarnings("ignore", module=r"(transformers|datasets|torch)(\..*)?")
+    quiet_lost_connections()
     import torch  # noqa: F401
 
     # transformers is imported where the tokenizer loads, beside the engine's start-up, and the native engine

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import posixpath
 import uuid
@@ -48,8 +49,27 @@ _ACCESS_ERRORS = frozenset(
         "DefaultCredentialsError",
         "RefreshError",
         "ClientAuthenticationError",
+        "ClientConnectionError",
+        "ServerDisconnectedError",
     }
 )
+
+
+class _LostConnectionRecords(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" records of an object store's lost connections: the
+    async filesystems (s3fs, gcsfs) leave such tasks behind when the endpoint goes away, and the job reports
+    the loss itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return err is None or not is_access_error(err)
+
+
+def quiet_lost_connections() -> None:
+    """Install `_LostConnectionRecords` on asyncio's logger (once)."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _LostConnectionRecords) for f in logger.filters):
+        logger.addFilter(_LostConnectionRecords())
 
 
 def is_access_error(err: BaseException) -> bool:

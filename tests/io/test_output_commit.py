@@ -277,3 +277,24 @@ def test_a_location_that_cannot_be_reached_is_named_and_other_errors_pass(tmp_pa
     local = pytest.raises(StorageAccessError, match=r"cannot access /in or /out: .* this user may read the input")
     with local, access_reported(("/in", "/out")):
         raise PermissionError("denied")
+
+
+def test_asyncio_records_of_lost_connections_are_dropped_and_others_kept() -> None:
+    import sys
+
+    from batchjob.io.storage import quiet_lost_connections
+
+    quiet_lost_connections()
+    quiet_lost_connections()  # installed once
+    asyncio_log = logging.getLogger("asyncio")
+    assert len(asyncio_log.filters) == 1
+
+    def record(err: BaseException) -> logging.LogRecord:
+        try:
+            raise err
+        except BaseException:
+            info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved", (), info)
+
+    assert not asyncio_log.filter(record(ConnectionRefusedError(111, "Connect call failed")))
+    assert asyncio_log.filter(record(ValueError("a bug of someone's")))
