@@ -32,9 +32,10 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchjob.io.access import StorageAccessError, access_reported
 from batchjob.io.layout import JOB_RECORD_NAME, OutputDirError, bookkeeping_dir
 from batchjob.io.status import committed_parts, shard_status
-from batchjob.io.storage import Storage, StorageAccessError, access_reported
+from batchjob.io.storage import Storage
 from batchjob.pipelines.openai_output import EXPORT_COLUMNS, batch_output_line
 
 USAGE = "usage: python -m batchjob.export output.dir=DIR format=openai_batch|jsonl path=FILE [model=NAME]"

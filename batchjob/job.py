@@ -24,17 +24,12 @@ from omegaconf import DictConfig
 from batchjob.config import load_settings
 from batchjob.engine import EngineFailure, EngineSetupError, create_engine
 from batchjob.errors import EXIT_USAGE, ConfigError
+from batchjob.io.access import StorageAccessError, access_reported, is_access_error, quiet_lost_connections
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import OutputDirError
 from batchjob.io.lock import LockError, LockLost
 from batchjob.io.readers import InputError
-from batchjob.io.storage import (
-    StorageAccessError,
-    StorageFull,
-    access_reported,
-    is_access_error,
-    quiet_lost_connections,
-)
+from batchjob.io.storage import StorageFull
 from batchjob.job_checks import PreparedJob, ReadyToFeed, check_beside_engine, prepare
 from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.run_files import recorded_run

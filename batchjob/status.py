@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from batchjob.io import manifest
+from batchjob.io.access import access_reported
 from batchjob.io.inputs import InputError, InputSpec
 from batchjob.io.layout import BOOKKEEPING_SUFFIX, JOB_RECORD_NAME, TMP_DIR_NAME, ShardOutput, bookkeeping_dir
 from batchjob.io.lock import DEFAULT_TIMEOUT_S, LockError, ShardLock
@@ -32,7 +33,7 @@ from batchjob.io.readers import open_input
 from batchjob.io.recovery import ShardFiles, check_parts
 from batchjob.io.sharding import shard_range
 from batchjob.io.status import shard_status
-from batchjob.io.storage import Storage, access_reported
+from batchjob.io.storage import Storage
 from batchjob.io.unique_ids import PARTITION_ROWS, find_duplicates
 
 USAGE = (

@@ -31,7 +31,8 @@ from datetime import datetime, timezone
 
 import psutil
 
-from batchjob.io.storage import Storage, is_access_error
+from batchjob.io.access import is_access_error
+from batchjob.io.storage import Storage
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0

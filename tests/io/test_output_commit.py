@@ -267,7 +267,7 @@ def test_a_bucket_or_filesystem_root_is_refused_as_output_dir(uri: str) -> None:
 
 
 def test_a_location_that_cannot_be_reached_is_named_and_other_errors_pass(tmp_path: Path) -> None:
-    from batchjob.io.storage import StorageAccessError, access_reported
+    from batchjob.io.access import StorageAccessError, access_reported
 
     denied = pytest.raises(StorageAccessError, match=r"cannot access s3://b/out: PermissionError: denied")
     with denied, access_reported((str(tmp_path / "in.parquet"), "s3://b/out")):
@@ -282,7 +282,7 @@ def test_a_location_that_cannot_be_reached_is_named_and_other_errors_pass(tmp_pa
 def test_asyncio_records_of_lost_connections_are_dropped_and_others_kept() -> None:
     import sys
 
-    from batchjob.io.storage import quiet_lost_connections
+    from batchjob.io.access import quiet_lost_connections
 
     quiet_lost_connections()
     quiet_lost_connections()  # installed once
