@@ -139,31 +139,30 @@ def time_parallel_fills(tokenizer, vocab: int, eos: list[int], rows: int, steps:
     import torch
 
     from batchjob.engine.api import Constraint
-    from batchjob.engine.grammar import GrammarCompiler
+    from batchjob.engine.grammar import GrammarCompiler, Matcher, grammar_text
 
     compiler = GrammarCompiler(tokenizer, vocab, eos)
     constraint = Constraint("json_schema", json.dumps(RECORDS_SCHEMA))
-    one = compiler.matcher(constraint).inner
-    batches = {
-        "engine": [compiler.matcher(constraint).inner for _ in range(rows)],
-        "one": [one.deep_copy() for _ in range(rows)],
-    }
+    one = compiler.matcher(constraint)
+
+    def copy(matcher: Matcher) -> Matcher:  # shares the original's lexer
+        return Matcher(matcher.inner.deep_copy())
+
+    batches = {"engine": [compiler.matcher(constraint) for _ in range(rows)], "one": [copy(one) for _ in range(rows)]}
     began = time.perf_counter()
     for _ in range(5):  # what each of the constraint's copies cost to compile
-        llguidance.LLMatcher(compiler._lltokenizer, compiler._cache[constraint].grammar, log_level=0)
+        llguidance.LLMatcher(compiler._lltokenizer, grammar_text(constraint), log_level=0)
     compile_ms = 1e3 * (time.perf_counter() - began) / 5
     bitmask = torch.zeros(rows, compiler.words, dtype=torch.int32)
-    single = torch.zeros(compiler.words, dtype=torch.int32)
+    single = torch.zeros(1, compiler.words, dtype=torch.int32)
     rng = np.random.default_rng(1)
     ways = ("alone", "one", "engine")
     fills: dict[str, list[float]] = {way: [] for way in ways}
     slowest: list[float] = []
 
-    def fill(matchers: list) -> float:
+    def fill(matchers: list[Matcher]) -> float:
         began = time.perf_counter()
-        compiler._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), compiler.words * 4, rows
-        )
+        compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
         return time.perf_counter() - began
 
     warmup = 10  # steps that spread the rows over the schema first
@@ -171,28 +170,28 @@ def time_parallel_fills(tokenizer, vocab: int, eos: list[int], rows: int, steps:
         way = ways[step % len(ways)]
         if step >= warmup and way == "alone":
             each = []
-            for matcher in [m.deep_copy() for m in batches["engine"]]:
+            for matcher in [copy(m) for m in batches["engine"]]:
                 began = time.perf_counter()
-                matcher.unsafe_compute_mask_ptr(single.data_ptr(), compiler.words * 4)
+                compiler.fill_bitmasks([(matcher, 0)], single)  # one row: the library's call on this thread
                 each.append(time.perf_counter() - began)
             fills[way].append(sum(each))
             slowest.append(max(each))
         elif step >= warmup:
-            fills[way].append(fill([m.deep_copy() for m in batches[way]]))
+            fills[way].append(fill([copy(m) for m in batches[way]]))
         fill(batches["one"])
         fill(batches["engine"])
         allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         for i, matcher in enumerate(batches["engine"]):
-            if matcher.is_stopped():
-                batches["engine"][i] = compiler.matcher(constraint).inner
-                batches["one"][i] = one.deep_copy()
+            if matcher.is_stopped:
+                batches["engine"][i] = compiler.matcher(constraint)
+                batches["one"][i] = copy(one)
                 continue
             token = int(rng.choice(np.flatnonzero(allowed[i])))
-            for name in batches:
-                assert batches[name][i].consume_token(token), batches[name][i].get_error()
-                forced = batches[name][i].compute_ff_tokens()
+            for batch in batches.values():
+                assert batch[i].consume(token), batch[i].error
+                forced = batch[i].forced_tokens()
                 if forced:
-                    batches[name][i].consume_tokens(forced)
+                    batch[i].consume_forced(forced)
     print(
         f"{rows} rows' masks a step, {steps} steps a way (medians); llguidance threads {compiler.threads}, "
         f"lexers a constraint {compiler.lexers}:"

@@ -281,7 +281,7 @@ class GrammarCompiler:
 
 class _Starts:
     """A compiled constraint's matchers in their start state, each with a lexer of its own; handed out in turn,
-    and compiled again (1.5-2.2 ms for the benchmark's JSON schema) until there are as many as asked for."""
+    and compiled again (1.2-2.2 ms for the benchmark's JSON schema) until there are as many as asked for."""
 
     def __init__(self, grammar: str, matchers: list[Any]) -> None:
         self.grammar = grammar

@@ -75,5 +75,5 @@ def access_reported(locations: Sequence[str | None]) -> Iterator[None]:
             )
         else:
             fix = "Check that this user may read the input and write beside output.dir"
-        where = " or ".join(remote) if remote else " or ".join(where for where in locations if where)
+        where = " or ".join(remote or [where for where in locations if where])
         raise StorageAccessError(f"cannot access {where}: {type(err).__name__}: {err}. {fix}") from None

@@ -3,6 +3,7 @@ rerun, every row exactly once and identical to the same job on a local disk."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -25,17 +26,23 @@ def read_s3_output(uri: str) -> pa.Table:
     return pads.dataset(path, filesystem=fs, format="parquet").to_table().sort_by("row_id")
 
 
+def start_after_parts(args: tuple[str, ...], out: str, cwd: Path, parts: int = 2) -> subprocess.Popen:
+    """The job started, once it has committed `parts` parts to `out`."""
+    job = start_cli(*args, cwd=cwd)
+    deadline = time.monotonic() + 120
+    while len(s3_parts(out)) < parts:
+        assert job.poll() is None, job.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "no parts committed in time"
+        time.sleep(0.05)
+    return job
+
+
 def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_dir: str, tmp_path: Path) -> None:
     prompts = write_prompts(tmp_path / "prompts.parquet", ROWS)
     local = tmp_path / "local"
     assert run_cli(f"data.path={prompts}", f"output.dir={local}", *SMALL_PARTS).returncode == 0
     args = (f"data.path={prompts}", f"output.dir={s3_output_dir}", *SMALL_PARTS)
-    job = start_cli(*args, cwd=tmp_path)
-    deadline = time.monotonic() + 120
-    while len(s3_parts(s3_output_dir)) < 2:
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "no parts committed in time"
-        time.sleep(0.05)
+    job = start_after_parts(args, s3_output_dir, tmp_path)
     job.kill()
     job.wait()
     resumed = run_cli(*args, cwd=tmp_path)
@@ -53,6 +60,7 @@ def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_di
 def test_a_store_lost_mid_run_exits_resumable_and_the_rerun_yields_every_row_once(
     s3_output_dir: str, tmp_path: Path, monkeypatch
 ) -> None:
+    del s3_output_dir  # wanted for the credentials it sets, not its server
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -70,12 +78,7 @@ def test_a_store_lost_mid_run_exits_resumable_and_the_rerun_yields_every_row_onc
     local = tmp_path / "local"
     assert run_cli(f"data.path={prompts}", f"output.dir={local}", *SMALL_PARTS).returncode == 0
     args = (f"data.path={prompts}", f"output.dir={out}", *SMALL_PARTS)
-    job = start_cli(*args, cwd=tmp_path)
-    deadline = time.monotonic() + 120
-    while len(s3_parts(out)) < 2:
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "no parts committed in time"
-        time.sleep(0.05)
+    job = start_after_parts(args, out, tmp_path)
     server.stop()
     _, stderr = job.communicate(timeout=240)
     assert job.returncode == 75, stderr[-3000:]
