@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 # Distinct compiled constraints kept (per-row schemas can all differ; each entry holds matchers in their start
 # state).
 CACHE_ENTRIES = 256
+# Advancing a step's matchers by their tokens: in llguidance's threads from this many rows (fewer are not worth
+# a call to its thread pool), with at most this many threads.
+PARALLEL_CONSUME_ROWS = 8
+CONSUME_THREADS = 8
 
 
 def mask_threads() -> int:
@@ -178,6 +182,7 @@ class GrammarCompiler:
         self.words = bitmask_words(vocab_size)
         self._lltokenizer = None
         self._executor = None
+        self._consumer = None
         self._building = threading.Lock()  # one build of the vocabulary index, whichever thread asks first
         self._builder: threading.Thread | None = None
         # Per constraint: its grammar, its start-state matchers (each with a lexer of its own, up to `self.lexers`)
@@ -224,6 +229,7 @@ class GrammarCompiler:
                 # imported it under the process's lock (transformers_import.py), it finds it imported.
                 self._lltokenizer = vocabulary_index(self.tokenizer, self.vocab_size, self.eos_token_ids)
                 self._executor = llguidance.LLExecutor(self.threads)
+                self._consumer = llguidance.LLExecutor(min(self.threads, CONSUME_THREADS))
         return self._lltokenizer
 
     def matcher(self, constraint: Constraint) -> Matcher:
@@ -273,10 +279,13 @@ class GrammarCompiler:
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
 
     def consume(self, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:
-        """Advance each matcher by its token; False where the token was not allowed. A token takes a couple of
-        microseconds, so this thread does it: the executor's threads may be filling another step's masks
-        (`engine.constrained_lag`), and its parallel call would queue behind them."""
-        return [m.inner.consume_token(t) for m, t in pairs]
+        """Advance each matcher by its token; False where the token was not allowed. A token takes several
+        microseconds with the GIL held (6.5 us a row on the benchmark's schema), so a step's rows go to
+        llguidance's threads in one call, off the GIL: an executor of their own, since the masks' executor may be
+        filling another step's rows (`engine.constrained_lag`) and a call would queue behind them."""
+        if len(pairs) < PARALLEL_CONSUME_ROWS or self._consumer is None:
+            return [m.inner.consume_token(t) for m, t in pairs]
+        return self._consumer.consume_token_par([(m.inner, t) for m, t in pairs])
 
 
 class _Starts:

@@ -139,6 +139,33 @@ def test_matchers_of_one_constraint_come_from_as_many_compiled_copies_as_lexers_
     assert all(torch.equal(bitmask[0], row) for row in bitmask)
 
 
+def test_a_steps_matchers_advance_in_the_librarys_threads_as_they_do_one_by_one(tokenizer):
+    # A step's rows are consumed in one parallel call: the same answers as one row at a time, a refused token
+    # included, and every matcher left where one-by-one leaves it (the same masks next).
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    constraint = Constraint("json_schema", json.dumps(PET_SCHEMA))
+    rng = np.random.default_rng(0)
+    rows = 24
+    parallel = [compiler.matcher(constraint) for _ in range(rows)]
+    serial = [compiler.matcher(constraint) for _ in range(rows)]
+    bitmask = torch.zeros(rows, compiler.words, dtype=torch.int32)
+    for step in range(12):
+        compiler.fill_bitmasks([(m, i) for i, m in enumerate(parallel)], bitmask)
+        allowed = [np.flatnonzero(_allowed(row, len(tokenizer))) for row in bitmask]
+        tokens = [int(rng.choice(a)) if len(a) else tokenizer.eos_token_id for a in allowed]
+        if step == 5:  # a token the mask refuses
+            tokens[3] = int(np.setdiff1d(np.arange(len(tokenizer)), allowed[3])[0])
+        pairs = [(m, t) for m, t in zip(parallel, tokens, strict=True) if not m.is_stopped]
+        expected = [m.consume(t) for m, t in zip(serial, tokens, strict=True) if not m.is_stopped]
+        assert compiler.consume(pairs) == expected
+        if step == 5:
+            assert expected[3] is False
+        after = torch.zeros_like(bitmask)
+        compiler.fill_bitmasks([(m, i) for i, m in enumerate(serial)], after)
+        compiler.fill_bitmasks([(m, i) for i, m in enumerate(parallel)], bitmask)
+        assert torch.equal(bitmask, after)
+
+
 def test_the_engine_runs_more_lexers_than_mask_threads():
     from batchjob.engine.grammar import lexers_per_constraint, mask_threads
 

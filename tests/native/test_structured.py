@@ -48,6 +48,18 @@ def test_every_stopped_json_row_parses_and_validates(model_dir, temperature):
     assert stats["jump_forward_tokens"] > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_without_jump_forward_rows_still_validate_and_async_equals_sync(model_dir, temperature):
+    # Each forced token then takes a step, as the model's own choice among the tokens the mask allows.
+    reqs = _mixed(temperature) + _requests(24, temperature, json_schema=PET)
+    reqs = [Request(i, r.prompt_ids, r.sampling) for i, r in enumerate(reqs)]
+    async_done, stats = _run(model_dir, reqs, "native", jump_forward=False)
+    sync_done, _ = _run(model_dir, reqs, "native_sync", jump_forward=False)
+    assert stats["jump_forward_tokens"] == 0
+    assert {i: c.token_ids for i, c in async_done.items()} == {i: c.token_ids for i, c in sync_done.items()}
+    assert check_stop_rows([async_done[r.id] for r in reqs[-24:]], lambda t: valid_json(t, PET_SCHEMA)) >= 0.8
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_every_stopped_regex_row_matches_and_every_choice_row_is_a_choice(model_dir, temperature):
     reqs = _requests(12, temperature, regex=r"[a-z]{3}-[0-9]{2,3}")

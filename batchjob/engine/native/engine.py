@@ -283,7 +283,9 @@ class NativeEngine:
         self._next_seq_id = 0
         if self.grammars.tokenizer is None:
             self.grammars.tokenizer = self.tokenizer
-        self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars)
+        self.outputs = OutputProcessor(
+            self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars, opts.jump_forward
+        )
         self.masks = StepMasks(self.runner, self.grammars, chunked=self._chunked_masks)
 
     # ---- the loop ----

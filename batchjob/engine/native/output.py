@@ -20,11 +20,19 @@ from batchjob.engine.native.sequence import Sequence, Status
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], detokenize: bool, grammars: GrammarCompiler) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        eos_token_ids: tuple[int, ...],
+        detokenize: bool,
+        grammars: GrammarCompiler,
+        jump_forward: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.grammars = grammars
+        self.jump_forward = jump_forward
         self.tokens_out = 0
         self.wasted = 0
         self.forced_tokens = 0  # jump-forward: tokens appended without a step of their own
@@ -99,7 +107,7 @@ class OutputProcessor:
             reason = FINISH_LENGTH
         if reason is not None:
             return self._finish(seq, position, reason, scheduler)
-        if seq.matcher is not None and not forced and seq.sampling.logprobs is None:
+        if self.jump_forward and seq.matcher is not None and not forced and seq.sampling.logprobs is None:
             # Forced tokens are never sampled, so they would have no log-probabilities: no jump-forward then.
             return self._jump_forward(seq, scheduler)
         return None
