@@ -275,3 +275,35 @@ def test_a_closed_engine_frees_its_runner_without_the_garbage_collector(llama_ca
         assert runner() is None
     finally:
         gc.enable()
+
+
+def test_a_run_leaves_start_up_objects_to_no_collection_and_close_hands_them_back(llama_case):
+    """A full collection mid-run scans everything the process holds (imports, the model): a stall of the GPU.
+    The run freezes what exists at its start; close unfreezes it, so a cycle made before the run that the engine
+    later drops is still collected."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    model_dir = llama_case[0]
+    eng = create_engine("native", str(model_dir), {"dtype": "float32", "device": "cpu"})
+    gc.disable()  # no collection between dropping the cycle and the run's start
+    try:
+        cycle = Node()
+        cycle.me = cycle
+        dropped = weakref.ref(cycle)
+        del cycle
+        stream = eng.generate([Request(id=0, prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4))])
+        next(stream)
+    finally:
+        gc.enable()
+    assert gc.get_freeze_count() > 0
+    gc.collect()
+    assert dropped() is not None  # frozen: no collection looks at it during the run
+    list(stream)
+    eng.close()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert dropped() is None

@@ -18,6 +18,7 @@ and closes its ranks, so a rank never dies halfway through a collective its peer
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -76,6 +77,7 @@ def _rank_stats(runner) -> dict[str, Any]:
 def serve(conn: Connection, engine, rank: int) -> None:
     runner = engine.runner
     launched = deque()
+    gc.freeze()  # this process's objects live as long as it does: no full collection mid-run scans them
     while True:
         try:
             kind, payload = conn.recv()
