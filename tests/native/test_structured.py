@@ -44,18 +44,19 @@ def _requests(n: int, temperature: float, max_new_tokens: int = 160, **constrain
 def test_every_stopped_json_row_parses_and_validates(model_dir, temperature):
     done, stats = _run(model_dir, _requests(24, temperature, json_schema=PET))
     assert check_stop_rows(list(done.values()), lambda t: valid_json(t, PET_SCHEMA)) >= 0.8
-    # The schema's keys and punctuation are forced: jump-forward appends them without a step of their own.
-    assert stats["jump_forward_tokens"] > 0
+    # Each step's masks began filling as soon as the step before had its tokens in the matchers.
+    assert stats["constrained_steps_masked_early"] > 0 and stats["jump_forward_tokens"] == 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
-def test_without_jump_forward_rows_still_validate_and_async_equals_sync(model_dir, temperature):
-    # Each forced token then takes a step, as the model's own choice among the tokens the mask allows.
+def test_with_jump_forward_rows_still_validate_and_async_equals_sync(model_dir, temperature):
+    # The schema's keys and punctuation are forced: jump-forward appends them without a step of their own; the
+    # next step's masks then wait until the whole step is processed.
     reqs = _mixed(temperature) + _requests(24, temperature, json_schema=PET)
     reqs = [Request(i, r.prompt_ids, r.sampling) for i, r in enumerate(reqs)]
-    async_done, stats = _run(model_dir, reqs, "native", jump_forward=False)
-    sync_done, _ = _run(model_dir, reqs, "native_sync", jump_forward=False)
-    assert stats["jump_forward_tokens"] == 0
+    async_done, stats = _run(model_dir, reqs, "native", jump_forward=True)
+    sync_done, _ = _run(model_dir, reqs, "native_sync", jump_forward=True)
+    assert stats["jump_forward_tokens"] > 0 and stats["constrained_steps_masked_early"] == 0
     assert {i: c.token_ids for i, c in async_done.items()} == {i: c.token_ids for i, c in sync_done.items()}
     assert check_stop_rows([async_done[r.id] for r in reqs[-24:]], lambda t: valid_json(t, PET_SCHEMA)) >= 0.8
 

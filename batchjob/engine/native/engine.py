@@ -425,12 +425,19 @@ class NativeEngine:
                 self.masks.finish()
             else:
                 self.masks.fill_now(step)
-        settle = None
-        if self._chunked_masks and follower is not None and not follower.sampled and not self.masks.busy:
-            self.masks.begin(follower, step.plan.seqs)
-            settle = self.masks.settle
+        settle = advanced = None
+        if follower is not None and not follower.sampled and not self.masks.busy:
+            if self._chunked_masks:
+                self.masks.begin(follower, step.plan.seqs)
+                settle = self.masks.settle
+            elif not self.options.jump_forward:
+                # The follower's masks need only this step's tokens in the matchers: they fill while the rest of
+                # this step is processed (jump-forward would need the matchers after that).
+                def advanced() -> None:
+                    self.masks.start(follower, early=True)
+
         result = self.runner.collect(step)
-        yield from self.outputs.process(step, result, self.scheduler, settle, self.options.mask_chunk_rows)
+        yield from self.outputs.process(step, result, self.scheduler, settle, self.options.mask_chunk_rows, advanced)
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
@@ -457,6 +464,7 @@ class NativeEngine:
                 mask_wait_ms_per_constrained_step=1000 * self.masks.wait_s / runner.masked_steps,
                 mask_calls_per_constrained_step=self.masks.fill_calls / runner.masked_steps,
                 constrained_steps_masked_at_launch=self.masks.started_at_launch,
+                constrained_steps_masked_early=self.masks.started_early,
                 sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,
                 grammars_compiled=self.grammars.compiled,

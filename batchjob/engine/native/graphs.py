@@ -3,7 +3,8 @@
 Per IO slot (a graph is bound to the addresses of its slot's buffers) and per sampler mode: a decode graph per
 batch-size bucket, a mixed graph per token-count bucket, and for steps with constrained rows the two halves of
 a split step (the forward per bucket, the masked sampler per bucket and mode), of decode and of mixed steps:
-jump-forward feeds a constrained row its forced tokens as one chunk, so most constrained steps are mixed.
+with jump-forward (`engine.jump_forward`) a constrained row's forced tokens come as one chunk, so most of its steps
+are mixed.
 step_layout.py says how a step is padded to a graph's shape. All graphs share one memory pool
 (`torch.cuda.graph_pool_handle()`), which is safe because they only ever replay one at a time, on the compute
 stream; the largest steps are captured first, so the smaller ones reuse their memory.

@@ -49,7 +49,7 @@ class NativeOptions:
     graph_constrained: bool = True
     constrained_lag: bool = False
     mask_chunk_rows: int = 0
-    jump_forward: bool = True
+    jump_forward: bool = False
     graph_mixed: bool = True
     graph_max_batch: int | None = None
     warmup: bool | None = None

@@ -26,7 +26,7 @@ class OutputProcessor:
         eos_token_ids: tuple[int, ...],
         detokenize: bool,
         grammars: GrammarCompiler,
-        jump_forward: bool = True,
+        jump_forward: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -44,13 +44,17 @@ class OutputProcessor:
         scheduler: Scheduler,
         settle: Callable[[list[Sequence]], None] | None = None,
         chunk: int = 0,
+        advanced: Callable[[], None] | None = None,
     ) -> Iterator[Completion]:
         """Apply one collected step: resolve each sampled row's pending token, stop what must stop, and
         yield the requests whose samples have all finished. With `settle`, every `chunk` sequences done are
-        passed to it: their matchers are final for the next step."""
+        passed to it: their matchers are final for the next step. `advanced` is called once every matcher has
+        its token, before the rest: without jump-forward, nothing here touches a matcher after that."""
         tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
         samples = step.plan.samples.tolist()
-        accepted = self._advance_matchers(step.plan.seqs, samples, tokens)
+        advanced_by = self._advance_matchers(step.plan.seqs, samples, tokens)
+        if advanced is not None:
+            advanced()
         row = 0
         done: list[Sequence] = []
         for seq, sampled in zip(step.plan.seqs, samples, strict=True):
@@ -63,7 +67,7 @@ class OutputProcessor:
                 if seq.status is Status.FINISHED:
                     self.wasted += 1
                 else:
-                    finished = self._append(seq, tokens[row], result, row, scheduler, accepted.get(seq.seq_id))
+                    finished = self._append(seq, tokens[row], result, row, scheduler, advanced_by.get(seq.seq_id))
                     if finished is not None:
                         yield finished
                 row += 1
@@ -72,9 +76,12 @@ class OutputProcessor:
         if settle is not None and done:
             settle(done)
 
-    def _advance_matchers(self, seqs: list[Sequence], samples: list[bool], tokens: list[int]) -> dict[int, bool]:
+    def _advance_matchers(
+        self, seqs: list[Sequence], samples: list[bool], tokens: list[int]
+    ) -> dict[int, tuple[bool, bool, str]]:
         """Advance every constrained sequence's matcher by its new token, unless its constraint had already forced
-        (and consumed) that token. Returns whether each matcher accepted its token, by sequence id."""
+        (and consumed) that token. Returns, by sequence id, whether each matcher accepted its token, whether its
+        constraint is now complete, and its error if it refused the token."""
         pairs, ids, row = [], [], 0
         for seq, sampled in zip(seqs, samples, strict=True):
             if sampled:
@@ -84,10 +91,21 @@ class OutputProcessor:
                         pairs.append((seq.matcher, tokens[row]))
                         ids.append(seq.seq_id)
                 row += 1
-        return dict(zip(ids, self.grammars.consume(pairs), strict=True)) if pairs else {}
+        if not pairs:
+            return {}
+        accepted = self.grammars.consume(pairs)
+        return {
+            i: (ok, m.is_stopped, "" if ok else m.error) for i, ok, (m, _) in zip(ids, accepted, pairs, strict=True)
+        }
 
     def _append(
-        self, seq: Sequence, token: int, result: StepResult, row: int, scheduler: Scheduler, accepted: bool | None
+        self,
+        seq: Sequence,
+        token: int,
+        result: StepResult,
+        row: int,
+        scheduler: Scheduler,
+        advanced: tuple[bool, bool, str] | None,
     ) -> Completion | None:
         position, forced = seq.resolve_oldest(token)
         self.tokens_out += 1
@@ -98,7 +116,7 @@ class OutputProcessor:
                 seq.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
         reason = None
         if seq.matcher is not None:
-            reason = self._constraint_reason(seq, token, position, forced, accepted)
+            reason = self._constraint_reason(seq, token, position, forced, advanced)
             if reason == FINISH_ERROR:
                 return self._finish(seq, position, reason, scheduler)
         if reason is None:
@@ -127,19 +145,21 @@ class OutputProcessor:
         return None
 
     def _constraint_reason(
-        self, seq: Sequence, token: int, position: int, forced: bool, accepted: bool | None
+        self, seq: Sequence, token: int, position: int, forced: bool, advanced: tuple[bool, bool, str] | None
     ) -> str | None:
         """`stop` once the constraint is complete (EOS sampled, or nothing but EOS may follow), `error` if the
-        token broke it (a bug: masks allow only what the matcher accepts); None to go on."""
+        token broke it (a bug: masks allow only what the matcher accepts); None to go on. `advanced` is what
+        `_advance_matchers` found: the next step's masks may be filling from this matcher already."""
         if forced:
             if int(seq.tokens[position]) != token:
                 seq.error = f"constrained decoding sampled token {token} where the constraint forced another"
                 return FINISH_ERROR
             return FINISH_STOP if seq.matcher.is_stopped else None
+        accepted, stopped, error = advanced
         if not accepted:
-            seq.error = f"constrained decoding failed: {seq.matcher.error or f'token {token} not allowed'}"
+            seq.error = f"constrained decoding failed: {error or f'token {token} not allowed'}"
             return FINISH_ERROR
-        if token in self.eos_token_ids or seq.matcher.is_stopped:
+        if token in self.eos_token_ids or stopped:
             return FINISH_STOP
         return None
 

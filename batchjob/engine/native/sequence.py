@@ -5,8 +5,9 @@ tokens: tokens that steps in flight will sample, whose values the host does not 
 placeholders (0) here; the device carries each one over into the next step's input.
 
 A constrained sequence (structured outputs) has a grammar `matcher`. When its constraint forces the next tokens
-(a schema's keys and punctuation), they are appended at once (*jump-forward*); a token that a step in flight
-samples but the constraint already forced is known before it arrives: positions below `forced_until` are.
+(a schema's keys and punctuation), they may be appended at once (*jump-forward*, `engine.jump_forward`); a token
+that a step in flight samples but the constraint already forced is known before it arrives: positions below
+`forced_until` are.
 """
 
 from __future__ import annotations

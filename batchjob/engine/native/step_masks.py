@@ -49,6 +49,7 @@ class StepMasks:
         self.wait_s = 0.0  # the loop waiting for the worker's bitmasks
         self.fill_calls = 0  # grammar-library calls that filled bitmask rows
         self.started_at_launch = 0  # steps whose masks began filling at their launch (engine.constrained_lag)
+        self.started_early = 0  # steps whose masks began filling before the step ahead was all processed
 
     @property
     def busy(self) -> bool:
@@ -67,12 +68,14 @@ class StepMasks:
         self._count_fill_time()
         self.runner.enqueue_masked_sampler(step)
 
-    def start(self, step: StepHandle, at_launch: bool = False) -> None:
-        """Have the worker fill `step`'s bitmask; `finish` enqueues its sampler."""
+    def start(self, step: StepHandle, at_launch: bool = False, early: bool = False) -> None:
+        """Have the worker fill `step`'s bitmask; `finish` enqueues its sampler. `early`: the step before it is
+        still being processed, its tokens already in the matchers (a row that stops there is filled for nothing)."""
         bitmask = self.runner.bitmask_rows(step)
         rows = self._rows(step, bitmask)
         self._job = (step, [self._submit(rows, bitmask)])
         self.started_at_launch += at_launch
+        self.started_early += early
 
     def begin(self, step: StepHandle, processing: Iterable[Sequence]) -> None:
         """Fill `step`'s bitmask chunk by chunk: the rows of sequences outside `processing` (the step whose tokens
