@@ -166,6 +166,20 @@ def test_a_steps_matchers_advance_in_the_librarys_threads_as_they_do_one_by_one(
         assert torch.equal(bitmask, after)
 
 
+def test_copies_of_a_shared_constraint_are_compiled_in_parallel_batches_doubling_as_rows_come(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiler.lexers, compiler.threads = 9, 4
+    constraint = Constraint("json_schema", json.dumps(PET_SCHEMA))
+    copies = []
+    for _ in range(12):
+        compiler.matcher(constraint)
+        copies.append(len(compiler._cache[constraint].matchers))
+    assert copies == [1, 2, 4, 4, 8, 8, 8, 8, 9, 9, 9, 9]
+    # A constraint of one row is one compile.
+    compiler.matcher(Constraint("regex", "[a-z]{3}"))
+    assert len(compiler._cache[Constraint("regex", "[a-z]{3}")].matchers) == 1
+
+
 def test_the_engine_runs_more_lexers_than_mask_threads():
     from batchjob.engine.grammar import lexers_per_constraint, mask_threads
 
