@@ -24,7 +24,6 @@ download, or TIKTOKEN_CACHE_DIR holding it).
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib
 import json
@@ -34,11 +33,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from bench_lib.hardware import HardwareRates
 from bench_lib.isolation import ChildFailed, kernel_cache_env, run_child
 from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, text_tokens, tiny_model_dir
+from bench_lib.options import engine_options
 from bench_lib.report import WorkloadReport, plot, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
 from bench_lib.systems import CONSTRAINED_SYSTEMS, NATIVE_ENGINES, NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult
@@ -110,19 +109,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --constrained: the generated 128k BPE, or tiktoken's cl100k_base (a real vocabulary)",
     )
     return parser.parse_args(argv)
-
-
-def engine_options(pairs: list[str]) -> dict[str, Any]:
-    options = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--engine-option {pair!r}: expected KEY=VALUE, e.g. --engine-option max_num_seqs=256")
-        try:
-            options[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            options[key] = {"true": True, "false": False, "null": None}.get(raw.lower(), raw)
-    return options
 
 
 def unavailable_reason(system: str) -> str | None:

@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_lib.options import engine_options  # noqa: E402
 from bench_lib.workloads import RECORDS_SCHEMA  # noqa: E402
 
 DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
@@ -72,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = tiny_model(args.cache, args.tokenizer)
     options = {"dtype": "float32", "max_num_seqs": args.requests, "max_num_batched_tokens": 4096}
-    for pair in args.engine_option:
-        key, _, value = pair.partition("=")
-        options[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    options.update(engine_options(args.engine_option))
     engine = create_engine("native", str(model), options)
     rng = np.random.default_rng(0)
     schema = json.dumps(RECORDS_SCHEMA)

@@ -218,7 +218,7 @@ def test_the_host_step_profile_script_times_each_part_of_constrained_steps(tmp_p
     script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_steps.py"
     command = [sys.executable, str(script), "--tokenizer", str(default_tiny_model()), "--requests", "8"]
     command += ["--max-new-tokens", "24", "--cache", str(tmp_path), "--engine-option", "mask_chunk_rows=4"]
-    command += ["--engine-option", "jump_forward=true"]
+    command += ["--engine-option", "jump_forward=True"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "8 requests, vocabulary 512" in run.stdout
