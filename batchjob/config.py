@@ -123,7 +123,11 @@ def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
         grammar = _text_or_file(grammar, "sampling.grammar", inline=not Path(str(grammar)).expanduser().is_file())
     choice = raw.get("choice")
     if isinstance(choice, str):
-        choice = [choice]
+        # One choice would make every output the same; `sampling.choice="yes,no"` is also one string.
+        example = ",".join(part.strip() for part in choice.split(",")) if "," in choice else f"{choice},..."
+        raise ConfigError(
+            f"sampling.choice={choice!r} is one string: give the choices as a list, sampling.choice=[{example}]"
+        )
     return {
         "json_schema": schema,
         "grammar": grammar,

@@ -80,8 +80,22 @@ def check_known_keys(cfg: DictConfig) -> None:
 
 def composition_error(err: Exception) -> str:
     """One line for an error Hydra raised while composing the config (before batchjob's code runs)."""
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
 
+    if isinstance(err, OverrideParseException) and "=" in err.override:
+        # Brackets, braces, parentheses, `+` and `*` mean something to Hydra's override grammar: a regex, an
+        # inline schema or a grammar must be quoted for it, inside the shell's quotes.
+        key, _, value = err.override.partition("=")
+        reason = " ".join(err.message.split("See https://hydra.cc")[0].split()).strip(" ;.")
+        if '"' not in value:
+            quoted = f"""'{key}="{value}"'"""
+        else:  # single quotes for Hydra inside the shell's double quotes, which then expand \ " $ `
+            shell = "".join("\\" + c if c in '\\"$`' else c for c in value)
+            quoted = '"' + f"{key}='{shell}'" + '"'
+        fix = f"quote it for Hydra inside the shell's quotes, {quoted}"
+        if key.lstrip("+~") in ("sampling.json_schema", "sampling.grammar"):
+            fix += ", or put it in a file and give the file's path"
+        return f"{key}={value}: Hydra cannot read this value ({reason}); {fix}"
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         return (

@@ -91,7 +91,10 @@ class SamplingParams:
             else:
                 if not isinstance(schema, (dict, bool)):
                     problems.append(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        if isinstance(self.choice, str):
+            # A string is a sequence of one-character strings: it would pass below as choices of one letter each.
+            problems.append(f"choice must be a list of strings, not one string ({self.choice!r}): e.g. ('yes', 'no')")
+        elif self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             problems.append("choice must be a non-empty list of non-empty strings")
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)

@@ -122,6 +122,8 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("sampling.regex='(ab'", "sampling.regex: regex cannot be compiled"),
         ("sampling.grammar='start: undefined_rule'", "sampling.grammar: grammar cannot be compiled"),
         ("sampling.choice=[]", "choice must be a non-empty list"),
+        ("sampling.choice=yes", "sampling.choice='yes' is one string: give the choices as a list"),
+        ('sampling.choice="yes, no"', "sampling.choice=[yes,no]"),
         ("data.json_schema_column=schema", "data.json_schema_column='schema' is not in the input"),
     ],
 )

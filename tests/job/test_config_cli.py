@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 from jobtools import bookkeeping, read_output, read_report, run_cli, write_table
 
 QUESTIONS = ["What is a cat?", "Why is the sky blue?", "Name a prime."]
@@ -110,6 +112,26 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path: Path) -> None:
     done = run_cli(f"output.dir={tmp_path / 'out'}", "sampling.max_new_tokens=abc")
     assert_refused(done, "sampling.max_new_tokens='abc': must be an integer")
     assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "value"),
+    [
+        ("sampling.regex=[a-z]+-\\d{2}", "[a-z]+-\\d{2}"),
+        ('sampling.json_schema={"type":"object"}', '{"type":"object"}'),
+    ],
+    ids=["regex", "inline JSON"],
+)
+def test_a_value_hydra_cannot_read_is_refused_with_the_quoting_that_works(tmp_path: Path, override: str, value: str):
+    done = run_cli(f"output.dir={tmp_path / 'out'}", override)
+    assert_refused(done, "Hydra cannot read this value", "quote it for Hydra inside the shell's quotes")
+    # The quoting the message gives, as the shell hands it over, yields the value.
+    quoted = re.search(r"inside the shell's quotes, (\S+)", done.stderr).group(1).rstrip(",")
+    argument = shlex.split(quoted)[0]
+    shown = run_cli(f"output.dir={tmp_path / 'out'}", argument, flags=("--cfg", "job"))
+    assert shown.returncode == 0, shown.stderr
+    key = override.partition("=")[0].rpartition(".")[2]
+    assert yaml.safe_load(shown.stdout)["sampling"][key] == value
 
 
 def help_lines(*overrides: str) -> dict[str, str]:

@@ -165,6 +165,12 @@ def test_schedule_does_not_change_constrained_greedy_output(model_dir, schedule)
         assert stats["preemptions"] > 0
 
 
+def test_one_string_given_as_the_choices_is_refused_naming_the_list_form():
+    # A string is a sequence of one-letter strings: taken as it is, the output would be one letter of it.
+    with pytest.raises(ValueError, match=r"choice must be a list of strings, not one string \('yes'\)"):
+        SamplingParams(8, choice="yes")
+
+
 def test_a_schema_that_cannot_compile_fails_only_its_own_request(model_dir):
     reqs = [
         Request(0, (6, 7), SamplingParams(30, json_schema='{"type": "object", "minProperties": "two"}')),
