@@ -10,7 +10,8 @@ token ids; the job decides what to do with it (`on_error`).
 
 With `data.json_schema_column`, a row's own JSON schema constrains its output in place of the job's
 `sampling.*` constraint (a null schema: the job's settings alone); a schema that is not a JSON object makes
-the row an error row.
+the row an error row. The column holds JSON text, or structs (dicts written as they are: their null fields,
+which Parquet adds for the fields of other rows, are dropped).
 """
 
 from __future__ import annotations

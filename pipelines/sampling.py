@@ -39,5 +39,20 @@ def json_schema_override(schema: Any) -> dict[str, Any]:
     if isinstance(schema, bytes):
         schema = schema.decode("utf-8", errors="replace")
     if not isinstance(schema, str):
-        schema = json.dumps(schema)
+        schema = json.dumps(without_struct_nulls(schema))
     return {"json_schema": schema, "regex": None, "choice": None, "grammar": None}
+
+
+def without_struct_nulls(value: Any) -> Any:
+    """A schema read from a struct column (the dicts pandas, polars or pyarrow write) as the schema it was
+    written from. Parquet gives every row of a struct column every field of every row, null where the row had
+    none, and a null where a schema is expected makes it invalid: null fields are dropped, at any depth. (A
+    schema that needs a null value, as `"const": null`, must be stored as JSON text.) A map column's entries,
+    read as (key, value) pairs, become an object."""
+    if isinstance(value, dict):
+        return {key: without_struct_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        if value and all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) for item in value):
+            return {key: without_struct_nulls(item) for key, item in value if item is not None}
+        return [without_struct_nulls(item) for item in value]
+    return value

@@ -54,6 +54,30 @@ def test_per_row_schemas_mix_with_job_level_choice_rows_and_a_bad_schema_is_an_e
     assert report["engine"]["grammars_compiled"] == 3  # the choice and two schemas, each compiled once
 
 
+def test_per_row_schemas_written_as_dicts_constrain_their_rows(tmp_path: Path) -> None:
+    # pandas and pyarrow write a column of dicts as a struct column: each row then has every field of every
+    # row's schema, null where its own had none.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schemas = [POINT_SCHEMA, None, PET_SCHEMA, POINT_SCHEMA]
+    table = pa.table({"prompt": [f"Describe thing {i}." for i in range(len(schemas))], "schema": schemas})
+    assert pa.types.is_struct(table.schema.field("schema").type)
+    assert table.column("schema")[0].as_py()["properties"].get("name", 0) is None  # PET's field, null here
+    pq.write_table(table, tmp_path / "p.parquet")
+    code = run_in_process(
+        *NATIVE, f"data.path={tmp_path / 'p.parquet'}", "data.json_schema_column=schema", f"output.dir={tmp_path / 'o'}"
+    )
+    assert code == 0
+    rows = {r["row_id"]: r for r in read_output(tmp_path / "o").to_pylist()}
+    for row_id, schema in enumerate(schemas):
+        if schema is not None:
+            assert rows[row_id]["finish_reason"] in ("stop", "length"), rows[row_id]["error"]
+    assert rows[0]["finish_reason"] == "stop" and valid_json(rows[0]["generation"], POINT_SCHEMA)
+    assert rows[2]["finish_reason"] != "stop" or valid_json(rows[2]["generation"], PET_SCHEMA)
+    assert read_report(tmp_path / "o")["errors"] == 0
+
+
 def _chat_line(custom_id: str, text: str, response_format: dict | None) -> str:
     body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
     if response_format is not None:
