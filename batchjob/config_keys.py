@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,14 @@ def composition_error(err: Exception) -> str:
         if key.lstrip("+~") in ("sampling.json_schema", "sampling.grammar"):
             fix += ", or put it in a file and give the file's path"
         return f"{key}={value}: Hydra cannot read this value ({reason}); {fix}"
+    sweep = re.match(r"Ambiguous value for argument '([^=']+)=([^']*)'", str(err))
+    if sweep:  # `key=a,b` is a sweep to Hydra, which a single run refuses
+        key, value = sweep.groups()
+        parts = value.split(",")
+        fixes = f"""a list takes brackets, {key}=[{value}]; a text with commas takes quotes, '{key}="{value}"'"""
+        if len(parts) == 2 and all(part.strip().isdigit() for part in parts):
+            fixes = f"a decimal number takes a point, {key}={parts[0].strip()}.{parts[1].strip()}; " + fixes
+        return f"{key}={value}: a comma makes Hydra read several values; {fixes}"
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         return (

@@ -134,6 +134,12 @@ def test_a_value_hydra_cannot_read_is_refused_with_the_quoting_that_works(tmp_pa
     assert yaml.safe_load(shown.stdout)["sampling"][key] == value
 
 
+def test_a_decimal_comma_is_refused_naming_the_decimal_point_and_the_list(tmp_path: Path) -> None:
+    done = run_cli(f"output.dir={tmp_path / 'out'}", "sampling.temperature=0,7")
+    assert_refused(done, "sampling.temperature=0,7:", "sampling.temperature=0.7", "sampling.temperature=[0,7]")
+    assert not (tmp_path / "out").exists()
+
+
 def help_lines(*overrides: str) -> dict[str, str]:
     shown = run_cli(*overrides, flags=("--help",))
     assert shown.returncode == 0, shown.stderr
