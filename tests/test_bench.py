@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -238,7 +239,7 @@ def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_it
 
 def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--constrained", "--systems", "native_json"]
+    command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--constrained", "--systems", "native_json,native"]
     command += ["--runs", "warm", "--out", str(out), "--model-cache", str(tmp_path), "--profile"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -251,3 +252,7 @@ def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
     profile = (out / "profile-tiny-native_json-warm.txt").read_text()
     assert "Ordered by: internal time" in profile and "Ordered by: cumulative time" in profile
     assert "(run_system)" in profile
+    # The table gives constrained throughput as a fraction of the same command's unconstrained run.
+    native = workload["systems"]["native"]["warm"]
+    ratio = result["output_tokens"] / result["wall_s"] / (native["output_tokens"] / native["wall_s"])
+    assert re.search(rf"native_json warm .*  {ratio:.2f}x of native warm", run.stdout)

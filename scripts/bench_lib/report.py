@@ -115,8 +115,12 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
                 f"{name:<9}{'roofline':<24}{floor.total_s:>9.2f}{floor.output_tokens:>10}{floor.tok_per_s:>10.0f}"
                 f"{'100%':>10}  decode {floor.decode_s:.2f} s + prefill {floor.prefill_s:.2f} s"
             )
+        unconstrained = {r.run: r.tok_per_s for r in report.results if r.system == "native" and not r.cut}
         for r in report.results:
             status = f"cut at {r.requests_done}/{r.requests_total} requests" if r.cut else ""
+            if r.system.startswith("native_json") and r.run in unconstrained and not r.cut:
+                # structured outputs: the measure, against the same command's unconstrained run
+                status = f"{r.tok_per_s / unconstrained[r.run]:.2f}x of native {r.run}"
             lines.append(
                 f"{name:<9}{r.system + ' ' + r.run:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
                 f"{_percent(report.fraction_of_roofline(r)):>10}{_percent(r.gpu_busy_fraction):>10}"
