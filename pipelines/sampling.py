@@ -47,8 +47,9 @@ def without_struct_nulls(value: Any) -> Any:
     """A schema read from a struct column (the dicts pandas, polars or pyarrow write) as the schema it was
     written from. Parquet gives every row of a struct column every field of every row, null where the row had
     none, and a null where a schema is expected makes it invalid: null fields are dropped, at any depth. (A
-    schema that needs a null value, as `"const": null`, must be stored as JSON text.) A map column's entries,
-    read as (key, value) pairs, become an object."""
+    schema that needs a null value, as `"const": null`, must be stored as JSON text, as must schemas written by
+    polars, which gives a struct only the fields of the first rows it sees.) A map column's entries, read as
+    (key, value) pairs, become an object."""
     if isinstance(value, dict):
         return {key: without_struct_nulls(item) for key, item in value.items() if item is not None}
     if isinstance(value, list):
