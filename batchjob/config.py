@@ -7,6 +7,7 @@ job turns it into a one-line message and exit status 2, before any model is load
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,14 +101,36 @@ def _check_number(key: str, value: Any, annotation: str) -> None:
         raise ConfigError(f"sampling.{key}={value!r}: must be {wanted}{' or null' if optional else ''}")
 
 
+def _is_url(value: str) -> bool:
+    """`s3://bucket/schema.json` and the like: a scheme, then no whitespace (grammar text has some)."""
+    return re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://\S+", value.strip()) is not None
+
+
 def _text_or_file(value: Any, key: str, inline: bool) -> str | None:
-    """`value` itself when `inline` says it is text, else the content of the file it names."""
+    """`value` itself when `inline` says it is text, else the content of the file or URL (an object store's, as
+    for data.path) it names."""
     if value is None or inline:
         return value
+    if _is_url(str(value)):
+        return _read_url(str(value).strip(), key)
     path = Path(str(value)).expanduser()
     if not path.is_file():
         raise ConfigError(f"{key}={value!r} is neither inline text nor an existing file: give the text or a path")
     return path.read_text()
+
+
+def _read_url(url: str, key: str) -> str:
+    from batchjob.io.access import StorageAccessError, access_reported
+    from batchjob.io.storage import Storage
+
+    try:
+        with access_reported([url]):
+            storage, path = Storage.for_uri(url)
+            return storage.read_bytes(path).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={url!r}: no such object or file") from None
+    except (StorageAccessError, UnicodeDecodeError, ValueError, ImportError) as err:
+        raise ConfigError(f"{key}={url!r}: {err}") from None
 
 
 def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +143,8 @@ def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
         schema = _text_or_file(schema, "sampling.json_schema", inline=str(schema).lstrip().startswith("{"))
     grammar = raw.get("grammar")
     if grammar is not None:
-        grammar = _text_or_file(grammar, "sampling.grammar", inline=not Path(str(grammar)).expanduser().is_file())
+        inline = not _is_url(str(grammar)) and not Path(str(grammar)).expanduser().is_file()
+        grammar = _text_or_file(grammar, "sampling.grammar", inline=inline)
     choice = raw.get("choice")
     if isinstance(choice, str):
         # One choice would make every output the same; `sampling.choice="yes,no"` is also one string.

@@ -5,6 +5,7 @@ per-line response_format."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,36 @@ def test_per_row_schemas_written_as_dicts_constrain_their_rows(tmp_path: Path) -
     assert rows[0]["finish_reason"] == "stop" and valid_json(rows[0]["generation"], POINT_SCHEMA)
     assert rows[2]["finish_reason"] != "stop" or valid_json(rows[2]["generation"], PET_SCHEMA)
     assert read_report(tmp_path / "o")["errors"] == 0
+
+
+def test_a_schema_on_an_object_store_is_read_from_there(s3_output_dir: str, tmp_path: Path, capsys) -> None:
+    import s3fs
+
+    bucket = s3_output_dir.split("/")[2]
+    s3fs.S3FileSystem(skip_instance_cache=True).pipe(f"{bucket}/schemas/point.json", json.dumps(POINT_SCHEMA).encode())
+    data = write_prompts(tmp_path / "p.parquet", 6)
+    schema = f"s3://{bucket}/schemas/point.json"
+    code = run_in_process(
+        *NATIVE, f"data.path={data}", f"sampling.json_schema={schema}", f"output.dir={tmp_path / 'o'}"
+    )
+    assert code == 0
+    rows = read_output(tmp_path / "o").to_pylist()
+    assert all(r["finish_reason"] == "stop" and valid_json(r["generation"], POINT_SCHEMA) for r in rows)
+    missing = f"s3://{bucket}/schemas/none.json"
+    code = run_in_process(
+        *NATIVE, f"data.path={data}", f"sampling.json_schema={missing}", f"output.dir={tmp_path / 'x'}"
+    )
+    assert code == 2 and f"sampling.json_schema='{missing}': no such object or file" in capsys.readouterr().err
+
+
+def test_an_inline_grammar_naming_a_url_is_taken_as_grammar_text(tmp_path: Path) -> None:
+    # Only a value that is one URL and nothing else is read from where it points.
+    data = write_prompts(tmp_path / "p.parquet", 4)
+    grammar = """'start: "ftp://" /[a-z]{3}/'"""
+    code = run_in_process(*NATIVE, f"data.path={data}", f"sampling.grammar={grammar}", f"output.dir={tmp_path / 'o'}")
+    assert code == 0
+    rows = read_output(tmp_path / "o").to_pylist()
+    assert all(re.fullmatch(r"ftp://[a-z]{3}", r["generation"]) for r in rows), rows
 
 
 def _chat_line(custom_id: str, text: str, response_format: dict | None) -> str:
