@@ -84,6 +84,10 @@ def _engine_record(options: dict[str, Any], name: str) -> dict[str, Any]:
     # only when set, so the records of earlier jobs still match.
     if options.get("load_format", "auto") != "auto":
         record["load_format"] = options["load_format"]
+    # Jump-forward takes a constraint's forced tokens as the grammar tokenizes them, not as the model samples
+    # them: other outputs, so a job run with it never resumes one run without (nor the other way round).
+    if options.get("jump_forward"):
+        record["jump_forward"] = True
     return record
 
 

@@ -127,6 +127,18 @@ def test_rerun_with_a_different_config_is_refused_with_the_difference(prompts: P
     assert set(read_output(out).column("completion_tokens").to_pylist()) <= {1, 2, 3, 4, 5}
 
 
+def test_jump_forward_changes_the_outputs_so_a_rerun_that_switches_it_is_refused(
+    prompts: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "out"
+    base = (f"data.path={prompts}", f"output.dir={out}", "data.limit=4", "engine=native", "sampling.choice=[yes,no]")
+    assert run_in_process(*base) == 0
+    capsys.readouterr()
+    assert run_in_process(*base, "engine.jump_forward=true") == 2
+    assert "engine.jump_forward" in capsys.readouterr().err
+    assert run_in_process(*base, "engine.jump_forward=false") == 0  # the default, as the first run had
+
+
 def test_a_second_writer_of_the_same_shard_is_refused(prompts: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     holder = OutputDataset(str(out))
