@@ -51,13 +51,14 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     ignore_eos: bool = False
-    json_schema: str | None = None
+    json_schema: str | None = None  # JSON text; a dict is taken as the schema it is
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        self._normalise()
         problems = self._constraint_problems()
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -77,6 +78,26 @@ class SamplingParams:
             problems.append("stop strings must be non-empty")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    def _normalise(self) -> None:
+        """What a caller naturally writes, as the fields hold it: one stop string or token id for a sequence of one
+        (a string is a sequence too: `stop="END"` would stop at each of its letters), lists as tuples, and a
+        schema given as a parsed JSON value (a dict) as its JSON text."""
+        fields = {}
+        if isinstance(self.stop, str):
+            fields["stop"] = (self.stop,)
+        elif isinstance(self.stop, list):
+            fields["stop"] = tuple(self.stop)
+        if isinstance(self.stop_token_ids, int):
+            fields["stop_token_ids"] = (self.stop_token_ids,)
+        elif isinstance(self.stop_token_ids, list):
+            fields["stop_token_ids"] = tuple(self.stop_token_ids)
+        if isinstance(self.choice, list):
+            fields["choice"] = tuple(self.choice)
+        if isinstance(self.json_schema, (dict, bool)):
+            fields["json_schema"] = json.dumps(self.json_schema)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
     def _constraint_problems(self) -> list[str]:
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]

@@ -171,6 +171,16 @@ def test_one_string_given_as_the_choices_is_refused_naming_the_list_form():
         SamplingParams(8, choice="yes")
 
 
+def test_what_a_caller_naturally_writes_is_taken_as_meant(model_dir):
+    # A schema as a dict, one stop string, one stop token id, a list of choices: as their usual forms.
+    assert SamplingParams(8, json_schema=PET_SCHEMA) == SamplingParams(8, json_schema=json.dumps(PET_SCHEMA))
+    assert SamplingParams(8, stop="END", stop_token_ids=5) == SamplingParams(8, stop=("END",), stop_token_ids=(5,))
+    assert SamplingParams(8, choice=list(CHOICES)).constraint == SamplingParams(8, choice=CHOICES).constraint
+    as_dict = [Request(0, (6, 7, 8), SamplingParams(60, json_schema=PET_SCHEMA))]
+    as_text = [Request(0, (6, 7, 8), SamplingParams(60, json_schema=PET))]
+    assert _run(model_dir, as_dict)[0][0].token_ids == _run(model_dir, as_text)[0][0].token_ids
+
+
 def test_a_schema_that_cannot_compile_fails_only_its_own_request(model_dir):
     reqs = [
         Request(0, (6, 7), SamplingParams(30, json_schema='{"type": "object", "minProperties": "two"}')),
