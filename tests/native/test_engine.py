@@ -303,6 +303,14 @@ def test_a_run_leaves_start_up_objects_to_no_collection_and_close_hands_them_bac
     gc.collect()
     assert dropped() is not None  # frozen: no collection looks at it during the run
     list(stream)
+    # A later run freezes nothing more: what a caller makes between runs stays collectable.
+    between = Node()
+    between.me = between
+    later = weakref.ref(between)
+    del between
+    list(eng.generate([Request(id=1, prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4))]))
+    gc.collect()
+    assert later() is None
     eng.close()
     assert gc.get_freeze_count() == 0
     gc.collect()

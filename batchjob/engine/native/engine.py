@@ -281,6 +281,7 @@ class NativeEngine:
             self.blocks,
         )
         self._next_seq_id = 0
+        self._froze = False  # the garbage collector's freeze of start-up objects, at the first run
         if self.grammars.tokenizer is None:
             self.grammars.tokenizer = self.tokenizer
         self.outputs = OutputProcessor(
@@ -299,8 +300,11 @@ class NativeEngine:
         finished = False
         # A full garbage collection scans every object the process holds, about 0.1 s with torch and transformers
         # imported, and stalls the GPU when it falls mid-run (146 ms between two steps, measured). What exists
-        # now lives as long as the engine: frozen, so collections scan only what the run creates; close unfreezes.
-        gc.freeze()
+        # at the first run (imports, the model) lives as long as the engine: frozen, so collections scan only
+        # what runs create; close unfreezes. Once only: a caller's later garbage stays collectable.
+        if not self._froze:
+            gc.freeze()
+            self._froze = True
         try:
             while True:
                 while not exhausted and self.scheduler.free_seq_slots > 0:
@@ -490,7 +494,8 @@ class NativeEngine:
             self.ranks.close()
         self.kv_caches = []
         self.runner = None
-        gc.unfreeze()
+        if self._froze:
+            gc.unfreeze()
         if self.device.type == "cuda":
             gc.collect()  # whatever still holds device memory through a reference cycle goes before the cache
             torch.cuda.empty_cache()
