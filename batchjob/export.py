@@ -57,7 +57,8 @@ class Exported:
 def export(output_dir: str, format: str, path: str, model: str | None = None) -> Exported:
     """Write the committed rows of `output_dir` to `path` (local or any fsspec URL) in `format`."""
     if format not in FORMATS:
-        raise ExportError(f"format={format!r}: choose {' or '.join(FORMATS)}")
+        already = " (the output is Parquet already: read output.dir itself)" if format == "parquet" else ""
+        raise ExportError(f"format={format!r}: choose {' or '.join(FORMATS)}{already}")
     try:
         storage, meta = Storage.for_uri(bookkeeping_dir(output_dir))
         record_path = storage.join(meta, JOB_RECORD_NAME)

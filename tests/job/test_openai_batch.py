@@ -172,6 +172,12 @@ def test_exporting_a_plain_job_as_openai_batch_is_refused(tmp_path: Path) -> Non
     assert not (tmp_path / "x.jsonl").exists()
 
 
+def test_exporting_as_parquet_is_refused_pointing_at_the_output_itself(finished: Path, tmp_path: Path) -> None:
+    refused = export(finished, "parquet", tmp_path / "x.parquet")
+    assert refused.returncode == 2
+    assert "choose openai_batch or jsonl (the output is Parquet already: read output.dir itself)" in refused.stderr
+
+
 def test_a_prompt_template_with_an_openai_batch_input_is_refused(tmp_path: Path) -> None:
     batch = write_batch(tmp_path / "in.jsonl", LINES[:1])
     refused = run_cli(f"data.path={batch}", f"output.dir={tmp_path / 'out'}", "pipeline.system_prompt=Be brief.")
