@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from batchjob.engine.api import Constraint
-    from batchjob.engine.grammar import bitmask_words, grammar_text, string_slices
+    from batchjob.engine.grammar import bitmask_words, grammar_text
+    from batchjob.engine.grammar_vocab import string_slices
 
     if args.tokenizer is None:
         from bench_lib.bpe import bpe_tokenizer

@@ -21,14 +21,8 @@ from structured_cases import PET_SCHEMA
 from transformers import AutoTokenizer
 
 from batchjob.engine.api import Constraint
-from batchjob.engine.grammar import (
-    STRING_SLICE_LENGTHS,
-    GrammarCompiler,
-    GrammarError,
-    bitmask_words,
-    grammar_text,
-    string_slices,
-)
+from batchjob.engine.grammar import GrammarCompiler, GrammarError, bitmask_words, grammar_text
+from batchjob.engine.grammar_vocab import STRING_SLICE_LENGTHS, string_slices
 from batchjob.tiny_model import default_tiny_model
 
 
