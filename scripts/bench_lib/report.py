@@ -119,7 +119,7 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
         for r in report.results:
             status = f"cut at {r.requests_done}/{r.requests_total} requests" if r.cut else ""
             if r.system.startswith("native_json") and r.run in unconstrained and not r.cut:
-                # structured outputs: the measure, against the same command's unconstrained run
+                # structured outputs: their throughput against the same command's unconstrained run
                 status = f"{r.tok_per_s / unconstrained[r.run]:.2f}x of native {r.run}"
             lines.append(
                 f"{name:<9}{r.system + ' ' + r.run:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
