@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 from batchjob.pipelines.rows import RowLayout
-from batchjob.pipelines.sampling import json_schema_override, row_sampling
+from batchjob.pipelines.sampling import json_schema_override, row_sampling, without_struct_nulls
 
 from batchjob.engine.api import SamplingParams
 from batchjob.errors import ConfigError
@@ -181,7 +181,8 @@ class PromptBuilder:
             if schema is None or errors[i] is not None:
                 continue
             try:
-                sampling[i] = replace(sampling[i], **json_schema_override(schema))
+                # A column of dicts is a struct column: its rows carry other rows' fields as nulls.
+                sampling[i] = replace(sampling[i], **json_schema_override(without_struct_nulls(schema)))
             except ValueError as err:
                 errors[i] = f"{self.schema_column}: {err}"
 

@@ -39,7 +39,7 @@ def json_schema_override(schema: Any) -> dict[str, Any]:
     if isinstance(schema, bytes):
         schema = schema.decode("utf-8", errors="replace")
     if not isinstance(schema, str):
-        schema = json.dumps(without_struct_nulls(schema))
+        schema = json.dumps(schema)
     return {"json_schema": schema, "regex": None, "choice": None, "grammar": None}
 
 

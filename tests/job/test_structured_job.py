@@ -145,3 +145,13 @@ def test_openai_batch_response_formats_constrain_their_lines(tmp_path: Path) -> 
     assert rows["text"]["error"] is None
     assert rows["no-schema"]["finish_reason"] == "error" and "json_schema.schema" in rows["no-schema"]["error"]
     assert read_report(tmp_path / "o")["engine"]["grammars_compiled"] == 3  # pet, point, object: once each
+
+
+def test_a_lines_schema_keeps_its_null_values(tmp_path: Path) -> None:
+    # Only a Parquet struct column's nulls are other rows' fields; in a JSON line a null is the schema's own.
+    schema = {"type": "object", "properties": {"x": {"const": None}}, "required": ["x"], "additionalProperties": False}
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text(_chat_line("null", "Answer in JSON.", _schema_format(schema)) + "\n")
+    assert run_in_process(*NATIVE, f"data.path={batch}", f"output.dir={tmp_path / 'o'}") == 0
+    (row,) = read_output(tmp_path / "o").to_pylist()
+    assert (row["finish_reason"], row["generation"]) == ("stop", '{"x":null}')
