@@ -16,10 +16,17 @@ from batchjob.status import job_status
 ROWS = 100
 # One row at a time makes every generation bit-identical however rows are grouped across restarts
 # (padding a batch changes float rounding, which can flip a greedy choice); what is under test here is
-# the checkpoint, not the engine's batching. Both engines: the default one and the transformers one.
+# the checkpoint, not the engine's batching. The default engine, the transformers one, and the default one with
+# every row under a JSON schema.
 ENGINES = {
     "native": ("engine=native", "engine.max_num_seqs=1"),
     "hf": ("engine=hf", "engine.max_batch_size=1"),
+    # Constrained rows: a grammar matcher per row, masks filled beside the loop, all of it rebuilt on resume.
+    "native, JSON schema": (
+        "engine=native",
+        "engine.max_num_seqs=1",
+        "sampling.json_schema={type:object,properties:{n:{type:integer},ok:{type:boolean}},required:[n,ok]}",
+    ),
 }
 CHECKPOINTED = ("output.commit_every_rows=8", "output.commit_every_s=1000", "sampling.max_new_tokens=6")
 
