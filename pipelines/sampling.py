@@ -48,12 +48,9 @@ def without_struct_nulls(value: Any) -> Any:
     written from. Parquet gives every row of a struct column every field of every row, null where the row had
     none, and a null where a schema is expected makes it invalid: null fields are dropped, at any depth. (A
     schema that needs a null value, as `"const": null`, must be stored as JSON text, as must schemas written by
-    polars, which gives a struct only the fields of the first rows it sees.) A map column's entries, read as
-    (key, value) pairs, become an object."""
+    polars, which gives a struct only the fields of the first rows it sees.)"""
     if isinstance(value, dict):
         return {key: without_struct_nulls(item) for key, item in value.items() if item is not None}
     if isinstance(value, list):
-        if value and all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) for item in value):
-            return {key: without_struct_nulls(item) for key, item in value if item is not None}
         return [without_struct_nulls(item) for item in value]
     return value

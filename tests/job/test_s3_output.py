@@ -37,12 +37,18 @@ def start_after_parts(args: tuple[str, ...], out: str, cwd: Path, parts: int = 2
     return job
 
 
-def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_dir: str, tmp_path: Path) -> None:
+def start_beside_a_local_run(out: str, tmp_path: Path) -> tuple[tuple[str, ...], Path, subprocess.Popen]:
+    """The same job run whole into a local folder, then started towards `out` until it has committed parts:
+    the job's arguments, the local folder and the started job."""
     prompts = write_prompts(tmp_path / "prompts.parquet", ROWS)
     local = tmp_path / "local"
     assert run_cli(f"data.path={prompts}", f"output.dir={local}", *SMALL_PARTS).returncode == 0
-    args = (f"data.path={prompts}", f"output.dir={s3_output_dir}", *SMALL_PARTS)
-    job = start_after_parts(args, s3_output_dir, tmp_path)
+    args = (f"data.path={prompts}", f"output.dir={out}", *SMALL_PARTS)
+    return args, local, start_after_parts(args, out, tmp_path)
+
+
+def test_sigkill_on_s3_then_rerun_yields_every_row_once_identically(s3_output_dir: str, tmp_path: Path) -> None:
+    args, local, job = start_beside_a_local_run(s3_output_dir, tmp_path)
     job.kill()
     job.wait()
     resumed = run_cli(*args, cwd=tmp_path)
@@ -74,11 +80,7 @@ def test_a_store_lost_mid_run_exits_resumable_and_the_rerun_yields_every_row_onc
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
     fsspec.filesystem("s3", skip_instance_cache=True).mkdir("outage")
     out = "s3://outage/out"
-    prompts = write_prompts(tmp_path / "prompts.parquet", ROWS)
-    local = tmp_path / "local"
-    assert run_cli(f"data.path={prompts}", f"output.dir={local}", *SMALL_PARTS).returncode == 0
-    args = (f"data.path={prompts}", f"output.dir={out}", *SMALL_PARTS)
-    job = start_after_parts(args, out, tmp_path)
+    args, local, job = start_beside_a_local_run(out, tmp_path)
     server.stop()
     _, stderr = job.communicate(timeout=240)
     assert job.returncode == 75, stderr[-3000:]

@@ -20,6 +20,7 @@ the host's step filling:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -437,9 +438,7 @@ class NativeEngine:
             elif not self.options.jump_forward:
                 # The follower's masks need only this step's tokens in the matchers: they fill while the rest of
                 # this step is processed (jump-forward would need the matchers after that).
-                def advanced() -> None:
-                    self.masks.start(follower, early=True)
-
+                advanced = functools.partial(self.masks.start, follower, early=True)
         result = self.runner.collect(step)
         yield from self.outputs.process(step, result, self.scheduler, settle, self.options.mask_chunk_rows, advanced)
 
