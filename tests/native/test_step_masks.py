@@ -69,3 +69,35 @@ def test_a_fill_that_fails_never_leaves_the_loop_waiting() -> None:
         masks.finish()
     masks.close()
     assert enqueued == []
+
+
+def test_the_worker_enqueues_the_sampler_while_the_loop_works() -> None:
+    """The sampler goes to the GPU as soon as the bitmask is filled, not when the loop next waits for it."""
+    step, runner, bitmask, enqueued = one_constrained_step()
+    enqueued_at = []
+    runner.enqueue_masked_sampler = lambda s: (enqueued.append(s), enqueued_at.append(time.perf_counter()))
+    masks = StepMasks(runner, SlowLibrary(), sampler_in_worker=True)
+    for _ in range(3):
+        enqueued_at.clear()
+        masks.start(step)
+        python_work(0.1)  # the fill takes 0.02 s of it
+        finish_called = time.perf_counter()
+        masks.finish()
+        assert len(enqueued_at) == 1 and enqueued_at[0] < finish_called
+    masks.abandon()
+    masks.close()
+    assert enqueued == [step] * 3
+
+
+def test_the_switch_interval_is_cut_while_masks_fill_and_given_back() -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    step, runner, _, _ = one_constrained_step()
+    masks = StepMasks(runner, SlowLibrary(), sampler_in_worker=True)
+    masks.start(step)
+    assert sys.getswitchinterval() < before
+    masks.finish()
+    masks.abandon()  # the loop's end
+    assert sys.getswitchinterval() == before
+    masks.close()

@@ -9,12 +9,13 @@ ends with a warm-up of every kind of step (warmup.py).
 Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have
 advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why;
 step_masks.py fills them). In the asynchronous loop the bitmasks are filled by a worker thread (llguidance
-computes them off the GIL, in its own threads) while this thread admits, schedules and fills step N+2; then step
-N+1's sampler and step N+2's forward are enqueued back to back, so the GPU waits for neither the scheduler nor
-the host's step filling:
+computes them off the GIL, in its own threads) while this thread admits, schedules and fills step N+2; the
+worker enqueues step N+1's sampler as soon as they are filled, and this thread step N+2's forward once it is laid
+out, so the GPU waits for neither the scheduler nor the host's step filling:
 
-    host:  process N | masks N+1 (worker) + schedule/fill N+2 | sampler N+1, forward N+2 | wait N+1 | process N+1
-    GPU:   forward N+1 ...............................| sampler N+1 | forward N+2 ..................
+    loop:   process N | schedule/fill N+2 ............| forward N+2 | wait N+1 | process N+1
+    worker:    masks N+1 ...........| sampler N+1
+    GPU:   forward N+1 ..............| sampler N+1 | forward N+2 ..................
 """
 
 from __future__ import annotations
@@ -282,13 +283,21 @@ class NativeEngine:
             self.blocks,
         )
         self._next_seq_id = 0
+        # The loop thread's own host work, in seconds: admitting requests, scheduling steps, processing their
+        # tokens (with the caller's handling of the completions it yields)
+        self.admit_s = self.schedule_s = self.process_s = 0.0
         self._froze = False  # the garbage collector's freeze of start-up objects, at the first run
         if self.grammars.tokenizer is None:
             self.grammars.tokenizer = self.tokenizer
         self.outputs = OutputProcessor(
             self.tokenizer, self.spec.eos_token_ids, opts.detokenize, self.grammars, opts.jump_forward
         )
-        self.masks = StepMasks(self.runner, self.grammars, chunked=self._chunked_masks)
+        self.masks = StepMasks(
+            self.runner,
+            self.grammars,
+            chunked=self._chunked_masks,
+            sampler_in_worker=self.options.async_loop and not self._chunked_masks,
+        )
 
     # ---- the loop ----
 
@@ -308,6 +317,7 @@ class NativeEngine:
             self._froze = True
         try:
             while True:
+                began = time.perf_counter()
                 while not exhausted and self.scheduler.free_seq_slots > 0:
                     request = queue.pop()
                     if request is None:
@@ -316,7 +326,10 @@ class NativeEngine:
                     refused = self._admit(request)
                     if refused is not None:
                         yield refused
+                self.admit_s += time.perf_counter() - began
+                began = time.perf_counter()
                 plan = self.scheduler.schedule()
+                self.schedule_s += time.perf_counter() - began
                 if plan is not None:
                     prepared = self._prepare(plan)
                     # The previous step's masked sampler first: this step's forward carries its tokens over.
@@ -329,7 +342,9 @@ class NativeEngine:
                 # Async: keep one step in flight while this one's results are processed.
                 while len(inflight) > (depth if plan is not None else 0):
                     step = inflight.popleft()
+                    began = time.perf_counter()
                     yield from self._process(step, inflight[0] if inflight else None)
+                    self.process_s += time.perf_counter() - began
                 if inflight and not inflight[-1].sampled and not self.masks.busy:
                     # Every step before it is processed: its constrained rows' masks can be computed now, by the
                     # worker, while this thread prepares the next step.
@@ -448,6 +463,10 @@ class NativeEngine:
         stats.update(
             steps=runner.steps,
             tokens_fed=runner.tokens_fed,
+            admit_ms_per_step=1000 * self.admit_s / max(runner.steps, 1),
+            schedule_ms_per_step=1000 * self.schedule_s / max(runner.steps, 1),
+            process_ms_per_step=1000 * self.process_s / max(runner.steps, 1),
+            collect_wait_ms_per_step=1000 * runner.collect_wait_s / max(runner.steps, 1),
             prep_ms_per_step=1000 * runner.prep_s / max(runner.steps, 1),
             fill_ms_per_step=1000 * runner.fill_s / max(runner.steps, 1),
             graph_steps=runner.graph_steps,

@@ -128,6 +128,7 @@ class ModelRunner:
         self.prep_s = 0.0
         self.fill_s = 0.0
         self.sampler_launch_s = 0.0  # enqueuing the masked samplers of split steps
+        self.collect_wait_s = 0.0  # the loop waiting for a step's tokens
         self.launch_s = [0.0, 0.0]  # graph steps, eager steps
         self.steps = 0
         self.graph_steps = 0  # replayed a graph (decode or mixed); the rest ran eagerly
@@ -331,7 +332,9 @@ class ModelRunner:
             )
         slot = step.slot
         if self.cuda:
+            began = time.perf_counter()
             slot.events.d2h_done.synchronize()
+            self.collect_wait_s += time.perf_counter() - began
             self.clock.resolve()
         rows = step.rows
         tokens = slot.host_tokens[:rows].numpy().copy()

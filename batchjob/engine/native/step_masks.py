@@ -10,10 +10,18 @@ With `engine.mask_chunk_rows` the masks of the step in flight do not wait for th
 processed: `begin` sends the rows whose matchers are already settled (their sequences were not in the step being
 processed), and `settle` the rows of each chunk of processed sequences, each chunk one llguidance call from a
 worker thread of its own (the calls share llguidance's threads), while the loop processes the next chunk.
+
+In the asynchronous loop the worker also enqueues the step's masked sampler as soon as its bitmask is filled, so
+the GPU samples the moment the masks are there instead of when the loop, busy laying out the next step, gets to
+it. That needs the GIL right after the library's call: while a step's masks are filling, the interpreter's switch
+interval is cut from 5 ms to `SWITCH_INTERVAL_S` (the loop's own Python would otherwise hold the worker off for
+up to 5 ms), and restored when the run ends.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -32,15 +40,25 @@ if TYPE_CHECKING:
 
 # Worker threads for chunked fills: enough for the chunks of one step to overlap each other's waits.
 CHUNK_WORKERS = 8
+# How long a thread that wants the GIL waits for the thread holding it, while masks are filling (Python's default
+# is 5 ms, more than a GPU step of a small model).
+SWITCH_INTERVAL_S = 0.0002
 
 
 class StepMasks:
-    def __init__(self, runner: Any, grammars: GrammarCompiler, chunked: bool = False) -> None:
+    def __init__(
+        self, runner: Any, grammars: GrammarCompiler, chunked: bool = False, sampler_in_worker: bool = False
+    ) -> None:
+        """`sampler_in_worker`: the worker of `start` enqueues the step's sampler once its bitmask is filled
+        (`finish` then only waits for it); otherwise `finish` does."""
         self.runner = runner
         self.grammars = grammars
+        self.sampler_in_worker = sampler_in_worker
         self._workers = CHUNK_WORKERS if chunked else 1
         self._worker: ThreadPoolExecutor | None = None  # started with the first step it fills
-        self._job: tuple[StepHandle, list[Future]] | None = None
+        # The step being filled, its fills, and whether they enqueue its sampler themselves.
+        self._job: tuple[StepHandle, list[Future], bool] | None = None
+        self._switch_interval: float | None = None  # the interpreter's own, while this has cut it
         # A step being filled chunk by chunk: its bitmask, and its rows not yet sent by sequence id.
         self._bitmask: torch.Tensor | None = None
         self._unsettled: dict[int, tuple[Sequence, int]] = {}
@@ -73,7 +91,8 @@ class StepMasks:
         still being processed, its tokens already in the matchers (a row that stops there is filled for nothing)."""
         bitmask = self.runner.bitmask_rows(step)
         rows = self._rows(step, bitmask)
-        self._job = (step, [self._submit(rows, bitmask)])
+        then = functools.partial(self.runner.enqueue_masked_sampler, step) if self.sampler_in_worker else None
+        self._job = (step, [self._submit(rows, bitmask, then)], then is not None)
         self.started_at_launch += at_launch
         self.started_early += early
 
@@ -82,7 +101,7 @@ class StepMasks:
         are being processed) go now, the others as `settle` names them; `settle_rest` sends what is left."""
         self._bitmask = self.runner.bitmask_rows(step)
         self._unsettled = {seq.seq_id: (seq, k) for seq, k in self._constrained_rows(step)}
-        self._job = (step, [])
+        self._job = (step, [], False)
         busy = {seq.seq_id for seq in processing}
         self.settle(seq for seq, _ in list(self._unsettled.values()) if seq.seq_id not in busy)
 
@@ -102,21 +121,25 @@ class StepMasks:
         self.settle([seq for seq, _ in list(self._unsettled.values())])
 
     def finish(self) -> None:
-        """Wait for the worker's bitmask, if one is being filled, and enqueue that step's masked sampler."""
+        """Wait for the worker's bitmask, if one is being filled, and for that step's masked sampler to be
+        enqueued (here, unless the worker has)."""
         if self._job is None:
             return
         self.settle_rest()
-        step, jobs = self._job
+        step, jobs, enqueued = self._job
         self._job = None
         began = time.perf_counter()
         for job in jobs:
             job.result()
         self.wait_s += time.perf_counter() - began
         self._count_fill_time()
-        self.runner.enqueue_masked_sampler(step)
+        if not enqueued:
+            self.runner.enqueue_masked_sampler(step)
 
     def abandon(self) -> None:
-        """The loop stopped early: let the worker finish with the matchers before they are dropped."""
+        """The loop ended (early, or with nothing left to fill): let the worker finish with the matchers before they
+        are dropped, and give the interpreter its own switch interval back."""
+        self._restore_switch_interval()
         if self._job is not None:
             for job in self._job[1]:
                 job.exception()
@@ -125,9 +148,15 @@ class StepMasks:
             self._spans = []
 
     def close(self) -> None:
+        self._restore_switch_interval()
         if self._worker is not None:
             self._worker.shutdown()
         self.runner = None  # the runner holds the KV cache: nothing here may keep it past the engine's close
+
+    def _restore_switch_interval(self) -> None:
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     @staticmethod
     def matchers_settled(step: StepHandle) -> bool:
@@ -166,22 +195,31 @@ class StepMasks:
             self.fill_s += max(end for _, end in self._spans) - min(start for start, _ in self._spans)
             self._spans = []
 
-    def _submit(self, rows: list, bitmask: torch.Tensor) -> Future:
+    def _submit(self, rows: list, bitmask: torch.Tensor, then: Callable[[], None] | None = None) -> Future:
         self.fill_calls += bool(rows)  # counted here, in the loop's thread
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="batchjob-masks")
+        if self._switch_interval is None:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._switch_interval))
         # The worker needs the GIL to reach the library's call, and the loop's Python work would hold it for up
         # to the interpreter's switch interval (5 ms) first: the masks would start only when the loop next waits.
         # So the loop waits here, without the GIL, until the worker is about to enter the call.
         # A job queued behind busy workers is not waited for: that would hold the loop for a whole fill.
         idle = self._job is None or sum(not job.done() for job in self._job[1]) < self._workers
         entering = threading.Event()
-        job = self._worker.submit(self._fill, rows, bitmask, entering.set)
+        job = self._worker.submit(self._fill, rows, bitmask, entering.set, then)
         if idle:
             entering.wait()
         return job
 
-    def _fill(self, rows: list, bitmask: torch.Tensor, entering: Callable[[], None] | None = None) -> None:
+    def _fill(
+        self,
+        rows: list,
+        bitmask: torch.Tensor,
+        entering: Callable[[], None] | None = None,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         began = time.perf_counter()
         try:
             self.grammars.fill_bitmasks(rows, bitmask, entering)
@@ -189,3 +227,5 @@ class StepMasks:
             if entering is not None:
                 entering()  # never leave the loop waiting, whatever the fill raised
         self._spans.append((began, time.perf_counter()))  # list.append is atomic: the chunks' threads share it
+        if then is not None:
+            then()
