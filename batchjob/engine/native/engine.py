@@ -379,6 +379,7 @@ class NativeEngine:
     def _admit(self, request: Request) -> Completion | None:
         prompt_len = len(request.prompt_ids)
         sampling = request.sampling
+        constraint = sampling.constraint
         error = None
         if prompt_len == 0:
             error = "empty prompt: at least one token is needed"
@@ -391,14 +392,13 @@ class NativeEngine:
             error = f"prompt token ids must be in [0, {self.spec.vocab_size})"
         elif sampling.stop and not self.options.detokenize:
             error = "stop strings need engine.detokenize=true"
-        elif sampling.constraint is not None and self.ranks is not None:
+        elif constraint is not None and self.ranks is not None:
             error = (
                 f"structured outputs are not supported with engine.tensor_parallel={self.options.tensor_parallel}; "
                 "set engine.tensor_parallel=1 (several engines: engine.data_parallel)"
             )
         if error is not None:
             return Completion.failed(request.id, prompt_len, error)
-        constraint = sampling.constraint
         matchers = []
         if constraint is not None:
             try:
