@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -203,14 +203,23 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return Matcher(starts.next(self.lexers, self._lltokenizer, self.threads).deep_copy())
 
-    def fill_bitmasks(self, matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """Fill row `i` of the contiguous int32 CPU tensor `bitmask` for each `(matcher, i)`, in parallel threads,
-        without the GIL."""
+    def fill_bitmasks(
+        self,
+        matchers: Sequence[tuple[Matcher, int]],
+        bitmask: torch.Tensor,
+        entering: Callable[[], None] | None = None,
+    ) -> None:
+        """Fill row `i` of the contiguous int32 CPU tensor `bitmask` for each `(matcher, i)`, in parallel threads.
+        `entering` is called last before the library's call, which runs without the GIL."""
         if not matchers:
+            if entering is not None:
+                entering()
             return
         self._ensure_tokenizer()
         rows, words = bitmask.shape
         pairs = [(m.inner, i) for m, i in matchers]
+        if entering is not None:
+            entering()
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
 
     def consume(self, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:

@@ -13,16 +13,18 @@ from batchjob.engine.native.step_masks import StepMasks
 
 
 class SlowLibrary:
-    """Stands in for llguidance: its call runs without the GIL (a sleep)."""
+    """Stands in for llguidance: its call runs without the GIL (a sleep) after `entering`."""
 
     def __init__(self, fails: bool = False) -> None:
         self.fails = fails
         self.entered_at: float | None = None
 
-    def fill_bitmasks(self, rows, bitmask) -> None:
+    def fill_bitmasks(self, rows, bitmask, entering=None) -> None:
         if self.fails:
             raise RuntimeError("the library failed")
         self.entered_at = time.perf_counter()
+        if entering is not None:
+            entering()
         time.sleep(0.02)
         bitmask[[k for _, k in rows]] = 7
 
@@ -43,22 +45,18 @@ def python_work(seconds: float) -> None:
         pass
 
 
-def test_the_fill_enters_the_library_while_the_loop_works() -> None:
-    """The worker needs the GIL to reach the library's call: the loop's Python work must not hold it off for the
-    interpreter's usual switch interval (5 ms)."""
+def test_the_fill_has_entered_the_library_before_start_returns() -> None:
     step, runner, bitmask, enqueued = one_constrained_step()
     library = SlowLibrary()
     masks = StepMasks(runner, library)
-    for _ in range(3):
+    for _ in range(3):  # the first step also starts the worker thread, which hands it the GIL anyway
         bitmask.zero_()
-        library.entered_at = None
         masks.start(step)
         returned_at = time.perf_counter()
-        python_work(0.004)  # Python work that holds the GIL, shorter than 5 ms
-        assert library.entered_at is not None and library.entered_at - returned_at < 0.004
+        python_work(0.03)  # without the hand-over the worker would wait out the switch interval here
         masks.finish()
+        assert library.entered_at is not None and library.entered_at <= returned_at
         assert bitmask.eq(7).all()
-    masks.abandon()
     masks.close()
     assert enqueued == [step] * 3
 
@@ -66,7 +64,7 @@ def test_the_fill_enters_the_library_while_the_loop_works() -> None:
 def test_a_fill_that_fails_never_leaves_the_loop_waiting() -> None:
     step, runner, _, enqueued = one_constrained_step()
     masks = StepMasks(runner, SlowLibrary(fails=True))
-    masks.start(step)
+    masks.start(step)  # returns: the worker signals even when the library raises
     with pytest.raises(RuntimeError, match="the library failed"):
         masks.finish()
     masks.close()

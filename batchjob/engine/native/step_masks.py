@@ -13,16 +13,18 @@ worker thread of its own (the calls share llguidance's threads), while the loop 
 
 In the asynchronous loop the worker also enqueues the step's masked sampler as soon as its bitmask is filled, so
 the GPU samples the moment the masks are there instead of when the loop, busy laying out the next step, gets to
-it. The worker needs the GIL to reach the library's call and again right after it: while masks fill, the
-interpreter's switch interval is cut from 5 ms to `SWITCH_INTERVAL_S` (the loop's own Python work would otherwise
-hold the worker off for up to 5 ms each time: the masks would start, and the sampler be enqueued, only when the
-loop next waited), and restored when the run ends.
+it. The worker needs the GIL to reach the library's call and again right after it, and the loop's own Python
+work would hold it off for up to the interpreter's switch interval (5 ms) each time. So the loop, having handed
+the rows over, waits without the GIL until the worker is about to enter the call; and while masks fill, the
+switch interval is cut to `SWITCH_INTERVAL_S`, so that the worker gets the GIL back soon after the call to
+enqueue the sampler; it is restored when the run ends.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -202,14 +204,30 @@ class StepMasks:
         if self._switch_interval is None:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._switch_interval))
-        # The worker needs the GIL to reach the library's call; with the switch interval cut, the loop's own Python
-        # work holds it off for at most SWITCH_INTERVAL_S (with Python's 5 ms, the masks started only when the loop
-        # next waited).
-        return self._worker.submit(self._fill, rows, bitmask, then)
+        # The worker needs the GIL to reach the library's call, and the loop's Python work would hold it for up
+        # to the interpreter's switch interval (5 ms) first: the masks would start only when the loop next waits.
+        # So the loop waits here, without the GIL, until the worker is about to enter the call.
+        # A job queued behind busy workers is not waited for: that would hold the loop for a whole fill.
+        idle = self._job is None or sum(not job.done() for job in self._job[1]) < self._workers
+        entering = threading.Event()
+        job = self._worker.submit(self._fill, rows, bitmask, entering.set, then)
+        if idle:
+            entering.wait()
+        return job
 
-    def _fill(self, rows: list, bitmask: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+    def _fill(
+        self,
+        rows: list,
+        bitmask: torch.Tensor,
+        entering: Callable[[], None] | None = None,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         began = time.perf_counter()
-        self.grammars.fill_bitmasks(rows, bitmask)
+        try:
+            self.grammars.fill_bitmasks(rows, bitmask, entering)
+        finally:
+            if entering is not None:
+                entering()  # never leave the loop waiting, whatever the fill raised
         self._spans.append((began, time.perf_counter()))  # list.append is atomic: the chunks' threads share it
         if then is not None:
             then()
