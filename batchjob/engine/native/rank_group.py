@@ -83,6 +83,7 @@ class RankGroup:
         # Counters the engine's statistics read, as of a ModelRunner (here: this process's share of a step).
         self.steps = self.graph_steps = self.mixed_graph_steps = self.tokens_fed = 0
         self.prep_s = self.fill_s = 0.0
+        self.collect_wait_s = 0.0  # waiting for rank 0's tokens
         # Always zero: the engine refuses constrained requests under tensor parallelism, so no step is split.
         self.masked_steps = 0
         self.mask_s = 0.0
@@ -149,7 +150,10 @@ class RankGroup:
     def collect(self, step: StepHandle) -> StepResult:
         self._send_all(ForkingPickler.dumps(("collect", None)))
         self._awaiting += 1
-        return self._receive(0, "result")
+        began = time.perf_counter()
+        result = self._receive(0, "result")
+        self.collect_wait_s += time.perf_counter() - began
+        return result
 
     def finish(self) -> None:
         """Wait for every rank's device; steps launched but not collected are dropped."""
