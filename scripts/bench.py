@@ -82,6 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "command, the usual ones), or both",
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every system this many times, round by round (each round every system once, in order, each "
+        "with caches of its own); the table adds each system's median. Host-bound runs vary from process to "
+        "process, so compare systems over several rounds",
+    )
+    parser.add_argument(
         "--load-format",
         choices=("auto", "dummy"),
         default=None,
@@ -170,6 +178,7 @@ def run_workload(
         )
     results: list[SystemResult] = []
     skipped, errors = {}, {}
+    runnable = []
     for system in systems:
         reason = unavailable_reason(system)
         if reason is None and system not in NATIVE_SYSTEMS and gpus > 1:
@@ -179,8 +188,10 @@ def run_workload(
         if reason:
             skipped[system] = reason
             print(f"{spec.name} {system}: skipped, {reason}", flush=True)
-            continue
-        # One cache directory per system: its cold run starts it empty, its warm run finds it filled.
+        else:
+            runnable.append(system)
+    for repeat, system in ((r, system) for r in range(args.repeat) for system in runnable):
+        # One cache directory per system and round: its cold run starts it empty, its warm run finds it filled.
         with tempfile.TemporaryDirectory(prefix=f"bench-caches-{spec.name}-{system}-") as caches:
             for run in runs:
                 task = {
@@ -193,21 +204,24 @@ def run_workload(
                     "settings": dataclasses.asdict(settings),
                     "run": run,
                 }
+                label = run if repeat == 0 else f"{run} {repeat + 1}"
                 if args.profile:
-                    task["profile"] = str(args.out / f"profile-{spec.name}-{system}-{run}.txt")
+                    name = label.replace(" ", "-")
+                    task["profile"] = str(args.out / f"profile-{spec.name}-{system}-{name}.txt")
                 env = kernel_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
                 try:
                     result = result_from_json(run_child(task, env, timeout_s=args.time_limit_s + CHILD_STARTUP_S))
                 except ChildFailed as error:  # one broken run must not lose the others' measurements
-                    errors[f"{system} {run}"] = str(error)
-                    print(f"{spec.name} {system} {run}: failed, {error}", flush=True)
+                    errors[f"{system} {label}"] = str(error)
+                    print(f"{spec.name} {system} {label}: failed, {error}", flush=True)
                     continue
+                result = dataclasses.replace(result, repeat=repeat)
                 results.append(result)
                 # One line per finished run, written at once: a command stopped later keeps what it measured.
                 with open(args.out / "runs.jsonl", "a") as log:
                     log.write(json.dumps({"workload": spec.name, **dataclasses.asdict(result)}) + "\n")
                 print(
-                    f"{spec.name} {system} {run}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
+                    f"{spec.name} {system} {label}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
                     f"{result.tok_per_s:,.0f} tok/s, start-up {result.startup_s:.1f} s"
                     + (" (cut)" if result.cut else ""),
                     flush=True,
@@ -231,6 +245,8 @@ def _select(raw: str, known: dict | tuple, flag: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be 1 or more, got {args.repeat}")
     # The checkout's batchjob is what is measured, whether or not (and wherever) it is pip-installed.
     sys.path.insert(1, str(REPO))
     import torch
@@ -285,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": rates.device if rates else "cpu",
         "time_limit_s": args.time_limit_s,
         "runs": runs,
+        "repeat": args.repeat,
         "engine_options": options,
         "load_format": args.load_format,
         "hf_batch": args.hf_batch,

@@ -240,7 +240,7 @@ def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_it
 def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--constrained", "--systems", "native_json,native"]
-    command += ["--runs", "warm", "--out", str(out), "--model-cache", str(tmp_path), "--profile"]
+    command += ["--runs", "warm", "--out", str(out), "--model-cache", str(tmp_path), "--profile", "--repeat", "2"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (workload,) = json.loads((out / "bench.json").read_text())["workloads"]
@@ -256,3 +256,12 @@ def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
     native = workload["systems"]["native"]["warm"]
     ratio = result["output_tokens"] / result["wall_s"] / (native["output_tokens"] / native["wall_s"])
     assert re.search(rf"native_json warm .*  {ratio:.2f}x of native warm", run.stdout)
+    # --repeat 2: every system again in a second round, each run against its own round's unconstrained run, and
+    # each system's median
+    rounds = [(r["system"], r["repeat"]) for r in map(json.loads, (out / "runs.jsonl").read_text().splitlines())]
+    assert rounds == [("native_json", 0), ("native", 0), ("native_json", 1), ("native", 1)]
+    second = workload["systems"]["native_json"]["warm 2"]
+    rate = [r["output_tokens"] / r["wall_s"] for r in (second, workload["systems"]["native"]["warm 2"])]
+    assert re.search(rf"native_json warm 2 .*  {rate[0] / rate[1]:.2f}x of native warm 2", run.stdout)
+    assert re.search(rf"native_json warm median .*median of 2; .*x of native warm \(rounds: {ratio:.2f}, ", run.stdout)
+    assert (out / "profile-tiny-native_json-warm-2.txt").exists()

@@ -5,6 +5,7 @@ and the printed table."""
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,12 @@ def _workload_json(report: WorkloadReport) -> dict[str, Any]:
         "roofline": None
         if floor is None
         else {**asdict(floor), "total_s": floor.total_s, "tok_per_s": floor.tok_per_s},
-        # system -> run ("cold", "warm") -> result
+        # system -> run ("cold", "warm"; a later --repeat round "cold 2", ...) -> result
         "systems": {
-            system: {r.run: _result_json(report, r) for r in report.results if r.system == system}
+            system: {r.label: _result_json(report, r) for r in report.results if r.system == system}
             for system in dict.fromkeys(r.system for r in report.results)
         },
-        "busy_timelines": {f"{r.system} {r.run}": r.busy_timeline for r in report.results if r.busy_timeline},
+        "busy_timelines": {f"{r.system} {r.label}": r.busy_timeline for r in report.results if r.busy_timeline},
         "skipped": report.skipped,
         "errors": report.errors,
     }
@@ -115,20 +116,42 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
                 f"{name:<9}{'roofline':<24}{floor.total_s:>9.2f}{floor.output_tokens:>10}{floor.tok_per_s:>10.0f}"
                 f"{'100%':>10}  decode {floor.decode_s:.2f} s + prefill {floor.prefill_s:.2f} s"
             )
-        unconstrained = {r.run: r.tok_per_s for r in report.results if r.system == "native" and not r.cut}
+        unconstrained = {r.label: r.tok_per_s for r in report.results if r.system == "native" and not r.cut}
         for r in report.results:
             status = f"cut at {r.requests_done}/{r.requests_total} requests" if r.cut else ""
-            if r.system.startswith("native_json") and r.run in unconstrained and not r.cut:
-                # structured outputs: their throughput against the same command's unconstrained run
-                status = f"{r.tok_per_s / unconstrained[r.run]:.2f}x of native {r.run}"
+            if r.system.startswith("native_json") and r.label in unconstrained and not r.cut:
+                # structured outputs: their throughput against the same round's unconstrained run
+                status = f"{r.tok_per_s / unconstrained[r.label]:.2f}x of native {r.label}"
             lines.append(
-                f"{name:<9}{r.system + ' ' + r.run:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
+                f"{name:<9}{r.system + ' ' + r.label:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
                 f"{_percent(report.fraction_of_roofline(r)):>10}{_percent(r.gpu_busy_fraction):>10}"
                 f"{_fmt(r.prep_ms_per_step, '.2f'):>9}{r.startup_s:>10.1f}  {status}"
             )
+        lines += _medians(name, report)
         for system, reason in {**report.skipped, **report.errors}.items():
             lines.append(f"{name:<9}{system:<24}{'':>9}{'':>10}{'':>10}{'':>10}{'':>10}{'':>9}{'':>10}  {reason}")
     return "\n".join(lines)
+
+
+def _medians(name: str, report: WorkloadReport) -> list[str]:
+    """With several --repeat rounds: each system's median tok/s per kind of run, and a structured-output system's
+    median ratio to the unconstrained run of the same round."""
+    lines = []
+    done = [r for r in report.results if not r.cut]
+    for system, run in dict.fromkeys((r.system, r.run) for r in done):
+        rounds = {r.repeat: r.tok_per_s for r in done if (r.system, r.run) == (system, run)}
+        if len(rounds) < 2:
+            continue
+        rate = statistics.median(rounds.values())
+        status = f"median of {len(rounds)}"
+        native = {r.repeat: r.tok_per_s for r in done if (r.system, r.run) == ("native", run)}
+        ratios = [rounds[k] / native[k] for k in rounds if k in native]
+        if system.startswith("native_json") and ratios:
+            listed = ", ".join(f"{x:.2f}" for x in ratios)
+            status += f"; {statistics.median(ratios):.2f}x of native {run} (rounds: {listed})"
+        label = f"{system} {run} median"
+        lines.append(f"{name:<9}{label:<24}{'':>9}{'':>10}{rate:>10.0f}{'':>10}{'':>10}{'':>9}{'':>10}  {status}")
+    return lines
 
 
 def plot(path: Path, reports: list[WorkloadReport]) -> None:
@@ -149,13 +172,13 @@ def plot(path: Path, reports: list[WorkloadReport]) -> None:
 
 
 def _throughput_panel(ax, reports: list[WorkloadReport]) -> None:
-    systems = list(dict.fromkeys((r.system, r.run) for report in reports for r in report.results))
+    systems = list(dict.fromkeys((r.system, r.label) for report in reports for r in report.results))
     width = 0.8 / max(len(systems), 1)
     for i, (system, run) in enumerate(systems):
         xs, ys = [], []
         for w, report in enumerate(reports):
             for r in report.results:
-                if (r.system, r.run) == (system, run):
+                if (r.system, r.label) == (system, run):
                     xs.append(w - 0.4 + (i + 0.5) * width)
                     ys.append(r.tok_per_s)
         bars = ax.bar(xs, ys, width=width, label=f"{system} ({run})")

@@ -54,6 +54,12 @@ class SystemResult:
     note: str = ""
     run: str = "warm"  # "cold": a fresh process with empty kernel caches; "warm": a fresh process, caches filled
     kernel_cache: str | None = None  # the Triton cache directory the run used
+    repeat: int = 0  # which of the command's `--repeat` rounds (0: the first)
+
+    @property
+    def label(self) -> str:
+        """The run as the report names it: "cold", "warm", or with a later round's number ("cold 2")."""
+        return self.run if self.repeat == 0 else f"{self.run} {self.repeat + 1}"
 
     @property
     def tok_per_s(self) -> float:
