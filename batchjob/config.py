@@ -231,6 +231,20 @@ def _check_constraints_supported(engine_cfg: dict[str, Any], sampling: SamplingP
         )
 
 
+def _check_stops_apply(sampling: SamplingParams) -> None:
+    """A constrained output ends where its constraint is complete, and ignores stop strings and stop token ids
+    (they could only cut it short of valid): with a job-level constraint they would apply to no row."""
+    if sampling.constraint is None:
+        return
+    for key, value in (("sampling.stop", sampling.stop), ("sampling.stop_token_ids", sampling.stop_token_ids)):
+        if value:
+            raise ConfigError(
+                f"{key} with sampling.{sampling.constraint.kind}: a constrained output ends where its constraint "
+                f"is complete and ignores stops, which could only cut it short of valid (a JSON text at a "
+                f"'}}' inside a string), so here they would apply to no row; remove {key}"
+            )
+
+
 def data_parallel(cfg: DictConfig) -> int:
     """`engine.data_parallel`: GPU processes this command launches (batchjob/launch.py); 1 = run here."""
     return _positive_int(cfg.engine.get("data_parallel", 1), "engine.data_parallel")
@@ -291,6 +305,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         limit = _positive_int(limit, "data.limit", minimum=0)
     sampling = _sampling(cfg)
     _check_constraints_supported(engine_cfg, sampling, data.json_schema_column)
+    _check_stops_apply(sampling)
     may_constrain = sampling.constraint is not None or data.json_schema_column or data.format == "openai_batch"
     if not may_constrain and "graph_constrained" in engine_cfg:
         # No row of this job can carry a constraint: the graphs of its split steps would only cost start-up

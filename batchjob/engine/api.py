@@ -39,7 +39,8 @@ class SamplingParams:
 
     At most one of `json_schema` (JSON text of a schema), `regex`, `choice` and `grammar` (Lark or GBNF) constrains
     the output: a sample that finishes `stop` matches it. A constrained sample ends when its constraint is
-    complete (EOS is then the only token it allows, and `ignore_eos` does not apply)."""
+    complete (EOS is then the only token it allows, and `ignore_eos` does not apply); `stop` and `stop_token_ids`
+    do not apply to it, since they could only cut it short of its constraint."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0

@@ -68,12 +68,16 @@ class RowState:
             self.logprobs.append(logprobs[0])
             self.top_logprobs.append(logprobs[1])
         stop = self.request.sampling.stop
-        if self.matcher is not None and not self.matcher.consume(token):
-            self.error = f"constrained decoding failed: {self.matcher.error or f'token {token} not allowed'}"
-            self.finish_reason = FINISH_ERROR
-        elif self.matcher is not None and (token in eos_ids or self.matcher.is_stopped):
-            # The constraint is complete: EOS was its only allowed token, or it allows nothing more.
-            self.finish_reason, self.stopped_by_token = FINISH_STOP, token in eos_ids
+        if self.matcher is not None:
+            # A constrained row ends where its constraint is complete (EOS was its only allowed token, or it
+            # allows nothing more); stop strings and stop token ids would only cut it short of that.
+            if not self.matcher.consume(token):
+                self.error = f"constrained decoding failed: {self.matcher.error or f'token {token} not allowed'}"
+                self.finish_reason = FINISH_ERROR
+            elif token in eos_ids or self.matcher.is_stopped:
+                self.finish_reason, self.stopped_by_token = FINISH_STOP, token in eos_ids
+            elif len(self.token_ids) >= self.limit:
+                self.finish_reason = FINISH_LENGTH
         elif token in stop_ids:
             self.finish_reason, self.stopped_by_token = FINISH_STOP, True
         elif stop and self._tail_has_stop(tokenizer, stop):
@@ -89,7 +93,8 @@ class RowState:
     def to_sample(self, tokenizer) -> Sample:
         text_ids = self.token_ids[:-1] if self.stopped_by_token else self.token_ids
         text = tokenizer.decode(text_ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in self.request.sampling.stop if s in text]
+        stop = self.request.sampling.stop if self.matcher is None else ()
+        hits = [text.find(s) for s in stop if s in text]
         if hits:
             text = text[: min(hits)]
         with_logprobs = self.request.sampling.logprobs is not None

@@ -42,3 +42,18 @@ def test_a_schema_that_cannot_compile_fails_only_its_own_request(engine):
     done = {c.id: c for c in engine.generate(reqs)}
     assert done[0].finish_reason == "error" and "json_schema cannot be compiled" in done[0].error
     assert done[1].text in CHOICES
+
+
+def test_stop_strings_and_stop_token_ids_never_cut_a_constrained_row(engine):
+    # A JSON text holds '"' from its first key on: a stop there would leave "{" finishing `stop`, and a complete
+    # text's strings could be cut at a "}" in them.
+    quote_id = 7  # '"' in the tiny model's byte-level vocabulary
+    stops = {"stop": ('"', "}"), "stop_token_ids": (quote_id,)}
+    reqs = [
+        Request(i, (6 + i, 30, 41), SamplingParams(160, json_schema=json.dumps(PET_SCHEMA), **stops)) for i in range(6)
+    ]
+    common = ("e", "a", " ")  # random text has one of these within a few tokens
+    reqs.append(Request(6, (6, 30, 41), SamplingParams(160, temperature=1.0, seed=3, ignore_eos=True, stop=common)))
+    done = {c.id: c for c in engine.generate(reqs)}
+    assert check_stop_rows([done[i] for i in range(6)], lambda t: valid_json(t, PET_SCHEMA)) >= 0.8
+    assert done[6].finish_reason == "stop" and not any(s in done[6].text for s in common)

@@ -155,3 +155,35 @@ def test_a_lines_schema_keeps_its_null_values(tmp_path: Path) -> None:
     assert run_in_process(*NATIVE, f"data.path={batch}", f"output.dir={tmp_path / 'o'}") == 0
     (row,) = read_output(tmp_path / "o").to_pylist()
     assert (row["finish_reason"], row["generation"]) == ("stop", '{"x":null}')
+
+
+def test_stops_apply_to_unconstrained_rows_only_and_with_a_job_level_constraint_are_refused(
+    tmp_path: Path, capsys
+) -> None:
+    # A per-row schema beside free-text rows: the job's stop strings cut the free rows, never a schema's JSON.
+    schemas = [json.dumps(PET_SCHEMA), None] * 4
+    data = write_prompts(tmp_path / "p.parquet", len(schemas), schema=schemas)
+    stops = ("sampling.stop=['\"','}',e,a,' ']", "sampling.temperature=1.0")
+    code = run_in_process(
+        *NATIVE, *stops, f"data.path={data}", "data.json_schema_column=schema", f"output.dir={tmp_path / 'o'}"
+    )
+    assert code == 0
+    rows = read_output(tmp_path / "o").to_pylist()
+    constrained = [r for r in rows if r["row_id"] % 2 == 0]
+    assert all(valid_json(r["generation"], PET_SCHEMA) for r in constrained if r["finish_reason"] == "stop")
+    assert sum(r["finish_reason"] == "stop" for r in constrained) >= 3
+    free = [r for r in rows if r["row_id"] % 2 == 1]
+    assert all(r["finish_reason"] == "stop" and not set(r["generation"]) & set('"}ea ') for r in free)
+    # Every row under the job's schema: the stop would apply to none, so the job refuses it before any work.
+    schema = tmp_path / "pet.json"
+    schema.write_text(json.dumps(PET_SCHEMA))
+    code = run_in_process(
+        *NATIVE,
+        "sampling.stop=[END]",
+        f"data.path={data}",
+        f"sampling.json_schema={schema}",
+        f"output.dir={tmp_path / 'x'}",
+    )
+    assert code == 2 and not (tmp_path / "x").exists()
+    err = capsys.readouterr().err
+    assert "sampling.stop with sampling.json_schema" in err and "remove sampling.stop" in err

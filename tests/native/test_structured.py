@@ -265,3 +265,18 @@ def test_constrained_steps_padded_to_split_graph_shapes_generate_what_unpadded_s
     assert got == {i: c.token_ids for i, c in expected.items()}
     assert any(masked and layout.mixed and layout.shape.tokens == 64 for masked, layout in shapes)
     assert any(masked and not layout.mixed and layout.bucket == 16 for masked, layout in shapes)
+
+
+@pytest.mark.parametrize("engine", ["native", "native_sync"])
+def test_stop_strings_and_stop_token_ids_never_cut_a_constrained_row(model_dir, engine):
+    # A JSON text holds '"' from its first key on: a stop there would leave "{" finishing `stop`. A constrained
+    # row ends where its constraint is complete instead; an unconstrained row beside it still stops.
+    quote_id = 7  # '"' in the tiny model's byte-level vocabulary
+    stops = {"stop": ('"', "}"), "stop_token_ids": (quote_id,)}
+    reqs = _requests(12, 0.0, json_schema=PET, **stops)
+    common = ("e", "a", " ")  # random text has one of these within a few tokens
+    reqs.append(Request(12, (6, 30, 41), SamplingParams(160, temperature=1.0, seed=3, ignore_eos=True, stop=common)))
+    done, _ = _run(model_dir, reqs, engine)
+    assert check_stop_rows([done[i] for i in range(12)], lambda t: valid_json(t, PET_SCHEMA)) >= 0.8
+    free = done[12]
+    assert free.finish_reason == "stop" and not any(s in free.text for s in common)

@@ -114,12 +114,11 @@ class OutputProcessor:
             if result.top_ids is not None:
                 ids, values = result.top_ids[row], result.top_logprobs[row]
                 seq.top_logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
-        reason = None
         if seq.matcher is not None:
+            # A constrained sample ends where its constraint is complete: a stop string or stop token id could
+            # only cut it short of that (a JSON text at a "}" inside one of its strings).
             reason = self._constraint_reason(seq, token, position, forced, advanced)
-            if reason == FINISH_ERROR:
-                return self._finish(seq, position, reason, scheduler)
-        if reason is None:
+        else:
             reason = self._stop_reason(seq, token, position)
         if reason is None and position + 1 >= seq.max_len:
             reason = FINISH_LENGTH
