@@ -7,11 +7,12 @@ Nothing here knows about Parquet, Hydra or Slurm.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from batchjob.engine.json_schema import compact_json, schema_problem
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -108,7 +109,7 @@ class SamplingParams:
             problems.append(f"{' and '.join(given)} are set: a request takes at most one constraint")
         if self.json_schema is not None:
             if isinstance(self.json_schema, (str, bytes)):
-                problem = _schema_problem(self.json_schema)
+                problem = schema_problem(self.json_schema)
             else:
                 problem = f"json_schema must be JSON text or a dict, got {type(self.json_schema).__name__}"
             if problem:
@@ -137,7 +138,7 @@ class SamplingParams:
     def constraint(self) -> Constraint | None:
         """The request's output constraint, or None."""
         if self.json_schema is not None:
-            return Constraint("json_schema", _compact_json(self.json_schema), self.json_whitespace)
+            return Constraint("json_schema", compact_json(self.json_schema), self.json_whitespace)
         if self.regex is not None:
             return Constraint("regex", self.regex)
         if self.choice is not None:
@@ -145,27 +146,6 @@ class SamplingParams:
         if self.grammar is not None:
             return Constraint("grammar", self.grammar)
         return None
-
-
-# A job's rows mostly share a few schemas (one per job, or one per kind of record), each parsed for every request
-# that carries it: the last ones are kept, by text.
-@functools.lru_cache(maxsize=64)
-def _schema_problem(text: str | bytes) -> str:
-    """What is wrong with `text` as a JSON schema, or "" if nothing."""
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as err:
-        return f"json_schema is not JSON text ({err})"
-    if not isinstance(schema, (dict, bool)):
-        return f"json_schema must be a JSON object, got {type(schema).__name__}"
-    return ""
-
-
-@functools.lru_cache(maxsize=64)
-def _compact_json(text: str) -> str:
-    """`text` without free whitespace; key order is kept (properties are generated in the order a schema lists
-    them)."""
-    return json.dumps(json.loads(text), separators=(",", ":"))
 
 
 @dataclass(frozen=True)

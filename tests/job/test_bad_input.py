@@ -119,6 +119,11 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("progress.log_every_s=-1", "progress.log_every_s=-1: must be a number of seconds >= 0"),
         ("sampling.json_schema={type: nonsense}", "sampling.json_schema: json_schema cannot be compiled"),
         ("sampling.json_schema=/no/such/schema.json", "neither inline text nor an existing file"),
+        ("sampling.json_schema={name: Alice, age: 30}", "only age, name: it looks like an example value, not a schema"),
+        (
+            "sampling.json_schema={name: pet, strict: true, schema: {type: object}}",
+            "it looks like the wrapper of an OpenAI response_format; give the schema inside it",
+        ),
         ("sampling.regex='(ab'", "sampling.regex: regex cannot be compiled"),
         ("sampling.grammar='start: undefined_rule'", "sampling.grammar: grammar cannot be compiled"),
         ("sampling.choice=[]", "choice must be a non-empty list"),
