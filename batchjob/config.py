@@ -155,8 +155,16 @@ def _constraint_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return {
         "json_schema": schema,
         "grammar": grammar,
-        "choice": None if choice is None else tuple(str(c) for c in choice),
+        "choice": None if choice is None else tuple(_choice_text(c) for c in choice),
     }
+
+
+def _choice_text(value: Any) -> str:
+    """A choice as the user wrote it: Hydra reads `sampling.choice=[true,false,null]` as YAML values, whose
+    Python spelling ("True", "None") is not what was typed."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return str(value)
 
 
 def _sampler_mode_name(sampling: SamplingParams) -> str:

@@ -4,6 +4,7 @@ request that carries it: the last ones are kept, by text."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 
@@ -27,6 +28,9 @@ def schema_problem(text: str | bytes) -> str:
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as err:
+        if isinstance(_python_literal(text), dict):
+            # str() of a dict, as a column written from pandas often holds
+            return "json_schema is a Python dict's text (single quotes, True, None), not JSON: write it with json.dumps"
         return f"json_schema is not JSON text ({err})"
     if not isinstance(schema, (dict, bool)):
         return f"json_schema must be a JSON object, got {type(schema).__name__}"
@@ -43,6 +47,13 @@ def schema_problem(text: str | bytes) -> str:
             'example value, not a schema; e.g. {"type": "object", "properties": {"name": {"type": "string"}}}'
         )
     return ""
+
+
+def _python_literal(text: str | bytes) -> object:
+    try:
+        return ast.literal_eval(text.decode() if isinstance(text, bytes) else text)
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        return None
 
 
 @functools.lru_cache(maxsize=64)

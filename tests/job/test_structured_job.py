@@ -187,3 +187,15 @@ def test_stops_apply_to_unconstrained_rows_only_and_with_a_job_level_constraint_
     assert code == 2 and not (tmp_path / "x").exists()
     err = capsys.readouterr().err
     assert "sampling.stop with sampling.json_schema" in err and "remove sampling.stop" in err
+
+
+def test_choices_hydra_reads_as_yaml_values_are_spelt_as_typed(tmp_path: Path) -> None:
+    # YAML makes true/false/null booleans and None: their Python spelling ("True", "None") was not what was typed.
+    data = write_prompts(tmp_path / "p.parquet", 12)
+    code = run_in_process(
+        *NATIVE, f"data.path={data}", "sampling.choice=[true,false,null,7]", "sampling.temperature=1.0",
+        f"output.dir={tmp_path / 'o'}",
+    )  # fmt: skip
+    assert code == 0
+    texts = {r["generation"] for r in read_output(tmp_path / "o").to_pylist()}
+    assert texts <= {"true", "false", "null", "7"} and len(texts) >= 2

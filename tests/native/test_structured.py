@@ -171,12 +171,15 @@ def test_one_string_given_as_the_choices_is_refused_naming_the_list_form():
         SamplingParams(8, choice="yes")
 
 
-def test_an_example_value_given_as_the_schema_is_refused():
+def test_an_example_value_or_a_python_dict_given_as_the_schema_is_refused():
     # Unknown keys are ignored by JSON Schema: {"name": "Alice"} would allow any JSON value at all.
     with pytest.raises(ValueError, match="only age, name: it looks like an example value, not a schema"):
         SamplingParams(8, json_schema={"name": "Alice", "age": 30})
     with pytest.raises(ValueError, match="the wrapper of an OpenAI response_format"):
         SamplingParams(8, json_schema={"name": "pet", "strict": True, "schema": PET_SCHEMA})
+    # str() of a dict, as a column written from pandas can hold
+    with pytest.raises(ValueError, match="a Python dict's text .*, not JSON: write it with json.dumps"):
+        SamplingParams(8, json_schema=str(PET_SCHEMA))
     for schema in ({}, True, {"title": "anything"}, {"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}}):
         assert SamplingParams(8, json_schema=schema).constraint is not None
 
