@@ -4,17 +4,28 @@ each step's sampled tokens come back at once (no forward, no GPU). Prints the me
 a step, the work the loop's thread must finish within one GPU step to keep the GPU busy.
 
     python scripts/profile_host_loop.py [--seqs 256] [--context 1300] [--steps 300] [--sampling]
+        [--constrained-every K]
 
 Every `--finish-every` steps the oldest sequence finishes and a new one is admitted with a `--context`-token
 prompt, so admission and prefill chunks are in the mix as in a long job.
+
+`--constrained-every K` puts every K-th sequence under the benchmark's records schema (structured outputs, the
+generated 128k BPE as the vocabulary, kept under --cache): each step's masks are handed to the mask worker as
+the asynchronous loop does (`StepMasks.start`, timed as the loop's share) and waited for (`finish`, the worker's
+fill, timed apart: on a GPU it runs beside the loop), and a constrained row samples one of the tokens its mask
+allows. A constrained sequence that completes its record is replaced like a finished one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,11 +43,50 @@ BLOCK = 16
 VOCAB = 128_256
 
 
-def _sequence(seq_id: int, prompt_len: int, max_new: int, sampling: bool) -> Sequence:
-    params = SamplingParams(max_new, ignore_eos=True, temperature=0.8 if sampling else 0.0, top_p=0.95)
+def _sequence(seq_id: int, prompt_len: int, max_new: int, sampling: bool, schema: str | None = None) -> Sequence:
+    if schema is not None:
+        params = SamplingParams(max_new, json_schema=schema)
+    else:
+        params = SamplingParams(max_new, ignore_eos=True, temperature=0.8 if sampling else 0.0, top_p=0.95)
     prompt = tuple(int(t) for t in np.random.default_rng(seq_id).integers(3, VOCAB, prompt_len))
     request = Request(seq_id, prompt, params)
     return Sequence.create(seq_id, RequestGroup(request, prompt_len), 0, prompt_len + max_new, seq_id, BLOCK)
+
+
+class _Runner:
+    """What the mask worker needs of a model runner, without a GPU: a step's host bitmask rows, and a sampler
+    that counts as enqueued once they are filled."""
+
+    def bitmask_rows(self, step: StepHandle) -> torch.Tensor:
+        return step.slot.host_bitmask[: step.masked_rows]
+
+    def enqueue_masked_sampler(self, step: StepHandle) -> None:
+        step.sampled = True
+
+
+def _grammars(cache: Path):
+    """A grammar compiler over the benchmark's generated 128k BPE, and its EOS id."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_lib.bpe import bpe_tokenizer
+
+    from batchjob.engine.grammar import GrammarCompiler
+
+    tokenizer = bpe_tokenizer(cache)
+    return GrammarCompiler(tokenizer, VOCAB, (tokenizer.eos_token_id,)), tokenizer.eos_token_id
+
+
+def _tokens(plan, slot: IOSlot, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """A token for each sampled row: random, or for a constrained row one its bitmask row allows."""
+    tokens = rng.integers(3, VOCAB, rows)
+    sampled = [seq for seq, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
+    masks = slot.host_bitmask.numpy()
+    k = 0
+    for row, seq in enumerate(sampled):
+        if seq.matcher is not None:
+            allowed = np.flatnonzero(np.unpackbits(masks[k].view(np.uint8), bitorder="little")[:VOCAB])
+            tokens[row] = rng.choice(allowed)
+            k += 1
+    return tokens
 
 
 def main() -> None:
@@ -46,6 +96,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="steady-state steps measured")
     parser.add_argument("--finish-every", type=int, default=3)
     parser.add_argument("--sampling", action="store_true", help="temperature 0.8, top-p 0.95 (default: greedy)")
+    parser.add_argument("--constrained-every", type=int, default=0, help="every K-th sequence under a JSON schema")
+    default_cache = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
+    parser.add_argument("--cache", type=Path, default=default_cache, help="where the generated BPE is kept")
     args = parser.parse_args()
 
     budget = 8192
@@ -63,15 +116,31 @@ def main() -> None:
         mixed_modes=frozenset(GRAPH_MODES),
         mixed_seqs=args.seqs,
     )
-    output = OutputProcessor(None, (2,), detokenize=False, grammars=None)
+    grammars, eos, masks, schema = None, 2, None, None
+    if args.constrained_every:
+        from bench_lib.workloads import RECORDS_SCHEMA
+
+        from batchjob.engine.native.step_masks import StepMasks
+
+        grammars, eos = _grammars(args.cache)
+        masks = StepMasks(_Runner(), grammars, sampler_in_worker=True)
+        schema = json.dumps(RECORDS_SCHEMA)
+    output = OutputProcessor(None, (eos,), detokenize=False, grammars=grammars)
     next_id = 0
-    live: list[Sequence] = []
-    for _ in range(args.seqs):
-        seq = _sequence(next_id, args.context, max_len - args.context, args.sampling)
+    live: dict[int, Sequence] = {}
+
+    def admit() -> None:
+        nonlocal next_id
+        constrained = args.constrained_every and next_id % args.constrained_every == 0
+        seq = _sequence(next_id, args.context, max_len - args.context, args.sampling, schema if constrained else None)
+        if constrained:
+            seq.matcher = grammars.matcher(seq.sampling.constraint)
         scheduler.add(seq)
-        live.append(seq)
+        live[seq.seq_id] = seq
         next_id += 1
 
+    for _ in range(args.seqs):
+        admit()
     times: dict[str, list[float]] = defaultdict(list)
     step = 0
     warm = -(-args.seqs * args.context // budget) + 2  # the prompts' steps, then steady state
@@ -82,33 +151,51 @@ def main() -> None:
         scheduled = time.perf_counter()
         layout = layout_step(plan, buckets)
         slot = slots[step % 2]
-        slot.fill(plan, layout.shape, BLOCK)
+        masked = slot.fill(plan, layout.shape, BLOCK)
         filled = time.perf_counter()
         rows = int(plan.samples.sum())
-        handle = StepHandle(plan, slot, layout.shape, rows, layout.mode)
-        result = StepResult(rng.integers(3, VOCAB, rows), None, None, None)
-        list(output.process(handle, result, scheduler))
+        handle = StepHandle(plan, slot, layout.shape, rows, layout.mode, masked_rows=masked)
+        handed = masks_done = filled
+        if masked:
+            handle.sampled = False
+            masks.start(handle)
+            handed = time.perf_counter()
+            masks.finish()
+            masks_done = time.perf_counter()
+        result = StepResult(_tokens(plan, slot, rows, rng), None, None, None)
+        chosen = time.perf_counter()
+        finished = [c.id for c in output.process(handle, result, scheduler)]
         if step >= warm and step % args.finish_every == 0:
-            oldest = live.pop(0)
+            oldest = live[min(live)]
             scheduler.finish(oldest, "length")
-            seq = _sequence(next_id, args.context, max_len - args.context, args.sampling)
-            scheduler.add(seq)
-            live.append(seq)
-            next_id += 1
+            finished.append(oldest.seq_id)
+        for seq_id in finished:
+            del live[seq_id]
+            admit()
         processed = time.perf_counter()
         if step >= warm:
             times["scheduling"].append(scheduled - began)
             times["layout and slot fill"].append(filled - scheduled)
-            times["processing the tokens"].append(processed - filled)
+            if masks is not None:
+                times["handing masks over"].append(handed - filled)
+            times["processing the tokens"].append(processed - chosen)
+            if masks is not None:
+                times["(masks, the worker's)"].append(masks_done - handed)
             times["sequences a step"].append(len(plan.seqs) / 1000)
+            times["tokens a step"].append(plan.num_tokens / 1000)
         step += 1
+    if masks is not None:
+        masks.abandon()
+        masks.close()
     mode = "sampling" if args.sampling else "greedy"
-    print(f"{args.seqs} sequences at {args.context} tokens of context, {mode}, {args.steps} steps (medians)")
+    under = f", every {args.constrained_every} under a JSON schema" if args.constrained_every else ""
+    print(f"{args.seqs} sequences at {args.context} tokens of context, {mode}{under}, {args.steps} steps (medians)")
     for part, values in times.items():
         value = 1000 * statistics.median(values)
-        print(f"  {part:<24} {value:8.3f}" + ("" if part == "sequences a step" else " ms"))
-    total = sum(1000 * statistics.median(v) for k, v in times.items() if k != "sequences a step")
-    print(f"  {'host work a step':<24} {total:8.3f} ms")
+        print(f"  {part:<24} {value:8.3f}" + ("" if part.endswith("a step") else " ms"))
+    loop = [k for k in times if not k.endswith("a step") and not k.startswith("(")]
+    total = sum(1000 * statistics.median(times[k]) for k in loop)
+    print(f"  {'host work a step':<24} {total:8.3f} ms  (the loop's; not the worker's masks)")
 
 
 if __name__ == "__main__":

@@ -144,3 +144,15 @@ def test_the_host_loop_profile_script_times_scheduling_fill_and_processing():
         assert float(run.stdout.split(part)[1].split("ms")[0]) > 0, part
     # Every sequence decodes every steady-state step (one finishes and one is admitted every third step).
     assert float(run.stdout.split("sequences a step")[1].split()[0]) == 24
+
+
+def test_the_host_loop_profile_script_times_the_masks_hand_over_with_constrained_rows(tmp_path):
+    # Every other sequence under the records schema over the generated 128k BPE (trained into tmp_path).
+    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_loop.py"
+    command = [sys.executable, str(script), "--seqs", "16", "--context", "40", "--steps", "20"]
+    command += ["--constrained-every", "2", "--cache", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "16 sequences at 40 tokens of context, greedy, every 2 under a JSON schema, 20 steps" in run.stdout
+    for part in ("handing masks over", "processing the tokens", "(masks, the worker's)"):
+        assert float(run.stdout.split(part)[1].split("ms")[0]) > 0, part
