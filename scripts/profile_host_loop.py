@@ -4,7 +4,7 @@ each step's sampled tokens come back at once (no forward, no GPU). Prints the me
 a step, the work the loop's thread must finish within one GPU step to keep the GPU busy.
 
     python scripts/profile_host_loop.py [--seqs 256] [--context 1300] [--steps 300] [--sampling]
-        [--constrained-every K]
+        [--constrained-every K] [--processes N]
 
 Every `--finish-every` steps the oldest sequence finishes and a new one is admitted with a `--context`-token
 prompt, so admission and prefill chunks are in the mix as in a long job.
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -99,8 +100,51 @@ def main() -> None:
     parser.add_argument("--constrained-every", type=int, default=0, help="every K-th sequence under a JSON schema")
     default_cache = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
     parser.add_argument("--cache", type=Path, default=default_cache, help="where the generated BPE is kept")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="measure in this many fresh processes, one after another, and print each part's median and range "
+        "(a process's host speed varies, up to 2x for the same Python work on some machines)",
+    )
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's medians, for the parent
     args = parser.parse_args()
+    if args.processes > 1:
+        runs = [_child(args) for _ in range(args.processes)]
+        ranges = {part: (min(r[part] for r in runs), max(r[part] for r in runs)) for part in runs[0]}
+        _report(args, {part: statistics.median(r[part] for r in runs) for part in runs[0]}, ranges)
+    elif args.json:
+        print(json.dumps(_measure(args)))
+    else:
+        _report(args, _measure(args))
 
+
+def _child(args: argparse.Namespace) -> dict[str, float]:
+    """One measurement in a fresh process: the same arguments, its medians as JSON."""
+    argv = [a for a in sys.argv[1:] if not a.startswith("--processes=")]
+    if "--processes" in argv:  # "--processes N" as two words
+        i = argv.index("--processes")
+        argv = argv[:i] + argv[i + 2 :]
+    done = subprocess.run([sys.executable, __file__, *argv, "--json"], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _report(args: argparse.Namespace, medians: dict[str, float], ranges: dict | None = None) -> None:
+    mode = "sampling" if args.sampling else "greedy"
+    under = f", every {args.constrained_every} under a JSON schema" if args.constrained_every else ""
+    over = f" of {args.processes} processes' medians, [their range]" if ranges else ""
+    shape = f"{args.seqs} sequences at {args.context} tokens of context"
+    print(f"{shape}, {mode}{under}, {args.steps} steps (medians{over})")
+    for part, value in medians.items():
+        spread = f"  [{ranges[part][0]:.3f}-{ranges[part][1]:.3f}]" if ranges else ""
+        print(f"  {part:<24} {value:8.3f}" + ("" if part.endswith("a step") else " ms") + spread)
+    loop = [k for k in medians if not k.endswith("a step") and not k.startswith("(")]
+    total = sum(medians[k] for k in loop)
+    print(f"  {'host work a step':<24} {total:8.3f} ms  (the loop's; not the worker's masks)")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, float]:
+    """One process's medians: milliseconds a step of each part (counts for the parts "... a step")."""
     budget = 8192
     max_len = args.context + 4 * args.steps
     config = SchedulerConfig(max_num_seqs=args.seqs, max_num_batched_tokens=budget, token_buckets=())
@@ -187,15 +231,7 @@ def main() -> None:
     if masks is not None:
         masks.abandon()
         masks.close()
-    mode = "sampling" if args.sampling else "greedy"
-    under = f", every {args.constrained_every} under a JSON schema" if args.constrained_every else ""
-    print(f"{args.seqs} sequences at {args.context} tokens of context, {mode}{under}, {args.steps} steps (medians)")
-    for part, values in times.items():
-        value = 1000 * statistics.median(values)
-        print(f"  {part:<24} {value:8.3f}" + ("" if part.endswith("a step") else " ms"))
-    loop = [k for k in times if not k.endswith("a step") and not k.startswith("(")]
-    total = sum(1000 * statistics.median(times[k]) for k in loop)
-    print(f"  {'host work a step':<24} {total:8.3f} ms  (the loop's; not the worker's masks)")
+    return {part: 1000 * statistics.median(values) for part, values in times.items()}
 
 
 if __name__ == "__main__":

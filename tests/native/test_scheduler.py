@@ -137,11 +137,14 @@ def test_filling_buckets_does_not_change_greedy_output():
 def test_the_host_loop_profile_script_times_scheduling_fill_and_processing():
     script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_loop.py"
     command = [sys.executable, str(script), "--seqs", "24", "--context", "100", "--steps", "30", "--sampling"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([*command, "--processes", "2"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "24 sequences at 100 tokens of context, sampling, 30 steps" in run.stdout
+    # Two fresh processes: each part's median of their medians, and their range
+    assert "24 sequences at 100 tokens of context, sampling, 30 steps (medians of 2 processes' medians" in run.stdout
     for part in ("scheduling", "layout and slot fill", "processing the tokens", "host work a step"):
         assert float(run.stdout.split(part)[1].split("ms")[0]) > 0, part
+    low, high = map(float, run.stdout.split("scheduling")[1].split("[")[1].split("]")[0].split("-"))
+    assert 0 < low <= float(run.stdout.split("scheduling")[1].split("ms")[0]) <= high
     # Every sequence decodes every steady-state step (one finishes and one is admitted every third step).
     assert float(run.stdout.split("sequences a step")[1].split()[0]) == 24
 
