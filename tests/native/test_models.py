@@ -312,3 +312,20 @@ def test_damaged_weight_files_are_refused_from_their_headers(tiny, tmp_path):
     for shard in shards:
         shard.unlink(missing_ok=True)
     read_model_spec(sharded)  # configs and the index only: the weights come later (a hub fetch, or dummy weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_written_into_a_buffer_equal_the_returned_ones_soft_capped_too(tmp_path, dtype):
+    # A step with constrained rows leaves its logits in the runner's float32 buffer for its masked sampler.
+    model_dir = make_tiny_model(tmp_path / "gemma2", arch="gemma2")  # final logit soft-capping
+    ours, spec = load_model(
+        model_dir, "float32" if dtype == torch.float32 else "bfloat16", "cpu", TorchPagedAttention()
+    )
+    assert spec.final_softcap > 0
+    hidden = torch.randn(5, spec.hidden_size, dtype=dtype) * 3
+    out = torch.full((5, spec.vocab_size), float("nan"), dtype=torch.float32)
+    with torch.no_grad():
+        returned = ours.compute_logits(hidden)
+        written = ours.compute_logits(hidden, out=out)
+    assert written.data_ptr() == out.data_ptr() and returned.dtype == torch.float32
+    assert torch.equal(written, returned)

@@ -143,14 +143,20 @@ class ModelRunner:
     # ---- the work of one step (eager, or recorded into a graph) ----
 
     def _logits(
-        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int
+        self,
+        slot: IOSlot,
+        prev: IOSlot,
+        shape: StepShape,
+        max_query_len: int,
+        max_seq_len: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ints, meta, _ = slot.device_views(shape, max_query_len, max_seq_len)
         # Carry-over: tokens the previous step sampled (still unknown to the CPU) replace their placeholders.
         input_ids = ints["input_ids"]
         input_ids.add_(prev.dev_tokens[ints["carry_idx"]] * ints["carry_mask"])
         hidden = self.model(input_ids, ints["positions"], meta, self.kv_caches)
-        return self.model.compute_logits(hidden[ints["logits_indices"]])
+        return self.model.compute_logits(hidden[ints["logits_indices"]], out)
 
     def _sample(self, slot: IOSlot, shape: StepShape, mode: SamplerMode, logits: torch.Tensor, masked: bool) -> None:
         mask = TokenMask(slot.dev_bitmask, slot.int_views(shape)["mask_rows"]) if masked else None
@@ -171,7 +177,7 @@ class ModelRunner:
 
     def run_forward(self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int) -> None:
         """The first half of a split step: the forward, its logits left in `self.logits`."""
-        self.logits[: shape.rows].copy_(self._logits(slot, prev, shape, max_query_len, max_seq_len))
+        self._logits(slot, prev, shape, max_query_len, max_seq_len, out=self.logits[: shape.rows])
 
     def run_masked_sampler(self, slot: IOSlot, shape: StepShape, mode: SamplerMode) -> None:
         """The second half of a split step: the sampler, over `self.logits` under the step's bitmask."""

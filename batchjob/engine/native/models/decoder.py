@@ -225,14 +225,16 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden] (usually each sequence's last token); every
-        rank gets all of them."""
+        rank gets all of them. `out`: a float32 [N, vocab] tensor to write them into (the conversion to float32
+        is then that write, with no float32 copy of its own)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         if self.tp.active:
             logits = self.tp.all_gather_last(logits)[:, : self.spec.vocab_size]
-        logits = logits.float()
-        if self.spec.final_softcap > 0:
-            logits = self.spec.final_softcap * torch.tanh(logits / self.spec.final_softcap)
+        logits = logits.float() if out is None else out.copy_(logits)
+        cap = self.spec.final_softcap
+        if cap > 0:
+            logits = cap * torch.tanh(logits / cap) if out is None else logits.div_(cap).tanh_().mul_(cap)
         return logits
