@@ -9,7 +9,7 @@ A row that cannot become a prompt (null, empty, wrong type, not UTF-8) gets an e
 token ids; the job decides what to do with it (`on_error`).
 
 With `data.json_schema_column`, a row's own JSON schema constrains its output in place of the job's
-`sampling.*` constraint (a null schema: the job's settings alone); a schema that is not a JSON object makes
+`sampling.*` constraint (a null or blank schema: the job's settings alone); a schema that is not a JSON object makes
 the row an error row. The column holds JSON text, or structs (dicts written as they are: their null fields,
 which Parquet adds for the fields of other rows, are dropped).
 """
@@ -178,7 +178,8 @@ class PromptBuilder:
     def _apply_schemas(self, schemas: list[Any], sampling: list[SamplingParams], errors: list[str | None]) -> None:
         """Constrain each row that has a schema (and a prompt) by it, in place; a bad schema is the row's error."""
         for i, schema in enumerate(schemas):
-            if schema is None or errors[i] is not None:
+            blank = isinstance(schema, (str, bytes)) and not schema.strip()  # an empty cell, as a spreadsheet has
+            if schema is None or blank or errors[i] is not None:
                 continue
             try:
                 # A column of dicts is a struct column: its rows carry other rows' fields as nulls.

@@ -32,7 +32,16 @@ def test_a_job_level_schema_file_makes_every_stopped_row_valid(tmp_path: Path, e
 
 
 def test_per_row_schemas_mix_with_job_level_choice_rows_and_a_bad_schema_is_an_error_row(tmp_path: Path) -> None:
-    schemas = [json.dumps(POINT_SCHEMA), None, json.dumps(PET_SCHEMA), '{"type": "nonsense"}', "not json", None]
+    schemas = [
+        json.dumps(POINT_SCHEMA),
+        None,
+        json.dumps(PET_SCHEMA),
+        '{"type": "nonsense"}',
+        "not json",
+        None,
+        "",
+        " ",
+    ]
     data = write_prompts(tmp_path / "p.parquet", len(schemas), schema=schemas)
     code = run_in_process(
         *NATIVE,
@@ -46,7 +55,7 @@ def test_per_row_schemas_mix_with_job_level_choice_rows_and_a_bad_schema_is_an_e
     rows = {r["row_id"]: r for r in read_output(tmp_path / "o").to_pylist()}
     assert valid_json(rows[0]["generation"], POINT_SCHEMA) and rows[0]["finish_reason"] == "stop"
     assert rows[2]["finish_reason"] != "stop" or valid_json(rows[2]["generation"], PET_SCHEMA)
-    for row_id in (1, 5):  # no schema of their own: the job's choice applies
+    for row_id in (1, 5, 6, 7):  # no schema of their own (null, or a blank cell): the job's choice applies
         assert rows[row_id]["generation"] in CHOICES
     assert rows[3]["finish_reason"] == "error" and "json_schema cannot be compiled" in rows[3]["error"]
     assert rows[4]["finish_reason"] == "error" and "schema: invalid sampling parameters" in rows[4]["error"]
