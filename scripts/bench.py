@@ -40,7 +40,15 @@ from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_d
 from bench_lib.options import engine_options
 from bench_lib.report import WorkloadReport, plot, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
-from bench_lib.systems import CONSTRAINED_SYSTEMS, NATIVE_ENGINES, NATIVE_SYSTEMS, SYSTEMS, RunSettings, SystemResult
+from bench_lib.systems import (
+    CONSTRAINED_SYSTEMS,
+    NATIVE_ENGINES,
+    NATIVE_SYSTEMS,
+    SYSTEMS,
+    RunSettings,
+    SystemResult,
+    run_label,
+)
 from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,7 +212,7 @@ def run_workload(
                     "settings": dataclasses.asdict(settings),
                     "run": run,
                 }
-                label = run if repeat == 0 else f"{run} {repeat + 1}"
+                label = run_label(run, repeat)
                 if args.profile:
                     name = label.replace(" ", "-")
                     task["profile"] = str(args.out / f"profile-{spec.name}-{system}-{name}.txt")

@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's medians, for the parent
     args = parser.parse_args()
     if args.processes > 1:
-        runs = [_child(args) for _ in range(args.processes)]
+        runs = [_child() for _ in range(args.processes)]
         ranges = {part: (min(r[part] for r in runs), max(r[part] for r in runs)) for part in runs[0]}
         _report(args, {part: statistics.median(r[part] for r in runs) for part in runs[0]}, ranges)
     elif args.json:
@@ -119,7 +119,7 @@ def main() -> None:
         _report(args, _measure(args))
 
 
-def _child(args: argparse.Namespace) -> dict[str, float]:
+def _child() -> dict[str, float]:
     """One measurement in a fresh process: the same arguments, its medians as JSON."""
     argv = [a for a in sys.argv[1:] if not a.startswith("--processes=")]
     if "--processes" in argv:  # "--processes N" as two words

@@ -58,12 +58,16 @@ class SystemResult:
 
     @property
     def label(self) -> str:
-        """The run as the report names it: "cold", "warm", or with a later round's number ("cold 2")."""
-        return self.run if self.repeat == 0 else f"{self.run} {self.repeat + 1}"
+        return run_label(self.run, self.repeat)
 
     @property
     def tok_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def run_label(run: str, repeat: int) -> str:
+    """A run as the report names it: "cold", "warm", or with a later `--repeat` round's number ("cold 2")."""
+    return run if repeat == 0 else f"{run} {repeat + 1}"
 
 
 @dataclass(frozen=True)

@@ -205,8 +205,8 @@ class StepMasks:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._switch_interval))
         # The worker needs the GIL to reach the library's call, and the loop's Python work would hold it for up
-        # to the interpreter's switch interval (5 ms) first: the masks would start only when the loop next waits.
-        # So the loop waits here, without the GIL, until the worker is about to enter the call.
+        # to a switch interval first (the masks then started late, measured even with the interval cut). So the
+        # loop waits here, without the GIL, until the worker is about to enter the call.
         # A job queued behind busy workers is not waited for: that would hold the loop for a whole fill.
         idle = self._job is None or sum(not job.done() for job in self._job[1]) < self._workers
         entering = threading.Event()
