@@ -13,6 +13,7 @@ from engine_cases import mixed_requests
 
 from batchjob.engine import Request, SamplingParams, create_engine
 from batchjob.engine.native.io_slot import StepShape
+from batchjob.engine.native.sampler import SamplerMode
 from batchjob.engine.native.scheduler import StepPlan
 from batchjob.engine.native.sequence import RequestGroup, Sequence
 from batchjob.engine.native.step_layout import (
@@ -24,6 +25,7 @@ from batchjob.engine.native.step_layout import (
     decode_buckets,
     layout_step,
     mixed_buckets,
+    sampler_mode,
 )
 from batchjob.tiny_model import make_tiny_model
 
@@ -96,6 +98,45 @@ def test_a_step_replays_the_cheapest_captured_mode_that_covers_its_rows():
     no_greedy = dataclasses.replace(CAPTURED, modes=frozenset({SAMPLING, FILTERING}))
     assert layout_step(_plan((1, 1)), no_greedy).mode == SAMPLING  # the cheaper of the two
     assert layout_step(_plan((1, 1)), CAPTURED).mode == GREEDY
+
+
+def test_a_steps_sampler_mode_is_what_its_sampled_rows_ask_for_together():
+    def mode(*rows: tuple[dict, bool]) -> SamplerMode:
+        """The sampler mode of a decode step of one sequence per (params, sampled) row."""
+        seqs = []
+        for i, (params, _) in enumerate(rows):
+            request = Request(i, (5,) * 4, SamplingParams(max_new_tokens=4, **params))
+            seqs.append(Sequence.create(i, RequestGroup(request, 4), 0, 8, 0, 16))
+        ones = np.ones(len(rows), dtype=np.int64)
+        samples = np.array([sampled for _, sampled in rows])
+        return sampler_mode(StepPlan(seqs, ones * 3, ones, samples, -ones))
+
+    greedy, hot, nucleus = {}, dict(temperature=0.7), dict(temperature=0.7, top_p=0.9)
+    assert mode((greedy, True), (greedy, True)) == GREEDY
+    assert mode((greedy, True), (hot, True)) == SAMPLING
+    assert mode((greedy, True), (hot, True), (nucleus, True)) == FILTERING
+    assert mode((greedy, True), (nucleus, False)) == GREEDY  # a chunk that samples nothing asks for nothing
+    assert (
+        mode(
+            (dict(top_p=0.5, top_k=3, min_p=0.1), True),
+        )
+        == GREEDY
+    )  # filters of a greedy row never apply
+    assert (
+        mode(
+            (dict(temperature=0.7, min_p=0.1), True),
+        )
+        == FILTERING
+    )
+    assert (
+        mode(
+            (dict(temperature=0.7, top_k=5), True),
+        )
+        == FILTERING
+    )
+    most = mode((dict(logprobs=0), True), (dict(logprobs=5, temperature=0.7), True), (greedy, True))
+    assert most == SamplerMode(sampling=True, logprobs=5)
+    assert mode((dict(logprobs=0), True), (greedy, True)) == SamplerMode(logprobs=0)
 
 
 def test_decodes_keep_their_batch_buckets_and_wider_decodes_take_a_mixed_graph():

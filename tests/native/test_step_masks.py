@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from batchjob.engine.native.scheduler import StepPlan
 from batchjob.engine.native.sequence import Status
 from batchjob.engine.native.step_masks import StepMasks
 
@@ -31,7 +33,8 @@ class SlowLibrary:
 
 def one_constrained_step():
     seq = SimpleNamespace(seq_id=0, matcher=object(), status=Status.RUNNING, pending=[(0, 3)], forced_until=0)
-    plan = SimpleNamespace(seqs=[seq], samples=torch.tensor([True]))
+    one = np.ones(1, dtype=np.int64)
+    plan = StepPlan(seqs=[seq], starts=one * 3, counts=one, samples=np.ones(1, dtype=bool), carry_rows=-one)
     bitmask = torch.zeros(1, 4, dtype=torch.int32)
     enqueued = []
     runner = SimpleNamespace(bitmask_rows=lambda step: bitmask, enqueue_masked_sampler=enqueued.append)

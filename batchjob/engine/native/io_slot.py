@@ -121,6 +121,7 @@ class IOSlot:
         self.host_int = _pinned(largest.int_size, torch.int64, pin)
         self.host_meta = _pinned(largest.meta_size, torch.int32, pin)
         self.host_tables = _pinned((b, limits.max_blocks_per_seq), torch.int32, pin)
+        self._table_rows = list(self.host_tables.numpy())
         self.host_float = _pinned(largest.float_size, torch.float32, pin)
         self.dev_int = torch.zeros(largest.int_size, dtype=torch.int64, device=device)
         self.dev_meta = torch.zeros(largest.meta_size, dtype=torch.int32, device=device)
@@ -159,15 +160,19 @@ class IOSlot:
         seq_of_token = np.repeat(np.arange(n), counts)
 
         tables = self.host_tables.numpy()
-        for i, seq in enumerate(plan.seqs):
+        # Each row through a view of its own: a cheaper assignment than tables[i, :k].
+        for row, seq in zip(self._table_rows[:n], plan.seqs, strict=True):
             table = seq.table_array()
-            tables[i, : len(table)] = table
+            row[: len(table)] = table
         tables[n : shape.seqs, :] = 0
 
         view = _views(self.host_int.numpy(), shape.int_fields())
-        view["input_ids"][:t] = np.concatenate(
-            [s.tokens[a : a + c] for s, a, c in zip(plan.seqs, starts, counts, strict=True)]
-        )
+        if t == n:  # decodes only: one token each, read as scalars (a slice each costs more than the copy)
+            view["input_ids"][:t] = [s.tokens[a] for s, a in zip(plan.seqs, starts.tolist(), strict=True)]
+        else:
+            view["input_ids"][:t] = np.concatenate(
+                [s.tokens[a : a + c] for s, a, c in zip(plan.seqs, starts, counts, strict=True)]
+            )
         view["positions"][:t] = positions
         blocks = tables[seq_of_token, positions // block_size].astype(np.int64)
         view["slot_mapping"][:t] = blocks * block_size + positions % block_size
@@ -180,17 +185,17 @@ class IOSlot:
         for name in INT_TOKEN_FIELDS:
             view[name][t:] = 0
 
-        sampled = [s for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
+        sampled = plan.sampled
         view["logits_indices"][:rows] = cu[1:][plan.samples] - 1
         view["logits_indices"][rows:] = 0
         view["seeds"][:rows] = [s.seed for s in sampled]
         # The sampled token's index in the output: its position minus the prompt length.
         view["out_positions"][:rows] = [s.num_tokens - 1 - s.prompt_len for s in sampled]
-        sampler_rows = np.array([s.sampler_row for s in sampled], dtype=np.float64).reshape(rows, 4)
+        sampler_rows = plan.sampler_rows
         view["top_k"][:rows] = sampler_rows[:, 0]
         for name in ("seeds", "out_positions", "top_k"):
             view[name][rows:] = 0
-        constrained = np.fromiter((s.matcher is not None for s in sampled), dtype=bool, count=rows)
+        constrained = plan.constrained
         masked = int(constrained.sum())
         view["mask_rows"][:] = -1
         view["mask_rows"][:rows][constrained] = np.arange(masked)

@@ -10,13 +10,14 @@ and jumps forward over tokens its constraint forces.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import compress
 
 from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion, Sample
 from batchjob.engine.grammar import GrammarCompiler
 from batchjob.engine.native.detokenizer import StopStringMatcher
 from batchjob.engine.native.model_runner import StepHandle, StepResult
-from batchjob.engine.native.scheduler import Scheduler
-from batchjob.engine.native.sequence import Sequence, Status
+from batchjob.engine.native.scheduler import Scheduler, StepPlan
+from batchjob.engine.native.sequence import NOT_PLAIN, Sequence, Status
 
 
 class OutputProcessor:
@@ -52,11 +53,12 @@ class OutputProcessor:
         its token, before the rest: without jump-forward, nothing here touches a matcher after that."""
         tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
         samples = step.plan.samples.tolist()
-        advanced_by = self._advance_matchers(step.plan.seqs, samples, tokens)
+        advanced_by = self._advance_matchers(step.plan, tokens)
         if advanced is not None:
             advanced()
         row = 0
         done: list[Sequence] = []
+        plain_step = result.logprobs is None
         for seq, sampled in zip(step.plan.seqs, samples, strict=True):
             if settle is not None and len(done) == chunk:
                 settle(done)
@@ -66,6 +68,10 @@ class OutputProcessor:
             if sampled:
                 if seq.status is Status.FINISHED:
                     self.wasted += 1
+                elif plain_step and self._plain_stop_ids(seq) is not NOT_PLAIN:
+                    finished = self._append_plain(seq, tokens[row], scheduler)
+                    if finished is not None:
+                        yield finished
                 else:
                     finished = self._append(seq, tokens[row], result, row, scheduler, advanced_by.get(seq.seq_id))
                     if finished is not None:
@@ -76,21 +82,19 @@ class OutputProcessor:
         if settle is not None and done:
             settle(done)
 
-    def _advance_matchers(
-        self, seqs: list[Sequence], samples: list[bool], tokens: list[int]
-    ) -> dict[int, tuple[bool, bool, str]]:
+    def _advance_matchers(self, plan: StepPlan, tokens: list[int]) -> dict[int, tuple[bool, bool, str]]:
         """Advance every constrained sequence's matcher by its new token, unless its constraint had already forced
         (and consumed) that token. Returns, by sequence id, whether each matcher accepted its token, whether its
         constraint is now complete, and its error if it refused the token."""
-        pairs, ids, row = [], [], 0
-        for seq, sampled in zip(seqs, samples, strict=True):
-            if sampled:
-                if seq.matcher is not None and seq.status is not Status.FINISHED:
-                    _, position = seq.pending[0]
-                    if position >= seq.forced_until:
-                        pairs.append((seq.matcher, tokens[row]))
-                        ids.append(seq.seq_id)
-                row += 1
+        if not plan.constrained.any():
+            return {}
+        pairs, ids = [], []
+        for seq, token in compress(zip(plan.sampled, tokens, strict=True), plan.constrained.tolist()):
+            if seq.status is not Status.FINISHED:
+                _, position = seq.pending[0]
+                if position >= seq.forced_until:
+                    pairs.append((seq.matcher, token))
+                    ids.append(seq.seq_id)
         if not pairs:
             return {}
         accepted = self.grammars.consume(pairs)
@@ -127,6 +131,30 @@ class OutputProcessor:
         if self.jump_forward and seq.matcher is not None and not forced and seq.sampling.logprobs is None:
             # Forced tokens are never sampled, so they would have no log-probabilities: no jump-forward then.
             return self._jump_forward(seq, scheduler)
+        return None
+
+    def _plain_stop_ids(self, seq: Sequence) -> frozenset[int]:
+        """The token ids that stop `seq`, kept on it, when nothing but a token id and its length can end it (no
+        constraint, no stop strings); `NOT_PLAIN` otherwise."""
+        if seq.stop_ids is not None:
+            return seq.stop_ids
+        sampling = seq.sampling
+        if seq.matcher is not None or sampling.stop:
+            seq.stop_ids = NOT_PLAIN
+        else:
+            eos = frozenset() if sampling.ignore_eos else self.eos_token_ids
+            seq.stop_ids = eos | frozenset(sampling.stop_token_ids)
+        return seq.stop_ids
+
+    def _append_plain(self, seq: Sequence, token: int, scheduler: Scheduler) -> Completion | None:
+        """`_append` for a step without log-probabilities and a sequence its `_plain_stop_ids` can end: the same
+        outcome, without the checks that cannot apply (most rows of most steps take this path)."""
+        position, _ = seq.resolve_oldest(token)
+        self.tokens_out += 1
+        if token in seq.stop_ids:
+            return self._finish(seq, position, FINISH_STOP, scheduler)
+        if position + 1 >= seq.max_len:
+            return self._finish(seq, position, FINISH_LENGTH, scheduler)
         return None
 
     def _stop_reason(self, seq: Sequence, token: int, position: int) -> str | None:

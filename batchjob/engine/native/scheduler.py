@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice
+from functools import cached_property
+from itertools import chain, islice
 
 import numpy as np
 
@@ -55,6 +56,26 @@ class StepPlan:
     def num_tokens(self) -> int:
         return int(self.counts.sum())
 
+    # What the step layout and the IO slot both read of the sampled rows, gathered once a step: a pass over
+    # every sequence costs tens of microseconds of the loop's thread at 256 rows.
+    @cached_property
+    def sampled(self) -> list[Sequence]:
+        """The sequences whose chunk ends in a sampled token, in row order."""
+        return [seq for seq, keep in zip(self.seqs, self.samples.tolist(), strict=True) if keep]
+
+    @cached_property
+    def sampler_rows(self) -> np.ndarray:
+        """float64 [rows, 5]: each sampled row's `Sequence.sampler_row`."""
+        rows = self.sampled
+        values = chain.from_iterable([seq.sampler_row for seq in rows])
+        return np.fromiter(values, dtype=np.float64, count=5 * len(rows)).reshape(-1, 5)
+
+    @cached_property
+    def constrained(self) -> np.ndarray:
+        """bool [rows]: which sampled rows are under a constraint."""
+        sampled = self.sampled
+        return np.fromiter((seq.matcher is not None for seq in sampled), dtype=bool, count=len(sampled))
+
     @property
     def is_decode(self) -> bool:
         return bool((self.counts == 1).all())
@@ -89,13 +110,9 @@ class Scheduler:
 
     def _demand(self) -> tuple[int, int]:
         """The running sequences' decodes (one token to feed) and all the tokens they have to feed, in one pass."""
-        decodes = tokens = 0
-        for seq in self.running:
-            if self._runs_now(seq):
-                remaining = seq.num_tokens - seq.num_computed
-                tokens += remaining
-                decodes += remaining == 1
-        return decodes, tokens
+        runs_now = self._runs_now
+        remaining = [seq.num_tokens - seq.num_computed for seq in self.running if runs_now(seq)]
+        return remaining.count(1), sum(remaining)
 
     def step_budget(self, decodes: int, running_tokens: int) -> int:
         """Tokens this step may take: `max_num_batched_tokens`, or a mixed graph's token bucket that the step
@@ -118,8 +135,8 @@ class Scheduler:
         decodes, running_tokens = self._demand()
         budget = self.step_budget(decodes, running_tokens)
         chosen: list[tuple[Sequence, int, int, bool]] = []
-        scheduled: set[int] = set()
         block_size = self.blocks.block_size
+        runs_now, choose = self._runs_now, self._choose
 
         # Running sequences, oldest first; a sequence in the middle of its prefill continues with a chunk, as
         # long as it leaves a token for each decode after it. This loop runs for every sequence every step, so
@@ -127,7 +144,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not self._runs_now(seq):
+            if not runs_now(seq):
                 i += 1
                 continue
             start = seq.num_computed
@@ -140,10 +157,9 @@ class Scheduler:
                 if count <= 0:
                     i += 1
                     continue
-            if start + count > len(seq.block_table) * block_size and not self._reserve(seq, start + count, scheduled):
+            if start + count > len(seq.block_table) * block_size and not self._reserve(seq, start + count, chosen):
                 continue  # `seq` itself was preempted and left self.running: index i is the next one
-            self._choose(chosen, seq, count)
-            scheduled.add(seq.seq_id)
+            choose(chosen, seq, count)
             budget -= count
             i += 1
 
@@ -169,17 +185,15 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._choose(chosen, seq, count)
-            scheduled.add(seq.seq_id)
+            choose(chosen, seq, count)
             budget -= count
 
         if not chosen:
             return None
         seqs, starts, counts, samples = (list(column) for column in zip(*chosen, strict=True))
-        carry_rows = []
+        carry_rows = [seq.carry_row() for seq in seqs]
         row = 0
         for seq, sampled in zip(seqs, samples, strict=True):
-            carry_rows.append(seq.carry_row())
             if sampled:
                 seq.append_pending(row)
                 row += 1
@@ -205,11 +219,14 @@ class Scheduler:
         reusable = sum(1 for b in shared if self.blocks.ref_counts[b] == 0)
         return needed <= self.blocks.num_free - reusable
 
-    def _reserve(self, seq: Sequence, total_tokens: int, scheduled: set[int]) -> bool:
-        """Give `seq` blocks for `total_tokens`, preempting later-admitted sequences if needed. False when
-        `seq` itself had to be preempted (nothing else left to take from)."""
+    def _reserve(self, seq: Sequence, total_tokens: int, chosen: list) -> bool:
+        """Give `seq` blocks for `total_tokens`, preempting later-admitted sequences not yet `chosen` for this
+        step if needed. False when `seq` itself had to be preempted (nothing else left to take from)."""
         needed = self.blocks.blocks_needed(len(seq.block_table), total_tokens)
+        scheduled = None
         while not self.blocks.can_allocate(needed):
+            if scheduled is None:
+                scheduled = {entry[0].seq_id for entry in chosen}
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
             if victim is None:
                 return False

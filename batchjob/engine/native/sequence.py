@@ -22,6 +22,9 @@ import numpy as np
 from batchjob.engine.api import Request
 from batchjob.engine.native.block_manager import block_hash
 
+# `Sequence.stop_ids` of a sequence that more than a token id can end (a constraint, stop strings).
+NOT_PLAIN: frozenset[int] = frozenset({-1})
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -63,9 +66,12 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_text: str | None = None
     stop_matcher: Any = None
-    # (top_k, temperature, top_p, min_p): read every step this sequence samples in, so looked up once.
+    # (top_k, temperature, top_p, min_p, logprobs or -1): read every step this sequence samples in, so looked up
+    # once.
     sampler_row: tuple = ()
     matcher: Any = None  # batchjob.engine.grammar.Matcher of a constrained sequence
+    # The token ids that end this sequence, or NOT_PLAIN; set by the output processor at its first token.
+    stop_ids: frozenset[int] | None = None
     error: str | None = None
     # `block_table` as an array (`table_array`), and the list it was made from
     _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
@@ -96,7 +102,7 @@ class Sequence:
             num_tokens=len(prompt),
             prompt_hashes=hashes,
             prompt_blocks=blocks,
-            sampler_row=(sp.top_k, sp.temperature, sp.top_p, sp.min_p),
+            sampler_row=(sp.top_k, sp.temperature, sp.top_p, sp.min_p, -1 if sp.logprobs is None else sp.logprobs),
         )
 
     @property

@@ -93,7 +93,7 @@ class StepLayout:
 
 
 def has_constrained_rows(plan: StepPlan) -> bool:
-    return any(s.matcher is not None for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep)
+    return bool(plan.constrained.any())
 
 
 # The captured modes that can run a step needing each mode, cheapest first: a sampling graph draws a greedy
@@ -111,13 +111,14 @@ def graph_mode_for(mode: SamplerMode, captured: frozenset[SamplerMode]) -> Sampl
 
 
 def sampler_mode(plan: StepPlan) -> SamplerMode:
-    sampled = [s.sampling for s, keep in zip(plan.seqs, plan.samples, strict=True) if keep]
-    logprobs = [p.logprobs for p in sampled if p.logprobs is not None]
-    return SamplerMode(
-        sampling=any(p.temperature > 0 for p in sampled),
-        filtering=any(p.filtered for p in sampled),
-        logprobs=max(logprobs) if logprobs else None,
-    )
+    """The sampler a step's rows need, from their `Sequence.sampler_row`s: any row sampling, any sampled row
+    filtered (`SamplingParams.filtered`), the most log-probabilities any row asks for."""
+    top_k, temperature, top_p, min_p, logprobs = plan.sampler_rows.T
+    sampling = temperature > 0
+    filtering = sampling & ((top_k > 0) | (top_p < 1) | (min_p > 0))
+    most = int(logprobs.max(initial=-1))
+    logprobs = None if most < 0 else most
+    return SamplerMode(sampling=bool(sampling.any()), filtering=bool(filtering.any()), logprobs=logprobs)
 
 
 def _first_fitting(buckets: tuple[int, ...], size: int) -> int | None:

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from batchjob.engine.native.sequence import Status
@@ -164,15 +165,13 @@ class StepMasks:
     def matchers_settled(step: StepHandle) -> bool:
         """True when `step` needs masks and each of its constrained rows has every earlier token consumed by its
         matcher (no other step of that row in flight)."""
-        plan = step.plan
-        rows = [seq for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True) if sampled and seq.matcher]
+        rows = list(compress(step.plan.sampled, step.plan.constrained.tolist()))
         return not step.sampled and bool(rows) and all(len(seq.pending) == 1 for seq in rows)
 
     @staticmethod
     def _constrained_rows(step: StepHandle) -> list[tuple[Sequence, int]]:
         """Each constrained sampled row of `step` with its bitmask row: the k-th such row has row k."""
-        rows = [seq for seq, sampled in zip(step.plan.seqs, step.plan.samples.tolist(), strict=True) if sampled]
-        return [(seq, k) for k, seq in enumerate(seq for seq in rows if seq.matcher is not None)]
+        return [(seq, k) for k, seq in enumerate(compress(step.plan.sampled, step.plan.constrained.tolist()))]
 
     @staticmethod
     def _row(seq: Sequence, k: int, bitmask: torch.Tensor) -> bool:
