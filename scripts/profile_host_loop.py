@@ -167,7 +167,7 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
         from batchjob.engine.native.step_masks import StepMasks
 
         grammars, eos = _grammars(args.cache)
-        masks = StepMasks(_Runner(), grammars, sampler_in_worker=True)
+        masks = StepMasks(_Runner(), grammars)
         schema = json.dumps(RECORDS_SCHEMA)
     output = OutputProcessor(None, (eos,), detokenize=False, grammars=grammars)
     next_id = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -74,22 +75,28 @@ def test_a_fill_that_fails_never_leaves_the_loop_waiting() -> None:
     assert enqueued == []
 
 
-def test_the_worker_enqueues_the_sampler_while_the_loop_works() -> None:
-    """The sampler goes to the GPU as soon as the bitmask is filled, not when the loop next waits for it."""
+def test_poll_enqueues_the_sampler_from_the_loops_thread_once_the_fill_is_done() -> None:
+    """The sampler goes to the GPU at the loop's first poll after the bitmask is filled, not when the loop next waits
+    for it; a poll before then enqueues nothing, and `finish` then only waits."""
     step, runner, bitmask, enqueued = one_constrained_step()
-    enqueued_at = []
-    runner.enqueue_masked_sampler = lambda s: (enqueued.append(s), enqueued_at.append(time.perf_counter()))
-    masks = StepMasks(runner, SlowLibrary(), sampler_in_worker=True)
+    threads = []
+    runner.enqueue_masked_sampler = lambda s: (enqueued.append(s), threads.append(threading.get_ident()))
+    masks = StepMasks(runner, SlowLibrary())
     for _ in range(3):
-        enqueued_at.clear()
         masks.start(step)
-        python_work(0.1)  # the fill takes 0.02 s of it
-        finish_called = time.perf_counter()
-        masks.finish()
-        assert len(enqueued_at) == 1 and enqueued_at[0] < finish_called
+        masks.poll()  # the fill takes 0.02 s: not done yet
+        assert enqueued == [] and masks.busy
+        deadline = time.perf_counter() + 1.0
+        while not enqueued and time.perf_counter() < deadline:
+            python_work(0.001)  # the loop's work, polling between pieces of it
+            masks.poll()
+        assert len(enqueued) == 1 and bitmask.eq(7).all() and not masks.busy
+        masks.finish()  # nothing left to wait for or enqueue
+        assert len(enqueued) == 1
+        enqueued.clear()
+    assert set(threads) == {threading.get_ident()}
     masks.abandon()
     masks.close()
-    assert enqueued == [step] * 3
 
 
 def test_the_switch_interval_is_cut_while_masks_fill_and_given_back() -> None:
@@ -97,7 +104,7 @@ def test_the_switch_interval_is_cut_while_masks_fill_and_given_back() -> None:
 
     before = sys.getswitchinterval()
     step, runner, _, _ = one_constrained_step()
-    masks = StepMasks(runner, SlowLibrary(), sampler_in_worker=True)
+    masks = StepMasks(runner, SlowLibrary())
     masks.start(step)
     assert sys.getswitchinterval() < before
     masks.finish()

@@ -102,6 +102,26 @@ def test_async_equals_sync_with_constrained_rows(model_dir, temperature):
     assert {i: c.token_ids for i, c in async_done.items()} == {i: c.token_ids for i, c in sync_done.items()}
 
 
+def test_the_loop_polls_for_filled_masks_between_pieces_of_its_work(model_dir):
+    """A step's sampler goes to the GPU once its masks are filled, at the loop's next poll: after admitting, after
+    scheduling, and every few dozen sequences it processes (the enqueue itself: test_step_masks.py)."""
+    reqs = _mixed(0.0) + [Request(100 + i, (9, 31, 40 + i), SamplingParams(30, ignore_eos=True)) for i in range(40)]
+    eng = create_engine("native", model_dir, {"dtype": "float32"})
+    polls = []
+    poll = eng.masks.poll
+    eng.masks.poll = lambda: (polls.append(len(eng.scheduler.running)), poll())
+    try:
+        done = {c.id: c.token_ids for c in eng.generate(reqs)}
+        stats = eng.stats()
+    finally:
+        eng.close()
+    sync_done, _ = _run(model_dir, reqs, "native_sync")
+    assert done == {i: c.token_ids for i, c in sync_done.items()}
+    assert len(polls) >= 2 * stats["steps"]  # after admitting and after scheduling, every step
+    assert len(polls) > 2 * stats["steps"] + 10  # and inside the processing of the steps of 32 sequences or more
+    assert 0 <= stats["constrained_steps_sampled_at_poll"] <= stats["constrained_steps"]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
 def test_constrained_rows_that_sit_out_a_step_generate_what_sync_does(model_dir, temperature):
     reqs = _mixed(temperature) + _requests(12, temperature, max_new_tokens=80, json_schema=PET)

@@ -296,7 +296,6 @@ class NativeEngine:
             self.runner,
             self.grammars,
             chunked=self._chunked_masks,
-            sampler_in_worker=self.options.async_loop and not self._chunked_masks,
         )
 
     # ---- the loop ----
@@ -327,9 +326,12 @@ class NativeEngine:
                     if refused is not None:
                         yield refused
                 self.admit_s += time.perf_counter() - began
+                # Between pieces of this thread's work, a filled bitmask's sampler goes to the GPU (step_masks.py).
+                self.masks.poll()
                 began = time.perf_counter()
                 plan = self.scheduler.schedule()
                 self.schedule_s += time.perf_counter() - began
+                self.masks.poll()
                 if plan is not None:
                     prepared = self._prepare(plan)
                     # The previous step's masked sampler first: this step's forward carries its tokens over.
@@ -455,7 +457,9 @@ class NativeEngine:
                 # this step is processed (jump-forward would need the matchers after that).
                 advanced = functools.partial(self.masks.start, follower, early=True)
         result = self.runner.collect(step)
-        yield from self.outputs.process(step, result, self.scheduler, settle, self.options.mask_chunk_rows, advanced)
+        yield from self.outputs.process(
+            step, result, self.scheduler, settle, self.options.mask_chunk_rows, advanced, self.masks.poll
+        )
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
@@ -487,6 +491,7 @@ class NativeEngine:
                 mask_calls_per_constrained_step=self.masks.fill_calls / runner.masked_steps,
                 constrained_steps_masked_at_launch=self.masks.started_at_launch,
                 constrained_steps_masked_early=self.masks.started_early,
+                constrained_steps_sampled_at_poll=self.masks.sampled_at_poll,
                 sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,
                 grammars_compiled=self.grammars.compiled,

@@ -19,6 +19,10 @@ from batchjob.engine.native.model_runner import StepHandle, StepResult
 from batchjob.engine.native.scheduler import Scheduler, StepPlan
 from batchjob.engine.native.sequence import NOT_PLAIN, Sequence, Status
 
+# How many sequences `process` applies between two calls of its `poll`: at about 1 us a sequence, a filled
+# bitmask waits some 30 us for the loop to see it.
+POLL_SEQS = 32
+
 
 class OutputProcessor:
     def __init__(
@@ -46,11 +50,13 @@ class OutputProcessor:
         settle: Callable[[list[Sequence]], None] | None = None,
         chunk: int = 0,
         advanced: Callable[[], None] | None = None,
+        poll: Callable[[], None] | None = None,
     ) -> Iterator[Completion]:
         """Apply one collected step: resolve each sampled row's pending token, stop what must stop, and
         yield the requests whose samples have all finished. With `settle`, every `chunk` sequences done are
         passed to it: their matchers are final for the next step. `advanced` is called once every matcher has
-        its token, before the rest: without jump-forward, nothing here touches a matcher after that."""
+        its token, before the rest: without jump-forward, nothing here touches a matcher after that. `poll` is
+        called every `POLL_SEQS` sequences (the next step's sampler goes to the GPU once its masks are done)."""
         tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
         samples = step.plan.samples.tolist()
         advanced_by = self._advance_matchers(step.plan, tokens)
@@ -59,10 +65,12 @@ class OutputProcessor:
         row = 0
         done: list[Sequence] = []
         plain_step = result.logprobs is None
-        for seq, sampled in zip(step.plan.seqs, samples, strict=True):
+        for index, (seq, sampled) in enumerate(zip(step.plan.seqs, samples, strict=True)):
             if settle is not None and len(done) == chunk:
                 settle(done)
                 done = []
+            if poll is not None and index % POLL_SEQS == POLL_SEQS - 1:
+                poll()
             done.append(seq)
             seq.inflight -= 1
             if sampled:

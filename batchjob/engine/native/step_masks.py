@@ -11,18 +11,22 @@ processed: `begin` sends the rows whose matchers are already settled (their sequ
 processed), and `settle` the rows of each chunk of processed sequences, each chunk one llguidance call from a
 worker thread of its own (the calls share llguidance's threads), while the loop processes the next chunk.
 
-In the asynchronous loop the worker also enqueues the step's masked sampler as soon as its bitmask is filled, so
-the GPU samples the moment the masks are there instead of when the loop, busy laying out the next step, gets to
-it. The worker needs the GIL to reach the library's call and again right after it, and the loop's own Python
-work would hold it off for up to the interpreter's switch interval (5 ms) each time. So the loop, having handed
-the rows over, waits without the GIL until the worker is about to enter the call; and while masks fill, the
-switch interval is cut to `SWITCH_INTERVAL_S`, so that the worker gets the GIL back soon after the call to
-enqueue the sampler; it is restored when the run ends.
+In the asynchronous loop the step's masked sampler is enqueued as soon as its bitmask is filled, so the GPU
+samples the moment the masks are there instead of when the loop next waits for them: the loop calls `poll`
+between pieces of its work (every few dozen rows it processes, after admitting, after scheduling), and `poll`
+enqueues the sampler, in the loop's thread, once the fill is done. The worker enqueuing it itself lost: each of
+the dozen CUDA calls of an enqueue releases the GIL, and getting it back from the loop's Python work took up to a
+switch interval each time (1.2 ms an enqueue on a GPU host, against about 0.1 ms from the loop's thread).
+
+The worker needs the GIL to reach the library's call and again right after it, and the loop's own Python work
+would hold it off for up to the interpreter's switch interval (5 ms) each time. So the loop, having handed the
+rows over, waits without the GIL until the worker is about to enter the call; and while masks fill, the switch
+interval is cut to `SWITCH_INTERVAL_S`, so that the worker gets the GIL back soon after the call to mark its fill
+done; it is restored when the run ends.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -49,18 +53,13 @@ SWITCH_INTERVAL_S = 0.0002
 
 
 class StepMasks:
-    def __init__(
-        self, runner: Any, grammars: GrammarCompiler, chunked: bool = False, sampler_in_worker: bool = False
-    ) -> None:
-        """`sampler_in_worker`: the worker of `start` enqueues the step's sampler once its bitmask is filled
-        (`finish` then only waits for it); otherwise `finish` does."""
+    def __init__(self, runner: Any, grammars: GrammarCompiler, chunked: bool = False) -> None:
         self.runner = runner
         self.grammars = grammars
-        self.sampler_in_worker = sampler_in_worker
         self._workers = CHUNK_WORKERS if chunked else 1
         self._worker: ThreadPoolExecutor | None = None  # started with the first step it fills
-        # The step being filled, its fills, and whether they enqueue its sampler themselves.
-        self._job: tuple[StepHandle, list[Future], bool] | None = None
+        # The step being filled and its fills.
+        self._job: tuple[StepHandle, list[Future]] | None = None
         self._switch_interval: float | None = None  # the interpreter's own, while this has cut it
         # A step being filled chunk by chunk: its bitmask, and its rows not yet sent by sequence id.
         self._bitmask: torch.Tensor | None = None
@@ -71,6 +70,7 @@ class StepMasks:
         self.fill_calls = 0  # grammar-library calls that filled bitmask rows
         self.started_at_launch = 0  # steps whose masks began filling at their launch (engine.constrained_lag)
         self.started_early = 0  # steps whose masks began filling before the step ahead was all processed
+        self.sampled_at_poll = 0  # steps whose sampler `poll` enqueued (the others: `finish`, which waited)
 
     @property
     def busy(self) -> bool:
@@ -90,12 +90,12 @@ class StepMasks:
         self.runner.enqueue_masked_sampler(step)
 
     def start(self, step: StepHandle, at_launch: bool = False, early: bool = False) -> None:
-        """Have the worker fill `step`'s bitmask; `finish` enqueues its sampler. `early`: the step before it is
-        still being processed, its tokens already in the matchers (a row that stops there is filled for nothing)."""
+        """Have the worker fill `step`'s bitmask; `poll` or `finish` enqueues its sampler. `early`: the step before
+        it is still being processed, its tokens already in the matchers (a row that stops there is filled for
+        nothing)."""
         bitmask = self.runner.bitmask_rows(step)
         rows = self._rows(step, bitmask)
-        then = functools.partial(self.runner.enqueue_masked_sampler, step) if self.sampler_in_worker else None
-        self._job = (step, [self._submit(rows, bitmask, then)], then is not None)
+        self._job = (step, [self._submit(rows, bitmask)])
         self.started_at_launch += at_launch
         self.started_early += early
 
@@ -104,7 +104,7 @@ class StepMasks:
         are being processed) go now, the others as `settle` names them; `settle_rest` sends what is left."""
         self._bitmask = self.runner.bitmask_rows(step)
         self._unsettled = {seq.seq_id: (seq, k) for seq, k in self._constrained_rows(step)}
-        self._job = (step, [], False)
+        self._job = (step, [])
         busy = {seq.seq_id for seq in processing}
         self.settle(seq for seq, _ in list(self._unsettled.values()) if seq.seq_id not in busy)
 
@@ -123,21 +123,27 @@ class StepMasks:
     def settle_rest(self) -> None:
         self.settle([seq for seq, _ in list(self._unsettled.values())])
 
+    def poll(self) -> None:
+        """Enqueue the masked sampler of the step being filled if its bitmask is done (cheap when it is not, or
+        when nothing is filling). A chunked fill is left to `finish`: its rows are sent as the loop settles them."""
+        job = self._job
+        if job is not None and not self._unsettled and job[1] and all(fill.done() for fill in job[1]):
+            self.finish()
+            self.sampled_at_poll += 1
+
     def finish(self) -> None:
-        """Wait for the worker's bitmask, if one is being filled, and for that step's masked sampler to be
-        enqueued (here, unless the worker has)."""
+        """Wait for the worker's bitmask, if one is being filled, and enqueue that step's masked sampler."""
         if self._job is None:
             return
         self.settle_rest()
-        step, jobs, enqueued = self._job
+        step, jobs = self._job
         self._job = None
         began = time.perf_counter()
         for job in jobs:
             job.result()
         self.wait_s += time.perf_counter() - began
         self._count_fill_time()
-        if not enqueued:
-            self.runner.enqueue_masked_sampler(step)
+        self.runner.enqueue_masked_sampler(step)
 
     def abandon(self) -> None:
         """The loop ended (early, or with nothing left to fill): let the worker finish with the matchers before they
@@ -196,7 +202,7 @@ class StepMasks:
             self.fill_s += max(end for _, end in self._spans) - min(start for start, _ in self._spans)
             self._spans = []
 
-    def _submit(self, rows: list, bitmask: torch.Tensor, then: Callable[[], None] | None = None) -> Future:
+    def _submit(self, rows: list, bitmask: torch.Tensor) -> Future:
         self.fill_calls += bool(rows)  # counted here, in the loop's thread
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="batchjob-masks")
@@ -209,18 +215,12 @@ class StepMasks:
         # A job queued behind busy workers is not waited for: that would hold the loop for a whole fill.
         idle = self._job is None or sum(not job.done() for job in self._job[1]) < self._workers
         entering = threading.Event()
-        job = self._worker.submit(self._fill, rows, bitmask, entering.set, then)
+        job = self._worker.submit(self._fill, rows, bitmask, entering.set)
         if idle:
             entering.wait()
         return job
 
-    def _fill(
-        self,
-        rows: list,
-        bitmask: torch.Tensor,
-        entering: Callable[[], None] | None = None,
-        then: Callable[[], None] | None = None,
-    ) -> None:
+    def _fill(self, rows: list, bitmask: torch.Tensor, entering: Callable[[], None] | None = None) -> None:
         began = time.perf_counter()
         try:
             self.grammars.fill_bitmasks(rows, bitmask, entering)
@@ -228,5 +228,3 @@ class StepMasks:
             if entering is not None:
                 entering()  # never leave the loop waiting, whatever the fill raised
         self._spans.append((began, time.perf_counter()))  # list.append is atomic: the chunks' threads share it
-        if then is not None:
-            then()
