@@ -3,8 +3,6 @@ event's time before it completes would block or fail, so the newest pairs are le
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 
@@ -19,21 +17,18 @@ class BusyClock:
         self.last_ms = 0.0
         self.timeline: list[tuple[float, float]] = []
         self.keep_timeline = keep_timeline
-        self._lock = threading.Lock()  # the mask worker enqueues samplers, so pairs come from two threads
 
     def pair(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with self._lock:
-            if self.origin is None:
-                self.origin = start
-            self.pending.append((start, end))
+        if self.origin is None:
+            self.origin = start
+        self.pending.append((start, end))
         return start, end
 
     def resolve(self, keep_last: int = 2) -> None:
         """Account the steps known complete (all but the last `keep_last`, which may still run)."""
-        with self._lock:
-            done = self.pending[: max(0, len(self.pending) - keep_last)]
-            self.pending = self.pending[len(done) :]
+        done = self.pending[: max(0, len(self.pending) - keep_last)]
+        self.pending = self.pending[len(done) :]
         for start, end in done:
             s, e = self.origin.elapsed_time(start), self.origin.elapsed_time(end)
             self.first_ms = s if self.first_ms is None else self.first_ms

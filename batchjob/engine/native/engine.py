@@ -9,13 +9,14 @@ ends with a warm-up of every kind of step (warmup.py).
 Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have
 advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why;
 step_masks.py fills them). In the asynchronous loop the bitmasks are filled by a worker thread (llguidance
-computes them off the GIL, in its own threads) while this thread admits, schedules and fills step N+2; the
-worker enqueues step N+1's sampler as soon as they are filled, and this thread step N+2's forward once it is laid
-out, so the GPU waits for neither the scheduler nor the host's step filling:
+computes them off the GIL, in its own threads) while this thread processes the rest of step N, admits, schedules
+and fills step N+2; between those pieces of work it polls, and enqueues step N+1's sampler at the first poll that
+finds the masks filled, then step N+2's forward once it is laid out, so the GPU waits for neither the scheduler
+nor the host's step filling:
 
-    loop:   process N | schedule/fill N+2 ............| forward N+2 | wait N+1 | process N+1
-    worker:    masks N+1 ...........| sampler N+1
-    GPU:   forward N+1 ..............| sampler N+1 | forward N+2 ..................
+    loop:   process N (poll) | schedule (poll) | sampler N+1 | fill N+2 | forward N+2 | wait N+1 | process N+1
+    worker:    masks N+1 .........|
+    GPU:   forward N+1 .................| sampler N+1 | forward N+2 ..................
 """
 
 from __future__ import annotations
