@@ -55,6 +55,14 @@ def test_tiny_run_measures_each_system_cold_and_warm_in_fresh_processes_on_ident
         # The warm run reuses the kernel cache its cold run started empty, and no other system's.
         assert runs["cold"]["kernel_cache"] == runs["warm"]["kernel_cache"]
     assert systems["native"]["cold"]["kernel_cache"] != systems["hf_batch_sync"]["cold"]["kernel_cache"]
+    # The native loop's host work a step, from its statistics; transformers reports none.
+    native = systems["native"]["cold"]
+    stats = native["engine_stats"]
+    loop = ("admit", "schedule", "process", "prep")
+    expected = sum(stats[f"{part}_ms_per_step"] for part in loop) - stats["collect_wait_ms_per_step"]
+    assert native["host_ms_per_step"] == pytest.approx(expected) and native["host_ms_per_step"] > 0
+    assert systems["hf_batch_sync"]["cold"]["host_ms_per_step"] is None
+    assert "host ms" in run.stdout
     assert report["hardware"] is None and workload["roofline"] is None
     assert (out / "bench.png").stat().st_size > 0
     assert run.stdout.rstrip().splitlines()[-1].startswith("tiny ")

@@ -44,7 +44,12 @@ def result_from_json(fields: dict[str, Any]) -> SystemResult:
 def _result_json(report: WorkloadReport, result: SystemResult) -> dict[str, Any]:
     fields = asdict(result)
     fields.pop("busy_timeline")
-    return {**fields, "tok_per_s": result.tok_per_s, "fraction_of_roofline": report.fraction_of_roofline(result)}
+    return {
+        **fields,
+        "tok_per_s": result.tok_per_s,
+        "fraction_of_roofline": report.fraction_of_roofline(result),
+        "host_ms_per_step": result.host_ms_per_step,
+    }
 
 
 def _workload_json(report: WorkloadReport) -> dict[str, Any]:
@@ -95,11 +100,17 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
+# Widths of the table's columns after `system` (seconds, tokens, tok/s, roofline, GPU-busy, prep ms, host ms,
+# start-up), for the rows that leave them blank.
+COLUMNS_AFTER_SYSTEM = 9 + 10 + 10 + 10 + 10 + 9 + 9 + 10
+COLUMNS_AFTER_TOK_S = 10 + 10 + 9 + 9 + 10
+
+
 def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
     """The summary a reader looks at first: one row per system per workload."""
     header = (
         f"{'workload':<9}{'system':<24}{'seconds':>9}{'tokens':>10}{'tok/s':>10}{'roofline':>10}"
-        f"{'GPU-busy':>10}{'prep ms':>9}{'start-up':>10}  note"
+        f"{'GPU-busy':>10}{'prep ms':>9}{'host ms':>9}{'start-up':>10}  note"
     )
     lines = []
     if hardware is not None:
@@ -125,11 +136,12 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
             lines.append(
                 f"{name:<9}{r.system + ' ' + r.label:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
                 f"{_percent(report.fraction_of_roofline(r)):>10}{_percent(r.gpu_busy_fraction):>10}"
-                f"{_fmt(r.prep_ms_per_step, '.2f'):>9}{r.startup_s:>10.1f}  {status}"
+                f"{_fmt(r.prep_ms_per_step, '.2f'):>9}{_fmt(r.host_ms_per_step, '.2f'):>9}"
+                f"{r.startup_s:>10.1f}  {status}"
             )
         lines += _medians(name, report)
         for system, reason in {**report.skipped, **report.errors}.items():
-            lines.append(f"{name:<9}{system:<24}{'':>9}{'':>10}{'':>10}{'':>10}{'':>10}{'':>9}{'':>10}  {reason}")
+            lines.append(f"{name:<9}{system:<24}{'':>{COLUMNS_AFTER_SYSTEM}}  {reason}")
     return "\n".join(lines)
 
 
@@ -150,7 +162,7 @@ def _medians(name: str, report: WorkloadReport) -> list[str]:
             listed = ", ".join(f"{x:.2f}" for x in ratios)
             status += f"; {statistics.median(ratios):.2f}x of native {run} (rounds: {listed})"
         label = f"{system} {run} median"
-        lines.append(f"{name:<9}{label:<24}{'':>9}{'':>10}{rate:>10.0f}{'':>10}{'':>10}{'':>9}{'':>10}  {status}")
+        lines.append(f"{name:<9}{label:<24}{'':>19}{rate:>10.0f}{'':>{COLUMNS_AFTER_TOK_S}}  {status}")
     return lines
 
 

@@ -64,6 +64,17 @@ class SystemResult:
     def tok_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def host_ms_per_step(self) -> float | None:
+        """The native loop thread's own work a step (admitting, scheduling, processing less its wait for tokens,
+        laying out and launching): the GPU waits for the host when it nears the GPU's time a step. None for a
+        system that does not report it."""
+        stats = self.engine_stats
+        parts = ("admit_ms_per_step", "schedule_ms_per_step", "process_ms_per_step", "prep_ms_per_step")
+        if not all(part in stats for part in (*parts, "collect_wait_ms_per_step")):
+            return None
+        return sum(stats[part] for part in parts) - stats["collect_wait_ms_per_step"]
+
 
 def run_label(run: str, repeat: int) -> str:
     """A run as the report names it: "cold", "warm", or with a later `--repeat` round's number ("cold 2")."""
