@@ -4,7 +4,12 @@ each step's sampled tokens come back at once (no forward, no GPU). Prints the me
 a step, the work the loop's thread must finish within one GPU step to keep the GPU busy.
 
     python scripts/profile_host_loop.py [--seqs 256] [--context 1300] [--steps 300] [--sampling]
-        [--constrained-every K] [--processes N]
+        [--constrained-every K] [--processes N] [--against DIR]
+
+`--against DIR` compares this version with another one's source tree in DIR (a checkout holding `batchjob/` and
+this script): N pairs of fresh processes, the two versions alternating, and each part's median for both with the
+median of the pairs' ratios. A host's Python speed drifts between processes and over minutes, so only processes
+run side by side compare.
 
 Every `--finish-every` steps the oldest sequence finishes and a new one is admitted with a `--context`-token
 prompt, so admission and prefill chunks are in the mix as in a long job.
@@ -107,10 +112,17 @@ def main() -> None:
         help="measure in this many fresh processes, one after another, and print each part's median and range "
         "(a process's host speed varies, up to 2x for the same Python work on some machines)",
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another version's source tree: alternate --processes pairs of processes between the two versions",
+    )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's medians, for the parent
     args = parser.parse_args()
-    if args.processes > 1:
-        runs = [_child() for _ in range(args.processes)]
+    if args.against is not None:
+        _compare(args)
+    elif args.processes > 1:
+        runs = [_child(HERE) for _ in range(args.processes)]
         ranges = {part: (min(r[part] for r in runs), max(r[part] for r in runs)) for part in runs[0]}
         _report(args, {part: statistics.median(r[part] for r in runs) for part in runs[0]}, ranges)
     elif args.json:
@@ -119,14 +131,43 @@ def main() -> None:
         _report(args, _measure(args))
 
 
-def _child() -> dict[str, float]:
-    """One measurement in a fresh process: the same arguments, its medians as JSON."""
-    argv = [a for a in sys.argv[1:] if not a.startswith("--processes=")]
-    if "--processes" in argv:  # "--processes N" as two words
-        i = argv.index("--processes")
-        argv = argv[:i] + argv[i + 2 :]
-    done = subprocess.run([sys.executable, __file__, *argv, "--json"], capture_output=True, text=True, check=True)
+HERE = Path(__file__).resolve().parent.parent
+
+
+def _child(root: Path) -> dict[str, float]:
+    """One measurement in a fresh process of the version in `root`: the same arguments, its medians as JSON."""
+    argv = _without(_without(sys.argv[1:], "--processes"), "--against")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    script = root / "scripts" / Path(__file__).name
+    done = subprocess.run([sys.executable, str(script), *argv, "--json"], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"the measurement in {root} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _without(argv: list[str], option: str) -> list[str]:
+    """`argv` less `option` and its value, written as one word or two."""
+    argv = [a for a in argv if not a.startswith(option + "=")]
+    if option in argv:
+        i = argv.index(option)
+        argv = argv[:i] + argv[i + 2 :]
+    return argv
+
+
+def _compare(args: argparse.Namespace) -> None:
+    against = args.against.resolve()
+    if not (against / "batchjob").is_dir() or not (against / "scripts" / Path(__file__).name).is_file():
+        raise SystemExit(f"--against {args.against}: no batchjob/ and scripts/{Path(__file__).name} there")
+    pairs = [(_child(HERE), _child(against)) for _ in range(max(args.processes, 1))]
+    parts = [p for p in pairs[0][0] if p in pairs[0][1]]
+    loop = [p for p in parts if not p.endswith("a step") and not p.startswith("(")]
+    print(f"{len(pairs)} pairs of processes, this version ({HERE}) against {against}: medians, and the median of")
+    print("the pairs' ratios (this / that)")
+    rows = [(p, [a[p] for a, _ in pairs], [b[p] for _, b in pairs]) for p in parts]
+    totals = [sum(a[p] for p in loop) for a, _ in pairs], [sum(b[p] for p in loop) for _, b in pairs]
+    for part, mine, theirs in [*rows, ("host work a step", *totals)]:
+        ratio = statistics.median(x / y for x, y in zip(mine, theirs, strict=True) if y > 0) if any(theirs) else 0
+        print(f"  {part:<24} {statistics.median(mine):8.3f} {statistics.median(theirs):8.3f}  {ratio:5.2f}x")
 
 
 def _report(args: argparse.Namespace, medians: dict[str, float], ranges: dict | None = None) -> None:

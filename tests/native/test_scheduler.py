@@ -6,6 +6,7 @@ times the loop's host work without a model."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,30 @@ def test_the_host_loop_profile_script_times_scheduling_fill_and_processing():
     assert 0 < low <= float(run.stdout.split("scheduling")[1].split("ms")[0]) <= high
     # Every sequence decodes every steady-state step (one finishes and one is admitted every third step).
     assert float(run.stdout.split("sequences a step")[1].split()[0]) == 24
+
+
+def test_the_host_loop_profile_script_compares_two_versions_in_alternating_processes(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    other = tmp_path / "other"
+    shutil.copytree(root / "batchjob", other / "batchjob", ignore=shutil.ignore_patterns("__pycache__"))
+    (other / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "profile_host_loop.py", other / "scripts")
+    # The other version schedules 3 ms slower a step, so the comparison shows which tree each process ran.
+    scheduler = other / "batchjob" / "engine" / "native" / "scheduler.py"
+    slow = "    def schedule(self) -> StepPlan | None:\n        __import__('time').sleep(0.003)\n"
+    scheduler.write_text(scheduler.read_text().replace("    def schedule(self) -> StepPlan | None:\n", slow))
+    command = [sys.executable, str(root / "scripts" / "profile_host_loop.py"), "--seqs", "16", "--context", "40"]
+    command += ["--steps", "20", "--processes", "2", "--against", str(other)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"2 pairs of processes, this version ({root}) against {other}" in run.stdout
+    for part in ("scheduling", "layout and slot fill", "processing the tokens", "host work a step"):
+        mine, theirs, ratio = run.stdout.split(part)[1].split()[:3]
+        assert float(mine) > 0 and float(theirs) > 0 and float(ratio.rstrip("x")) > 0, part
+    mine, theirs, ratio = run.stdout.split("scheduling")[1].split()[:3]
+    assert float(theirs) > 3.0 > float(mine) and float(ratio.rstrip("x")) < 0.5
+    refused = subprocess.run([*command[:-1], str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "no batchjob/ and scripts/profile_host_loop.py there" in refused.stderr
 
 
 def test_the_host_loop_profile_script_times_the_masks_hand_over_with_constrained_rows(tmp_path):
