@@ -1,6 +1,7 @@
 """GPU microbenchmark of the Triton paged-attention kernels against SDPA on dense K/V.
 
-    python scripts/bench_attention.py results/attention.json [--sweep] [--iters 100]
+    python scripts/bench_attention.py results/attention.json [--sweep] [--iters 100] [--decode 32x640,64x1024]
+        [--decode-only]
 
 Decode: time per call (eager and replayed from a CUDA graph) and effective bandwidth = KV bytes read / time,
 next to SDPA on the same K/V laid out densely, and to a device-to-device copy measured in the same run.
@@ -8,8 +9,8 @@ Prefill: time and TFLOP/s of the varlen kernel vs dense causal SDPA. Mixed step 
 the varlen kernel over the whole step and over each part, the decode kernel over the decodes, and both kernels
 as the engine runs them, with a sweep of the varlen launch configs on each part. Store: Triton kernel vs
 index_copy_.
-`--sweep` also times every launch config and split count, to pick the defaults in triton_decode.py and
-triton_prefill.py. Prints a table and writes everything as JSON to the path given.
+`--sweep` also times every launch config and split count (and prints the best of each split count), to pick the
+defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context). Prints a table and writes everything as JSON to the path given.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from batchjob.engine.native.attention import AttentionMetadata
 from batchjob.engine.native.triton_attention import TritonPagedAttention, store_kv
-from batchjob.engine.native.triton_decode import DEFAULT_DECODE_CONFIG, DecodeConfig, paged_decode_attention
+from batchjob.engine.native.triton_decode import DecodeConfig, paged_decode_attention
 from batchjob.engine.native.triton_prefill import DEFAULT_PREFILL_CONFIG, PrefillConfig, paged_prefill_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16  # Llama-3.1-8B attention
@@ -116,9 +117,10 @@ def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int) -> dict:
     scale = HEAD_DIM**-0.5
     backend = TritonPagedAttention()
     splits = backend.decode_splits(num_seqs, KV_HEADS, DEVICE)
+    default = backend.decode_launch_config(num_seqs, KV_HEADS, DEVICE)
     out = torch.empty_like(q)
 
-    def attend(num_splits: int = splits, config: DecodeConfig = DEFAULT_DECODE_CONFIG):
+    def attend(num_splits: int = splits, config: DecodeConfig = default):
         return lambda: paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, num_splits, out, config
         )
@@ -142,7 +144,7 @@ def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int) -> dict:
         result["sweep"] = [
             {"splits": ns, **asdict(c), **sweep_point(time_graph, attend(ns, c), iters, kv_bytes)}
             for c in configs
-            for ns in sorted({1, 2, 4, 8, 16, splits})
+            for ns in sorted({1, 2, 3, 4, 8, 16, splits})
         ]
     return result
 
@@ -273,6 +275,10 @@ def main() -> None:
     parser.add_argument("output", type=Path, help="where to write the JSON results")
     parser.add_argument("--sweep", action="store_true", help="also time every launch config and split count")
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument(
+        "--decode", default="64x1024,32x1152,32x640", help="decode cases, SEQSxCONTEXT separated by commas"
+    )
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill, mixed-step and store cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA GPU; run it on a machine with one")
@@ -280,12 +286,21 @@ def main() -> None:
 
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bandwidth(20)}
     print(f"{results['device']}: device-to-device copy {results['copy_bytes_per_s'] / 1e12:.2f} TB/s")
-    results["decode"] = [decode_bench(b, s, args.sweep, args.iters) for b, s in ((64, 1024), (32, 1152))]
+    cases = [tuple(int(n) for n in case.split("x")) for case in args.decode.split(",")]
+    results["decode"] = [decode_bench(b, s, args.sweep, args.iters) for b, s in cases]
     for case in results["decode"]:
         title = f"decode {case['num_seqs']} seqs x {case['context']} ctx, KV {case['kv_bytes'] / 1e6:.0f} MB"
         print_table(title, case["rows"], "bytes_per_s", "TB/s", 1e12)
         if "sweep" in case:
             print(f"  best of sweep (rate in B/s): {best_of(case['sweep'])}")
+            for splits in sorted({r["splits"] for r in case["sweep"]}):
+                best = best_of([r for r in case["sweep"] if r["splits"] == splits])
+                rate = best["rate"] / 1e12
+                print(f"  best with {splits} splits: {best['seconds'] * 1e6:.1f} us, {rate:.2f} TB/s: {best}")
+    if args.decode_only:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=2))
+        return
     prefill_cases = (
         ([1024] * 8, [1024] * 8),
         ([512] * 4, [2048] * 4),

@@ -40,6 +40,30 @@ def test_decode_matches_dense_reference(group, block_size, splits):
     check_against_reference(step, TritonPagedAttention(num_decode_splits=splits))
 
 
+def test_one_split_once_every_multiprocessor_has_a_program_with_wide_tiles_below_two():
+    # 132 multiprocessors (an H200), 8 KV heads: the launch follows the batch size alone.
+    launch = {
+        seqs: (triton_decode.default_num_splits(seqs, 8, 132), triton_decode.default_config(seqs, 8, 132))
+        for seqs in (8, 16, 17, 32, 33, 64)
+    }
+    assert launch[8] == (5, triton_decode.DEFAULT_DECODE_CONFIG)
+    assert launch[16] == (3, triton_decode.DEFAULT_DECODE_CONFIG)  # 128 programs: one split would idle 4 SMs
+    assert launch[17] == launch[32] == (1, triton_decode.WIDE_DECODE_CONFIG)
+    assert launch[33] == launch[64] == (1, triton_decode.DEFAULT_DECODE_CONFIG)
+
+
+def test_sliding_layers_keep_the_default_tiles():
+    backend = TritonPagedAttention()
+    device = torch.device("cpu")  # one SM: a batch of 1 sequence x 1 KV head is one program, the wide range
+    assert backend.decode_launch_config(1, 1, device) == triton_decode.WIDE_DECODE_CONFIG
+    assert backend.decode_launch_config(1, 1, device, window=256) == triton_decode.DEFAULT_DECODE_CONFIG
+
+
+def test_wide_tiles_in_one_split_match_reference():
+    step = random_step([1] * 3, [5, 130, 300], 16, 2, seed=4)
+    check_against_reference(step, TritonPagedAttention(1, triton_decode.WIDE_DECODE_CONFIG))
+
+
 def test_decode_with_more_splits_than_context_tiles_matches_reference():
     # 8 splits over at most 3 tiles of 64 tokens: most split programs exit at once and the reduce
     # must ignore the partials they never wrote.

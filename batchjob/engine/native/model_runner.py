@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from batchjob.engine.native import blas
 from batchjob.engine.native.busy_clock import BusyClock
 from batchjob.engine.native.graphs import StepGraphs
 from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
@@ -155,8 +156,9 @@ class ModelRunner:
         # Carry-over: tokens the previous step sampled (still unknown to the CPU) replace their placeholders.
         input_ids = ints["input_ids"]
         input_ids.add_(prev.dev_tokens[ints["carry_idx"]] * ints["carry_mask"])
-        hidden = self.model(input_ids, ints["positions"], meta, self.kv_caches)
-        return self.model.compute_logits(hidden[ints["logits_indices"]], out)
+        with blas.for_rows(shape.tokens, self.device, self.model.spec.dtype):
+            hidden = self.model(input_ids, ints["positions"], meta, self.kv_caches)
+            return self.model.compute_logits(hidden[ints["logits_indices"]], out)
 
     def _sample(self, slot: IOSlot, shape: StepShape, mode: SamplerMode, logits: torch.Tensor, masked: bool) -> None:
         mask = TokenMask(slot.dev_bitmask, slot.int_views(shape)["mask_rows"]) if masked else None

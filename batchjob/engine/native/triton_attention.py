@@ -24,6 +24,7 @@ from batchjob.engine.native.triton_decode import (
     DEFAULT_DECODE_CONFIG,
     MAX_SPLITS,
     DecodeConfig,
+    default_config,
     default_num_splits,
     paged_decode_attention,
 )
@@ -134,14 +135,14 @@ def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tens
 class TritonPagedAttention:
     """PagedAttentionBackend on CUDA (also runs under TRITON_INTERPRET=1 on CPU, for tests).
 
-    `num_decode_splits` fixes the decode split count; by default it comes from the batch size and the
-    SM count only, so every replay of a captured decode graph launches identically.
+    `num_decode_splits` fixes the decode split count and `decode_config` its launch shape; by default both come
+    from the batch size and the SM count only, so every replay of a captured decode graph launches identically.
     """
 
     def __init__(
         self,
         num_decode_splits: int | None = None,
-        decode_config: DecodeConfig = DEFAULT_DECODE_CONFIG,
+        decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
     ) -> None:
         if num_decode_splits is not None and not 1 <= num_decode_splits <= MAX_SPLITS:
@@ -154,6 +155,17 @@ class TritonPagedAttention:
         if self.num_decode_splits is not None:
             return self.num_decode_splits
         return default_num_splits(num_seqs, num_kv_heads, _sm_count(device))
+
+    def decode_launch_config(
+        self, num_seqs: int, num_kv_heads: int, device: torch.device, window: int = 0
+    ) -> DecodeConfig:
+        """The decode kernel's launch shape: the one given, else by the batch size (sliding layers keep the default
+        tiles: they always run the reduce, and a variant of it and of their kernel per tile size would compile)."""
+        if self.decode_config is not None:
+            return self.decode_config
+        if window > 0:
+            return DEFAULT_DECODE_CONFIG
+        return default_config(num_seqs, num_kv_heads, _sm_count(device))
 
     def forward(
         self,
@@ -175,8 +187,10 @@ class TritonPagedAttention:
         # Every step's one-token sequences go through the decode kernels; a mixed step's chunks then through
         # the varlen kernel, which skips those rows (it would read their context a third slower).
         paged = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale)
-        num_splits = self.decode_splits(meta.seq_lens.shape[0], k_cache.shape[2], q.device)
-        paged_decode_attention(*paged, num_splits, out, self.decode_config, window=window, softcap=softcap)
+        num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
+        num_splits = self.decode_splits(num_seqs, num_kv_heads, q.device)
+        config = self.decode_launch_config(num_seqs, num_kv_heads, q.device, window)
+        paged_decode_attention(*paged, num_splits, out, config, window=window, softcap=softcap)
         if meta.max_query_len == 1:
             return out
         return paged_prefill_attention(

@@ -61,6 +61,11 @@ class DecodeConfig:
 
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
+# One split over a batch of between one and two programs a multiprocessor: each program streams a whole context,
+# and tiles of 128 tokens keep more of it in flight (H200, 32 sequences, 8 KV heads: 9.8 / 27.1 / 42.8 us at
+# 256 / 640 / 1,152 tokens of context against 14.7 / 31.4 / 46.5 us for two splits of 64-token tiles; at 64
+# sequences, four programs a multiprocessor, 64-token tiles stay faster: 66.8 against 71.8 us).
+WIDE_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -240,10 +245,21 @@ def _decode_reduce_kernel(
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per sequence so stage 1 fills the GPU about two programs deep, whatever the lengths (the sweep's
-    best on an H200: deeper splitting costs more in the reduce than it gains in occupancy)."""
-    target_programs = 2 * num_sms
-    return max(1, min(MAX_SPLITS, triton.cdiv(target_programs, num_seqs * num_kv_heads)))
+    """Splits per sequence, whatever the lengths: none once the batch gives every multiprocessor a program
+    (`scripts/bench_attention.py --sweep` on an H200, 32 sequences of 8 KV heads, 256 programs on 132
+    multiprocessors: one split was the fastest at every context from 256 to 1,152 tokens, each further split
+    slower, the reduce included); below that, enough to fill the GPU about two programs deep."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, programs)))
+
+
+def default_config(num_seqs: int, num_kv_heads: int, num_sms: int) -> DecodeConfig:
+    """The launch shape for a batch: `WIDE_DECODE_CONFIG` for one split of fewer than two programs a
+    multiprocessor, `DEFAULT_DECODE_CONFIG` otherwise."""
+    programs = num_seqs * num_kv_heads
+    return WIDE_DECODE_CONFIG if num_sms <= programs < 2 * num_sms else DEFAULT_DECODE_CONFIG
 
 
 def paged_decode_attention(

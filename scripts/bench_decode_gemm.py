@@ -1,0 +1,130 @@
+"""GPU microbenchmark of a decode step's matmuls through torch's two BLAS back-ends, cuBLAS and cuBLASLt, on the
+projection shapes of the benchmark models at the row counts of decode steps.
+
+    python scripts/bench_decode_gemm.py results/decode-gemm.json [--models llama-3.1-8b] [--rows 1,8,16,32,64]
+
+Each matmul is timed as the engine runs it, replayed from a CUDA graph, over enough copies of its weight that
+none is still in the L2 cache when it is read again. Reported: microseconds a call, and the weight's bytes over
+that time as a fraction of a device-to-device copy measured in the same run; then a decode step's matmuls
+added up (every layer's four and the lm_head) for each back-end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+BACKENDS = ("cublas", "cublaslt")
+# (hidden, intermediate, q heads, kv heads, head dim, vocab, layers) of the benchmark models.
+MODELS = {
+    "llama-3.1-8b": (4096, 14336, 32, 8, 128, 128256, 32),
+    "llama-3.2-1b": (2048, 8192, 32, 8, 64, 128256, 16),
+    "qwen3-0.6b": (1024, 3072, 16, 8, 128, 151936, 28),
+}
+# Bytes of weight copies a timed graph cycles through: several times the L2 cache.
+CYCLE_BYTES = 512 << 20
+CALLS = 64
+
+
+def shapes(model: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection: its weight's rows and columns."""
+    hidden, inter, heads, kv_heads, head_dim, vocab, _ = MODELS[model]
+    return {
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (vocab, hidden),
+    }
+
+
+def time_graph(calls: list[Callable[[], object]]) -> float:
+    """Seconds a call, replaying a CUDA graph of `calls` (after an eager warm-up), median of 5 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:2]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    return sorted(times)[2]
+
+
+def copy_rate() -> float:
+    src = torch.empty(1 << 32, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def bench_shape(n: int, k: int, rows: int) -> dict[str, float]:
+    """Seconds a call of `F.linear` of `rows` rows against an [n, k] weight, by BLAS back-end."""
+    copies = max(1, -(-CYCLE_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, dtype=DTYPE, device=DEVICE) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, dtype=DTYPE, device=DEVICE)
+    calls = [lambda w=weights[i % copies]: F.linear(x, w) for i in range(max(CALLS, copies))]
+    seconds = {}
+    for backend in BACKENDS:
+        torch.backends.cuda.preferred_blas_library(backend)
+        seconds[backend] = time_graph(calls)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rows", default="1,8,16,24,32,48,64,128,256")
+    args = parser.parse_args()
+    rate = copy_rate()
+    print(f"copy rate {rate / 1e12:.2f} TB/s, L2 {torch.cuda.get_device_properties(0).L2_cache_size >> 20} MiB")
+    report: dict = {"copy_bytes_per_s": rate, "device": torch.cuda.get_device_name(), "results": [], "steps": []}
+    for model in args.models.split(","):
+        layers = MODELS[model][-1]
+        for rows in (int(r) for r in args.rows.split(",")):
+            totals = dict.fromkeys(BACKENDS, 0.0)
+            cells = []
+            for name, (n, k) in shapes(model).items():
+                seconds = bench_shape(n, k, rows)
+                torch.cuda.empty_cache()
+                report["results"].append({"model": model, "proj": name, "n": n, "k": k, "rows": rows, **seconds})
+                for backend in BACKENDS:
+                    totals[backend] += (1 if name == "lm_head" else layers) * seconds[backend]
+                fractions = "/".join(f"{n * k * 2 / seconds[b] / rate:.0%}" for b in BACKENDS)
+                cells.append(f"{name} {seconds['cublas'] * 1e6:.1f}/{seconds['cublaslt'] * 1e6:.1f} us ({fractions})")
+            report["steps"].append({"model": model, "rows": rows, **totals})
+            step = "/".join(f"{totals[b] * 1e3:.3f}" for b in BACKENDS)
+            print(f"{model} M={rows}: step {step} ms (cublas/cublaslt); " + "; ".join(cells), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
