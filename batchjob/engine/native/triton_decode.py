@@ -4,12 +4,13 @@ One query token per sequence (sequences with another count are skipped: a mixed 
 its one-token sequences beside the varlen kernel for the rest). Stage 1 runs one program per (sequence, KV
 head, split): it reads its slice of the sequence's context through the block table once for every query
 head sharing that KV head (GQA grouping, so each KV byte leaves HBM once) and writes a partial output with
-its log-sum-exp. Stage 2 combines the partials of each (sequence, query head). With one split (a batch large
-enough to fill the GPU without splitting: 33 sequences or more for 8 KV heads on 132 SMs) stage 1 writes the
-output itself and stage 2 is not launched; on an H200 the reduce was 5% of an 8B decode step at 256 sequences.
-That is a compiled variant of its own (`DIRECT`, layers without a sliding window): as a runtime branch, the
-output's addresses raised the kernel from 96 to 150 registers a thread (sm_90), and an 8B decode step of 32
-sequences (two splits) at about 1,100 tokens of context took 6.6 ms against 6.2 ms.
+its log-sum-exp. Stage 2 combines the partials of each (sequence, query head). With one split (a batch that
+gives every SM a program: 17 sequences or more for 8 KV heads on 132 SMs) stage 1 writes the output itself and
+stage 2 is not launched; on an H200 the reduce was 5% of an 8B decode step at 256 sequences. That is a compiled
+variant of its own (`DIRECT`, layers without a sliding window): as a runtime branch, the output's addresses
+raised the kernel from 96 to 150 registers a thread (sm_90), and an 8B decode step of 32 sequences (two splits)
+at about 1,100 tokens of context took 6.6 ms against 6.2 ms. Below two programs an SM it reads tiles of 128
+tokens (`WIDE_DECODE_CONFIG`), a third variant.
 
 The launch (grid, split count, workspace shapes) depends only on the batch size, never on the context
 lengths: a captured graph replays with other `seq_lens`, and splits that fall past a sequence's end
@@ -18,8 +19,8 @@ layer reads at most `window` keys (plus one partial tile) per sequence, whatever
 
 Nothing that changes between steps is a compile-time specialisation but whether there is one split: the split
 count, the window and the block-table stride are plain runtime integers, and the metadata pointers (views into
-a packed buffer at step-dependent offsets) are not specialised on alignment. Two compiled variants (one split,
-several) serve a whole run; the start-up warm-up's batch sizes meet both.
+a packed buffer at step-dependent offsets) are not specialised on alignment. Three compiled variants (several
+splits; one split in 64- or 128-token tiles) serve a whole run; the start-up warm-up's batch sizes meet each.
 """
 
 from __future__ import annotations
