@@ -10,7 +10,8 @@ the varlen kernel over the whole step and over each part, the decode kernel over
 as the engine runs them, with a sweep of the varlen launch configs on each part. Store: Triton kernel vs
 index_copy_.
 `--sweep` also times every launch config and split count (and prints the best of each split count), to pick the
-defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context). Prints a table and writes everything as JSON to the path given.
+defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context),
+`--decode-only` skips the others. Prints a table and writes everything as JSON to the path given.
 """
 
 from __future__ import annotations
