@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rows", default="1,8,16,24,32,48,64,128,256")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_gemm.py needs a CUDA GPU; run it on a machine with one")
     rate = copy_rate()
     print(f"copy rate {rate / 1e12:.2f} TB/s, L2 {torch.cuda.get_device_properties(0).L2_cache_size >> 20} MiB")
     report: dict = {"copy_bytes_per_s": rate, "device": torch.cuda.get_device_name(), "results": [], "steps": []}
