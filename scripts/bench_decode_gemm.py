@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib.hardware import graph_ms, measure_copy_bandwidth  # noqa: E402
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -45,54 +49,21 @@ def shapes(model: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def time_graph(calls: list[Callable[[], object]]) -> float:
-    """Seconds a call, replaying a CUDA graph of `calls` (after an eager warm-up), median of 5 replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    return sorted(times)[2]
-
-
-def copy_rate() -> float:
-    src = torch.empty(1 << 32, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
-
-
 def bench_shape(n: int, k: int, rows: int) -> dict[str, float]:
     """Seconds a call of `F.linear` of `rows` rows against an [n, k] weight, by BLAS back-end."""
     copies = max(1, -(-CYCLE_BYTES // (n * k * 2)))
     weights = [torch.randn(n, k, dtype=DTYPE, device=DEVICE) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, k, dtype=DTYPE, device=DEVICE)
-    calls = [lambda w=weights[i % copies]: F.linear(x, w) for i in range(max(CALLS, copies))]
+    calls = max(CALLS, copies)
+
+    def cycle() -> None:
+        for i in range(calls):
+            F.linear(x, weights[i % copies])
+
     seconds = {}
     for backend in BACKENDS:
         torch.backends.cuda.preferred_blas_library(backend)
-        seconds[backend] = time_graph(calls)
+        seconds[backend] = graph_ms(cycle) / 1e3 / calls
     torch.backends.cuda.preferred_blas_library("cublas")
     return seconds
 
@@ -105,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_gemm.py needs a CUDA GPU; run it on a machine with one")
-    rate = copy_rate()
+    rate = measure_copy_bandwidth()
     print(f"copy rate {rate / 1e12:.2f} TB/s, L2 {torch.cuda.get_device_properties(0).L2_cache_size >> 20} MiB")
     report: dict = {"copy_bytes_per_s": rate, "device": torch.cuda.get_device_name(), "results": [], "steps": []}
     for model in args.models.split(","):

@@ -52,11 +52,13 @@ def test_one_split_once_every_multiprocessor_has_a_program_with_wide_tiles_below
     assert launch[33] == launch[64] == (1, triton_decode.DEFAULT_DECODE_CONFIG)
 
 
-def test_sliding_layers_keep_the_default_tiles():
+def test_sliding_layers_and_fixed_splits_keep_the_default_tiles():
     backend = TritonPagedAttention()
     device = torch.device("cpu")  # one SM: a batch of 1 sequence x 1 KV head is one program, the wide range
     assert backend.decode_launch_config(1, 1, device) == triton_decode.WIDE_DECODE_CONFIG
     assert backend.decode_launch_config(1, 1, device, window=256) == triton_decode.DEFAULT_DECODE_CONFIG
+    # A split count fixed above one runs the reduce too: the default tiles, no variant of its own.
+    assert TritonPagedAttention(3).decode_launch_config(1, 1, device) == triton_decode.DEFAULT_DECODE_CONFIG
 
 
 def test_wide_tiles_in_one_split_match_reference():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -50,21 +50,24 @@ def _set(backend):
     sent to /dev/null, so a job's log does not carry it."""
     global _quieted
     previous = torch.backends.cuda.preferred_blas_library()
-    if _quieted:
+    with nullcontext() if _quieted else _stderr_to_devnull():
         torch.backends.cuda.preferred_blas_library(backend)
-        return previous
     _quieted = True
+    return previous
+
+
+@contextmanager
+def _stderr_to_devnull() -> Iterator[None]:
     sys.stderr.flush()
     try:
         saved = os.dup(2)
     except OSError:  # no stderr to quiet (closed by whoever started the process)
-        torch.backends.cuda.preferred_blas_library(backend)
-        return previous
+        yield
+        return
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
-            torch.backends.cuda.preferred_blas_library(backend)
+            yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-    return previous

@@ -159,11 +159,12 @@ class TritonPagedAttention:
     def decode_launch_config(
         self, num_seqs: int, num_kv_heads: int, device: torch.device, window: int = 0
     ) -> DecodeConfig:
-        """The decode kernel's launch shape: the one given, else by the batch size (sliding layers keep the default
-        tiles: they always run the reduce, and a variant of it and of their kernel per tile size would compile)."""
+        """The decode kernel's launch shape: the one given, else by the batch size. Only a one-split launch without
+        a window takes the wide tiles (sliding layers always run the reduce, and so does a split count fixed above
+        one: a variant of each per tile size would compile)."""
         if self.decode_config is not None:
             return self.decode_config
-        if window > 0:
+        if window > 0 or self.decode_splits(num_seqs, num_kv_heads, device) != 1:
             return DEFAULT_DECODE_CONFIG
         return default_config(num_seqs, num_kv_heads, _sm_count(device))
 
