@@ -1,7 +1,7 @@
 """GPU microbenchmark of the Triton paged-attention kernels against SDPA on dense K/V.
 
     python scripts/bench_attention.py results/attention.json [--sweep] [--iters 100] [--decode 32x640,64x1024]
-        [--decode-only]
+        [--decode-only] [--layers 32]
 
 Decode: time per call (eager and replayed from a CUDA graph) and effective bandwidth = KV bytes read / time,
 next to SDPA on the same K/V laid out densely, and to a device-to-device copy measured in the same run.
@@ -11,12 +11,15 @@ as the engine runs them, with a sweep of the varlen launch configs on each part.
 index_copy_.
 `--sweep` also times every launch config and split count (and prints the best of each split count), to pick the
 defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context),
-`--decode-only` skips the others. Prints a table and writes everything as JSON to the path given.
+`--decode-only` skips the others, and `--layers N` times each decode call over N distinct caches in turn (a
+step's layers: one cache of a few tens of MB stays partly in L2 between calls). Prints a table and writes
+everything as JSON to the path given.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 from collections.abc import Callable
@@ -112,40 +115,61 @@ def paged_step(query_lens: list[int], seq_lens: list[int]):
     return q, k, v, k_cache, v_cache, meta
 
 
-def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int) -> dict:
-    q, k, v, k_cache, v_cache, meta = paged_step([1] * num_seqs, [context] * num_seqs)
+def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int, layers: int = 1) -> dict:
+    """Decode of `num_seqs` sequences at `context` tokens. With `layers` > 1 every timed call runs the kernel
+    over that many distinct caches one after another, as a decode step's layers do, and reports the time per
+    layer: a single cache of a few tens of MB stays partly in L2 from one call to the next, a step's do not."""
+    steps = [paged_step([1] * num_seqs, [context] * num_seqs) for _ in range(layers)]
+    q, k, v, k_cache, v_cache, meta = steps[0]
     kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
     scale = HEAD_DIM**-0.5
     backend = TritonPagedAttention()
     splits = backend.decode_splits(num_seqs, KV_HEADS, DEVICE)
     default = backend.decode_launch_config(num_seqs, KV_HEADS, DEVICE)
     out = torch.empty_like(q)
+    calls = max(1, iters // layers)
 
     def attend(num_splits: int = splits, config: DecodeConfig = default):
-        return lambda: paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, num_splits, out, config
-        )
+        def run():
+            for q, _, _, k_cache, v_cache, meta in steps:
+                paged_decode_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, num_splits, out,
+                    config,
+                )  # fmt: skip
+
+        return run
+
+    def per_layer(timer):
+        return lambda fn, n: timer(fn, n) / layers
 
     dense_q = q.view(num_seqs, 1, HEADS, HEAD_DIM).transpose(1, 2)
     dense_k = torch.randn(num_seqs, KV_HEADS, context, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     dense_v = torch.randn_like(dense_k)
     sdpa = lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=scale, enable_gqa=True)
     rows = {
-        f"triton decode, {splits} splits (eager)": time_call(attend(), iters),
-        f"triton decode, {splits} splits (graph)": time_graph(attend(), iters),
+        f"triton decode, {splits} splits (eager)": per_layer(time_call)(attend(), calls),
+        f"triton decode, {splits} splits (graph)": per_layer(time_graph)(attend(), calls),
         "triton store + decode (graph)": time_graph(
             lambda: backend.forward(q, k, v, k_cache, v_cache, meta, scale), iters
         ),
         "sdpa dense, gqa (eager)": time_call(sdpa, iters),
     }
-    result = {"num_seqs": num_seqs, "context": context, "kv_bytes": kv_bytes, "default_splits": splits}
+    result = {
+        "num_seqs": num_seqs,
+        "context": context,
+        "kv_bytes": kv_bytes,
+        "default_splits": splits,
+        "layers": layers,
+    }
     result["rows"] = {name: {"seconds": t, "bytes_per_s": kv_bytes / t} for name, t in rows.items()}
     if sweep:
         configs = [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+        points = [(ns, c) for c in configs for ns in sorted({1, 2, 3, 4, 8, 16, splits})]
+        # Reading the block table a tile ahead is a one-split launch's option.
+        points += [(1, dataclasses.replace(c, prefetch_table=True)) for c in configs]
         result["sweep"] = [
-            {"splits": ns, **asdict(c), **sweep_point(time_graph, attend(ns, c), iters, kv_bytes)}
-            for c in configs
-            for ns in sorted({1, 2, 3, 4, 8, 16, splits})
+            {"splits": ns, **asdict(c), **sweep_point(per_layer(time_graph), attend(ns, c), calls, kv_bytes)}
+            for ns, c in points
         ]
     return result
 
@@ -280,6 +304,9 @@ def main() -> None:
         "--decode", default="64x1024,32x1152,32x640", help="decode cases, SEQSxCONTEXT separated by commas"
     )
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill, mixed-step and store cases")
+    parser.add_argument(
+        "--layers", type=int, default=1, help="decode: time each call over this many distinct caches (a step's layers)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA GPU; run it on a machine with one")
@@ -288,9 +315,9 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bandwidth(20)}
     print(f"{results['device']}: device-to-device copy {results['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     cases = [tuple(int(n) for n in case.split("x")) for case in args.decode.split(",")]
-    results["decode"] = [decode_bench(b, s, args.sweep, args.iters) for b, s in cases]
+    results["decode"] = [decode_bench(b, s, args.sweep, args.iters, args.layers) for b, s in cases]
     for case in results["decode"]:
-        title = f"decode {case['num_seqs']} seqs x {case['context']} ctx, KV {case['kv_bytes'] / 1e6:.0f} MB"
+        title = f"decode {case['num_seqs']} seqs x {case['context']} ctx, KV {case['kv_bytes'] / 1e6:.0f} MB a layer"
         print_table(title, case["rows"], "bytes_per_s", "TB/s", 1e12)
         if "sweep" in case:
             print(f"  best of sweep (rate in B/s): {best_of(case['sweep'])}")

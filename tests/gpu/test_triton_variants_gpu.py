@@ -18,21 +18,22 @@ if not torch.cuda.is_available():
 
 from attention_cases import packed_metadata, random_paged_step  # noqa: E402
 
-from batchjob.engine.native import triton_attention, triton_decode, triton_prefill  # noqa: E402
+from batchjob.engine.native import triton_attention, triton_decode, triton_decode_split, triton_prefill  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 KERNELS = {
     "store": triton_attention._store_kv_kernel,
-    "decode": triton_decode._decode_split_kernel,
-    "reduce": triton_decode._decode_reduce_kernel,
+    "decode": triton_decode_split._decode_split_kernel,
+    "one_split": triton_decode._decode_one_split_kernel,
+    "reduce": triton_decode_split._decode_reduce_kernel,
     "prefill": triton_prefill._prefill_kernel,
 }
 KINDS = [(0, 0.0), (256, 0.0), (0, 30.0), (256, 30.0)]  # (window, softcap) of each layer kind
 # Variants one dtype and head layout may compile over all four kinds: the store knows no kind, the reduce
-# only whether a window is on, and the decode kernel has two more, one split writing the output itself in
-# tiles of 64 or (a batch of one to two programs a multiprocessor) 128 tokens, for the kinds without a window.
-MOST_VARIANTS = {"store": 1, "decode": 8, "reduce": 2, "prefill": 4}
+# only whether a window is on, and the one-split kernel (kinds without a window) one per soft-cap setting and
+# launch shape (reading the block table a tile ahead below two programs a multiprocessor, or not).
+MOST_VARIANTS = {"store": 1, "decode": 4, "one_split": 4, "reduce": 2, "prefill": 4}
 # A head layout no other test compiles, so the counts start from this test's own launches.
 HEADS = dict(num_heads=12, num_kv_heads=4, head_dim=64)
 
@@ -57,7 +58,7 @@ def test_nothing_compiles_after_one_step_of_each_layer_kind(dtype):
     for window, softcap in KINDS:
         run_step(dtype, [1, 1], [5, 40], None, 0, 0, window, softcap, seed=0)
         run_step(dtype, [1, 1], [5, 40], 1, 0, 0, window, softcap, seed=0)  # as a batch too wide to split
-        run_step(dtype, [1] * 40, [30] * 40, None, 0, 0, window, softcap, seed=0)  # one split, 128-token tiles
+        run_step(dtype, [1] * 40, [30] * 40, None, 0, 0, window, softcap, seed=0)  # one split, table read ahead
         run_step(dtype, [7, 1], [7, 30], None, 0, 0, window, softcap, seed=0)
     warmed = compiled_variants()
     assert all(warmed[name] - before[name] <= MOST_VARIANTS[name] for name in KERNELS), (before, warmed)

@@ -4,6 +4,8 @@ prefill over the paged cache, for GQA ratios 1/2/4, block sizes 1 and 16 and odd
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_decode_matches_dense_reference(group, block_size, splits):
     check_against_reference(step, TritonPagedAttention(num_decode_splits=splits))
 
 
-def test_one_split_once_every_multiprocessor_has_a_program_with_wide_tiles_below_two():
+def test_one_split_once_every_multiprocessor_has_a_program_reading_the_block_table_ahead_below_two():
     # 132 multiprocessors (an H200), 8 KV heads: the launch follows the batch size alone.
     launch = {
         seqs: (triton_decode.default_num_splits(seqs, 8, 132), triton_decode.default_config(seqs, 8, 132))
@@ -48,22 +50,26 @@ def test_one_split_once_every_multiprocessor_has_a_program_with_wide_tiles_below
     }
     assert launch[8] == (5, triton_decode.DEFAULT_DECODE_CONFIG)
     assert launch[16] == (3, triton_decode.DEFAULT_DECODE_CONFIG)  # 128 programs: one split would idle 4 SMs
-    assert launch[17] == launch[32] == (1, triton_decode.WIDE_DECODE_CONFIG)
+    assert launch[17] == launch[32] == (1, triton_decode.FEW_PROGRAMS_DECODE_CONFIG)
     assert launch[33] == launch[64] == (1, triton_decode.DEFAULT_DECODE_CONFIG)
 
 
 def test_sliding_layers_and_fixed_splits_keep_the_default_tiles():
     backend = TritonPagedAttention()
-    device = torch.device("cpu")  # one SM: a batch of 1 sequence x 1 KV head is one program, the wide range
-    assert backend.decode_launch_config(1, 1, device) == triton_decode.WIDE_DECODE_CONFIG
+    device = torch.device("cpu")  # one SM: a batch of 1 sequence x 1 KV head is one program, below two an SM
+    assert backend.decode_launch_config(1, 1, device) == triton_decode.FEW_PROGRAMS_DECODE_CONFIG
     assert backend.decode_launch_config(1, 1, device, window=256) == triton_decode.DEFAULT_DECODE_CONFIG
     # A split count fixed above one runs the reduce too: the default tiles, no variant of its own.
     assert TritonPagedAttention(3).decode_launch_config(1, 1, device) == triton_decode.DEFAULT_DECODE_CONFIG
 
 
-def test_wide_tiles_in_one_split_match_reference():
-    step = random_step([1] * 3, [5, 130, 300], 16, 2, seed=4)
-    check_against_reference(step, TritonPagedAttention(1, triton_decode.WIDE_DECODE_CONFIG))
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_one_split_reading_the_block_table_a_tile_ahead_matches_reference(block_n, softcap):
+    # Contexts ending inside a tile, on a tile's end and a token past it; every unused cache slot holds NaN.
+    config = dataclasses.replace(triton_decode.FEW_PROGRAMS_DECODE_CONFIG, block_n=block_n)
+    step = random_step([1] * 5, [5, 64, 65, 130, 300], 16, 2, seed=4)
+    check_against_reference(step, TritonPagedAttention(1, config), softcap=softcap)
 
 
 def test_decode_with_more_splits_than_context_tiles_matches_reference():
@@ -98,8 +104,15 @@ def test_half_precision_inputs_give_outputs_in_their_dtype():
     check_against_reference(random_step([1, 1], [20, 33], 16, 2, dtype=half), TritonPagedAttention(), atol=2e-2)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits):
+@pytest.mark.parametrize(
+    ("splits", "config"),
+    [
+        (1, triton_decode.DEFAULT_DECODE_CONFIG),
+        (1, triton_decode.FEW_PROGRAMS_DECODE_CONFIG),
+        (4, triton_decode.DEFAULT_DECODE_CONFIG),
+    ],
+)
+def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits, config):
     # A CUDA-graph bucket larger than the batch pads with empty sequences whose token writes to block 0.
     q, k, v, k_cache, v_cache, meta = random_step([1, 1], [5, 12], 16, 2, seed=3)
     padded = AttentionMetadata(
@@ -115,15 +128,22 @@ def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits):
     triton_attention.store_kv(k, v, k_cache, v_cache, padded.slot_mapping)
     out = torch.full_like(q, float("nan"))  # whatever a graph's memory pool last held
     triton_decode.paged_decode_attention(
-        q, k_cache, v_cache, padded.block_tables, padded.seq_lens, padded.cu_query_lens, 0.25, splits, out
+        q, k_cache, v_cache, padded.block_tables, padded.seq_lens, padded.cu_query_lens, 0.25, splits, out, config
     )
 
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert not out[:2].isnan().any()
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(splits):
+@pytest.mark.parametrize(
+    ("splits", "config"),
+    [
+        (1, triton_decode.DEFAULT_DECODE_CONFIG),
+        (1, triton_decode.FEW_PROGRAMS_DECODE_CONFIG),
+        (3, triton_decode.DEFAULT_DECODE_CONFIG),
+    ],
+)
+def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(splits, config):
     # Each kernel writes only its own rows (the others keep their NaN), and together they are the step.
     q, k, v, k_cache, v_cache, meta = step = random_step([4, 1, 6, 1], [4, 40, 70, 9], 16, 2, seed=7)
     triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -131,7 +151,7 @@ def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(spli
     one_token = torch.tensor([4, 11])
 
     decoded = torch.full_like(q, float("nan"))
-    triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, splits, decoded)
+    triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, splits, decoded, config)
     chunked = torch.full_like(q, float("nan"))
     triton_prefill.paged_prefill_attention(q, k_cache, v_cache, *tables, 0.3, chunked, skip_single=True)
 

@@ -78,12 +78,67 @@ def attend_kv_tile(
     (blocks that far back may already be freed and hold anything, NaN included), and with CAUSAL also masks,
     per row, keys at or before `q_pos - window`. Without SLIDING, `kv_start` and `window` are ignored.
     """
+    block = tile_blocks(table_row, n0, kv_start, kv_end, BLOCK_SIZE, BLOCK_N, SLIDING)
+    return attend_kv_blocks(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def tile_blocks(
+    table_row, n0, kv_start, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr
+):
+    """The cache block of each key of the tile [n0, n0 + BLOCK_N), read from the sequence's block-table row
+    (0 for keys outside [kv_start, kv_end); `kv_start` only with SLIDING)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < kv_end
+    if SLIDING:
+        mask_n = mask_n & (offs_n >= kv_start)
+    return tl.load(table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+
+
+@triton.jit
+def attend_kv_blocks(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block,
+    kv_head,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    n0,
+    kv_start,
+    kv_end,
+    q_pos,
+    window,
+    score_scale,
+    softcap_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`attend_kv_tile` with the tile's cache blocks already read (`tile_blocks`): a kernel can then read the
+    next tile's blocks while this one's keys load."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < kv_end
     if SLIDING:
         mask_n = mask_n & (offs_n >= kv_start)
-    block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    block = block.to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
     k = tl.load(
         k_cache_ptr + (block * stride_kb + in_block * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :],
