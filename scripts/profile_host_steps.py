@@ -4,7 +4,11 @@ under cProfile, and the loop thread's host work per constrained step is printed 
 tokens, scheduling, laying steps out), beside the engine's own mask figures (the masks fill in other threads,
 which cProfile does not see) and the loop thread's biggest single functions.
 
-    python scripts/profile_host_steps.py [--tokenizer bpe|cl100k|DIR] [--requests 256] [--engine-option KEY=VALUE]
+    python scripts/profile_host_steps.py [--tokenizer bpe|cl100k|DIR] [--requests 256] [--constrain-every K]
+        [--engine-option KEY=VALUE]
+
+`--constrain-every 2` puts every other request under the schema (the rest unconstrained, as the benchmark's
+half-constrained batches), 0 none; parts are then per step.
 
 The layers are tiny (`batchjob.tiny_model`), so the forward is cheap next to the vocabulary-wide work: the output head,
 the sampler and the grammar's masks. On a CPU the forward and sampler run in the loop's thread, so wall time says
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default="bpe", help="bpe (generated, 128k), cl100k, or a tokenizer directory")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=120)
+    parser.add_argument("--constrain-every", type=int, default=1, help="every K-th request constrained (0: none)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the model and tokenizers are kept")
     args = parser.parse_args(argv)
@@ -77,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = create_engine("native", str(model), options)
     rng = np.random.default_rng(0)
     schema = json.dumps(RECORDS_SCHEMA)
+
+    def constrained(i: int) -> bool:
+        return args.constrain_every > 0 and i % args.constrain_every == 0
+
     vocabulary = len(engine.tokenizer)
     special = len(engine.tokenizer.all_special_ids)
     # Prompts of ordinary tokens: the generated tokenizers put their 256 special ids last, the others' count low.
@@ -85,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         Request(
             i,
             tuple(int(t) for t in rng.integers(3, text_ids, 32)),
-            SamplingParams(args.max_new_tokens, json_schema=schema),
+            SamplingParams(args.max_new_tokens, json_schema=schema if constrained(i) else None, ignore_eos=True),
         )
         for i in range(args.requests)
     ]
     try:
-        engine.grammars.matcher(requests[0].sampling.constraint)  # builds the vocabulary index, compiles the schema
+        if args.constrain_every:
+            engine.grammars.matcher(requests[0].sampling.constraint)  # builds the vocabulary index, compiles the schema
         profile = cProfile.Profile()
         began = time.perf_counter()
         profile.enable()
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = engine.stats()
     finally:
         engine.close()
-    steps = max(int(stats.get("constrained_steps", 0)), 1)
+    steps = max(int(stats.get("constrained_steps", 0)) if args.constrain_every else int(stats["steps"]), 1)
     table = pstats.Stats(profile).stats  # (file, line, function) -> (calls, primitive calls, own s, cumulative s, _)
     print(f"{args.requests} requests, vocabulary {vocabulary:,}, {wall:.1f} s, {stats['steps']} steps")
     for label, suffix, name in PARTS:

@@ -208,9 +208,11 @@ def test_the_mask_profile_script_finds_the_same_masks_with_every_slice_setting()
     assert 0 < share < 1
 
 
-def test_the_host_step_profile_script_times_each_part_of_constrained_steps(tmp_path):
+@pytest.mark.parametrize("every", [1, 2], ids=["every row constrained", "every other row"])
+def test_the_host_step_profile_script_times_each_part_of_constrained_steps(tmp_path, every):
     script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_steps.py"
     command = [sys.executable, str(script), "--tokenizer", str(default_tiny_model()), "--requests", "8"]
+    command += ["--constrain-every", str(every)]
     command += ["--max-new-tokens", "24", "--cache", str(tmp_path), "--engine-option", "mask_chunk_rows=4"]
     command += ["--engine-option", "jump_forward=True"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -219,3 +221,4 @@ def test_the_host_step_profile_script_times_each_part_of_constrained_steps(tmp_p
     for part in ("processing a step's tokens", "jump-forward", "scheduling", "laying steps out"):
         ms = float(run.stdout.split(part)[1].split("ms a step")[0])
         assert ms > 0, part
+    assert float(run.stdout.split("engine: masks ")[1].split(" ms")[0]) > 0
