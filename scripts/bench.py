@@ -4,6 +4,7 @@ fresh process, cold and warm.
     python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (docs/benchmarks.md)
     python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model
     python scripts/bench.py --workloads W2 --constrained --out bench-json   # structured outputs vs none
+    python scripts/bench.py --workloads W1 --systems native --against ../base --repeat 3   # this checkout vs another
 
 For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random
 bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system on
@@ -19,6 +20,12 @@ the same), and `native` runs unconstrained, `native_json` with every request und
 generated text (`bench_lib/bpe.py`), whose pseudo-word tokens are long; `--tokenizer cl100k` is tiktoken's
 cl100k_base, a real vocabulary (the first 100,256 tokens of Llama 3's; needs `pip install tiktoken` and its
 download, or TIKTOKEN_CACHE_DIR holding it).
+
+`--against DIR` compares two versions of the engine on one machine: every native system runs a second time in
+each round from the checkout at DIR (its `batchjob`, this checkout's harness), right after this checkout's run,
+as `SYSTEM@against`; the table gives each run's throughput against the other checkout's run of the same round,
+and with `--repeat` the median of those ratios. Machines of one kind differ by more than a small change gains,
+so a change is measured this way, not against a figure taken elsewhere.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from bench_lib.hardware import HardwareRates
 from bench_lib.isolation import ChildFailed, kernel_cache_env, run_child
 from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, text_tokens, tiny_model_dir
 from bench_lib.options import engine_options
-from bench_lib.report import WorkloadReport, plot, result_from_json, table, write_json
+from bench_lib.report import AGAINST, WorkloadReport, plot, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
 from bench_lib.systems import (
     CONSTRAINED_SYSTEMS,
@@ -111,6 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="write OUT/profile-WORKLOAD-SYSTEM-RUN.txt: where each run spent its time (cProfile, start-up "
         "included; every thread from Python 3.12; it slows the host side, so its tok/s is not comparable)",
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also run every native system from the checkout at DIR (its batchjob package), alternating with "
+        "this checkout's run in each round, as SYSTEM@against",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
     parser.add_argument(
@@ -198,7 +213,11 @@ def run_workload(
             print(f"{spec.name} {system}: skipped, {reason}", flush=True)
         else:
             runnable.append(system)
-    for repeat, system in ((r, system) for r in range(args.repeat) for system in runnable):
+    sources = [(system, None) for system in runnable]
+    if args.against is not None:  # each native system's other checkout right after it, in every round
+        sources = [pair for system in runnable for pair in _against(system, args.against)]
+    for repeat, (system, repo) in ((r, pair) for r in range(args.repeat) for pair in sources):
+        name = system if repo is None else f"{system}{AGAINST}"
         # One cache directory per system and round: its cold run starts it empty, its warm run finds it filled.
         with tempfile.TemporaryDirectory(prefix=f"bench-caches-{spec.name}-{system}-") as caches:
             for run in runs:
@@ -214,22 +233,22 @@ def run_workload(
                 }
                 label = run_label(run, repeat)
                 if args.profile:
-                    name = label.replace(" ", "-")
-                    task["profile"] = str(args.out / f"profile-{spec.name}-{system}-{name}.txt")
+                    task["profile"] = str(args.out / f"profile-{spec.name}-{name}-{label.replace(' ', '-')}.txt")
                 env = kernel_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
                 try:
-                    result = result_from_json(run_child(task, env, timeout_s=args.time_limit_s + CHILD_STARTUP_S))
+                    timeout_s = args.time_limit_s + CHILD_STARTUP_S
+                    result = result_from_json(run_child(task, env, timeout_s=timeout_s, repo=repo))
                 except ChildFailed as error:  # one broken run must not lose the others' measurements
-                    errors[f"{system} {label}"] = str(error)
-                    print(f"{spec.name} {system} {label}: failed, {error}", flush=True)
+                    errors[f"{name} {label}"] = str(error)
+                    print(f"{spec.name} {name} {label}: failed, {error}", flush=True)
                     continue
-                result = dataclasses.replace(result, repeat=repeat)
+                result = dataclasses.replace(result, system=name, repeat=repeat)
                 results.append(result)
                 # One line per finished run, written at once: a command stopped later keeps what it measured.
                 with open(args.out / "runs.jsonl", "a") as log:
                     log.write(json.dumps({"workload": spec.name, **dataclasses.asdict(result)}) + "\n")
                 print(
-                    f"{spec.name} {system} {label}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
+                    f"{spec.name} {name} {label}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
                     f"{result.tok_per_s:,.0f} tok/s, start-up {result.startup_s:.1f} s"
                     + (" (cut)" if result.cut else ""),
                     flush=True,
@@ -237,6 +256,11 @@ def run_workload(
     return WorkloadReport(
         requests=requests, model=str(model_dir), floor=floor, results=tuple(results), skipped=skipped, errors=errors
     )
+
+
+def _against(system: str, repo: Path) -> list[tuple[str, Path | None]]:
+    """`system` from this checkout, then (a native system) from the one at `repo`."""
+    return [(system, None), (system, repo)] if system in NATIVE_SYSTEMS else [(system, None)]
 
 
 def _read_json(path: Path) -> dict:
@@ -255,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be 1 or more, got {args.repeat}")
+    if args.against is not None:
+        args.against = args.against.resolve()
+        if not (args.against / "batchjob" / "engine").is_dir():
+            raise SystemExit(f"--against {args.against}: no batchjob/engine there; give the root of another checkout")
     # The checkout's batchjob is what is measured, whether or not (and wherever) it is pip-installed.
     sys.path.insert(1, str(REPO))
     import torch
@@ -310,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "time_limit_s": args.time_limit_s,
         "runs": runs,
         "repeat": args.repeat,
+        "against": None if args.against is None else str(args.against),
         "engine_options": options,
         "load_format": args.load_format,
         "hf_batch": args.hf_batch,

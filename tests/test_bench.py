@@ -273,3 +273,36 @@ def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
     assert re.search(rf"native_json warm 2 .*  {rate[0] / rate[1]:.2f}x of native warm 2", run.stdout)
     assert re.search(rf"native_json warm median .*median of 2; .*x of native warm \(rounds: {ratio:.2f}, ", run.stdout)
     assert (out / "profile-tiny-native_json-warm-2.txt").exists()
+
+
+def test_tiny_run_against_another_checkout_alternates_the_two_in_each_round(tmp_path):
+    # The other checkout is this one again: the harness cannot tell, and both versions must finish the same work.
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--systems", "native", "--runs", "warm"]
+    command += ["--against", str(SCRIPTS.parent), "--repeat", "2", "--out", str(out), "--model-cache", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["system"], r["repeat"]) for r in rows] == [
+        ("native", 0),
+        ("native@against", 0),
+        ("native", 1),
+        ("native@against", 1),
+    ]
+    assert len({r["output_tokens"] for r in rows}) == 1
+    rate = {(r["system"], r["repeat"]): r["output_tokens"] / r["wall_s"] for r in rows}
+    ratios = [rate["native", k] / rate["native@against", k] for k in (0, 1)]
+    assert re.search(rf"native warm .*  {ratios[0]:.3f}x of native@against warm\n", run.stdout)
+    assert re.search(rf"native warm 2 .*  {ratios[1]:.3f}x of native@against warm 2\n", run.stdout)
+    assert re.search(
+        rf"native warm median .*of native@against warm \(rounds: {ratios[0]:.3f}, {ratios[1]:.3f}\)", run.stdout
+    )
+    assert json.loads((out / "bench.json").read_text())["run"]["against"] == str(SCRIPTS.parent.resolve())
+
+
+def test_against_a_directory_without_an_engine_stops_before_any_run(tmp_path):
+    command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--against", str(tmp_path), "--out", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert f"--against {tmp_path.resolve()}: no batchjob/engine there" in run.stderr
+    assert not (tmp_path / "runs.jsonl").exists()

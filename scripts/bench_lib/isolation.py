@@ -45,13 +45,16 @@ def kernel_cache_env(directory: Path) -> dict[str, str]:
     }
 
 
-def run_child(task: dict[str, Any], env: dict[str, str] | None = None, timeout_s: float | None = None) -> dict:
-    """Run `task` in a fresh Python process (its output streams to ours) and return what it reported.
-    Raises ChildFailed with the reason if it raised, crashed or ran past `timeout_s`."""
+def run_child(
+    task: dict[str, Any], env: dict[str, str] | None = None, timeout_s: float | None = None, repo: Path | None = None
+) -> dict:
+    """Run `task` in a fresh Python process (its output streams to ours) and return what it reported; with `repo`,
+    the `batchjob` it imports is that checkout's (the harness stays this one's). Raises ChildFailed with the
+    reason if it raised, crashed or ran past `timeout_s`."""
     with tempfile.TemporaryDirectory(prefix="bench-task-") as scratch:
         task_path, out_path = Path(scratch) / "task.json", Path(scratch) / "out.json"
         task_path.write_text(json.dumps(task))
-        path = os.pathsep.join([str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(SCRIPTS), str(repo or REPO), os.environ.get("PYTHONPATH", "")])
         child_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
         command = [sys.executable, "-m", "bench_lib.isolation", str(task_path), str(out_path)]
         try:

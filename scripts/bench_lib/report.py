@@ -100,6 +100,9 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
+# The name suffix of a system's runs from the other checkout (`scripts/bench.py --against`).
+AGAINST = "@against"
+
 # Widths of the table's columns after `system` (seconds, tokens, tok/s, roofline, GPU-busy, prep ms, host ms,
 # start-up), for the rows that leave them blank.
 COLUMNS_AFTER_SYSTEM = 9 + 10 + 10 + 10 + 10 + 9 + 9 + 10
@@ -128,11 +131,16 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
                 f"{'100%':>10}  decode {floor.decode_s:.2f} s + prefill {floor.prefill_s:.2f} s"
             )
         unconstrained = {r.label: r.tok_per_s for r in report.results if r.system == "native" and not r.cut}
+        other = {(r.system, r.label): r.tok_per_s for r in report.results if r.system.endswith(AGAINST) and not r.cut}
         for r in report.results:
             status = f"cut at {r.requests_done}/{r.requests_total} requests" if r.cut else ""
             if r.system.startswith("native_json") and r.label in unconstrained and not r.cut:
                 # structured outputs: their throughput against the same round's unconstrained run
                 status = f"{r.tok_per_s / unconstrained[r.label]:.2f}x of native {r.label}"
+            twin = (r.system + AGAINST, r.label)
+            if twin in other and not r.cut:
+                # --against: this checkout's run against the other checkout's of the same round
+                status = f"{r.tok_per_s / other[twin]:.3f}x of {twin[0]} {r.label}"
             lines.append(
                 f"{name:<9}{r.system + ' ' + r.label:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
                 f"{_percent(report.fraction_of_roofline(r)):>10}{_percent(r.gpu_busy_fraction):>10}"
@@ -161,6 +169,11 @@ def _medians(name: str, report: WorkloadReport) -> list[str]:
         if system.startswith("native_json") and ratios:
             listed = ", ".join(f"{x:.2f}" for x in ratios)
             status += f"; {statistics.median(ratios):.2f}x of native {run} (rounds: {listed})"
+        twin = {r.repeat: r.tok_per_s for r in done if (r.system, r.run) == (system + AGAINST, run)}
+        against = [rounds[k] / twin[k] for k in rounds if k in twin]
+        if against:
+            listed = ", ".join(f"{x:.3f}" for x in against)
+            status += f"; {statistics.median(against):.3f}x of {system}{AGAINST} {run} (rounds: {listed})"
         label = f"{system} {run} median"
         lines.append(f"{name:<9}{label:<24}{'':>19}{rate:>10.0f}{'':>{COLUMNS_AFTER_TOK_S}}  {status}")
     return lines
