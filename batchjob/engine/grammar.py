@@ -32,9 +32,11 @@ PARALLEL_CONSUME_ROWS = 8
 CONSUME_THREADS = 8
 
 
-def mask_threads() -> int:
-    """llguidance's threads for the bitmasks: its own default (80% of the CPUs this process may run on, at most
-    32), counted here so the engine knows it."""
+def mask_threads(threads: int = 0) -> int:
+    """llguidance's threads for the bitmasks: `threads`, or with 0 the library's own default (80% of the CPUs
+    this process may run on, at most 32), counted here so the engine knows it."""
+    if threads > 0:
+        return threads
     return max(1, min(32, len(os.sched_getaffinity(0)) * 80 // 100))
 
 
@@ -115,10 +117,16 @@ class GrammarCompiler:
     builds it."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], model_dir: str | None = None
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        model_dir: str | None = None,
+        threads: int = 0,
     ) -> None:
         """`tokenizer` None: an engine that does not detokenize has none; the first constrained request loads
-        the one in `model_dir` (llguidance needs the tokens' bytes)."""
+        the one in `model_dir` (llguidance needs the tokens' bytes). `threads`: the library's threads for masks
+        (0: `mask_threads`' default)."""
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.vocab_size = vocab_size
@@ -132,7 +140,7 @@ class GrammarCompiler:
         # Per constraint: its grammar, its start-state matchers (each with a lexer of its own, up to `self.lexers`)
         # and how many matchers it has handed out.
         self._cache: OrderedDict[Constraint, _Starts] = OrderedDict()
-        self.threads = mask_threads()
+        self.threads = mask_threads(threads)
         self.lexers = lexers_per_constraint(self.threads)
         self.compiled = 0  # distinct constraints compiled
         self.cache_hits = 0

@@ -178,6 +178,7 @@ def test_the_engine_runs_more_lexers_than_mask_threads():
     from batchjob.engine.grammar import lexers_per_constraint, mask_threads
 
     assert 1 <= mask_threads() <= 32
+    assert mask_threads(5) == 5  # engine.mask_threads
     assert all(lexers_per_constraint(n) > 2 * n and lexers_per_constraint(n) % 2 for n in (1, 12, 32))
 
 

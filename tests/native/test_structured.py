@@ -155,6 +155,19 @@ def test_masks_filled_chunk_by_chunk_generate_what_sync_does(model_dir, temperat
 def test_a_negative_mask_chunk_is_refused_before_loading(model_dir):
     with pytest.raises(ValueError, match="engine.mask_chunk_rows=-1: must be >= 0"):
         create_engine("native", model_dir, {"mask_chunk_rows": -1})
+    with pytest.raises(ValueError, match="engine.mask_threads=-2: must be >= 0"):
+        create_engine("native", model_dir, {"mask_threads": -2})
+
+
+def test_mask_threads_sets_the_grammar_library_threads_and_lexer_copies(model_dir):
+    engine = create_engine("native", model_dir, {"dtype": "float32", "mask_threads": 3})
+    try:
+        assert (engine.grammars.threads, engine.grammars.lexers) == (3, 13)
+        reqs = _requests(6, 0.0, json_schema=PET)
+        done = {c.id: c for c in engine.generate(reqs)}
+    finally:
+        engine.close()
+    assert check_stop_rows([done[r.id] for r in reqs], lambda t: valid_json(t, PET_SCHEMA)) > 0
 
 
 @pytest.mark.parametrize(

@@ -266,7 +266,9 @@ class NativeEngine:
     def _make_grammars(self, tokenizer: Future[Any] | None) -> None:
         """The constraint compiler. An engine that may see constraints (`graph_constrained`, which a job turns off
         when none of its rows can carry one) builds the grammar library's vocabulary index during start-up."""
-        self.grammars = GrammarCompiler(None, self.spec.vocab_size, self.spec.eos_token_ids, self.spec.model_dir)
+        self.grammars = GrammarCompiler(
+            None, self.spec.vocab_size, self.spec.eos_token_ids, self.spec.model_dir, self.options.mask_threads
+        )
         if self.options.graph_constrained:
             self.grammars.prepare_beside(tokenizer)
 

@@ -49,6 +49,7 @@ class NativeOptions:
     graph_constrained: bool = True
     constrained_lag: bool = False
     mask_chunk_rows: int = 0
+    mask_threads: int = 0
     jump_forward: bool = False
     graph_mixed: bool = True
     graph_max_batch: int | None = None
@@ -111,6 +112,11 @@ class NativeOptions:
         if self.mask_chunk_rows < 0:
             problems.append(
                 f"engine.mask_chunk_rows={self.mask_chunk_rows}: must be >= 0 (0 fills a step's masks in one call)"
+            )
+        if self.mask_threads < 0:
+            problems.append(
+                f"engine.mask_threads={self.mask_threads}: must be >= 0 "
+                "(0: 80% of the CPUs the job may use, at most 32)"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append(f"engine.num_kv_blocks={self.num_kv_blocks}: must be >= 2 (or null to size it)")
