@@ -64,11 +64,12 @@ def test_sliding_layers_and_fixed_splits_keep_the_default_tiles():
 
 
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_one_split_reading_the_block_table_a_tile_ahead_matches_reference(block_n, softcap):
-    # Contexts ending inside a tile, on a tile's end and a token past it; every unused cache slot holds NaN.
+@pytest.mark.parametrize(("block_n", "block_size"), [(16, 16), (64, 16), (16, 64), (64, 128)])
+def test_one_split_reading_the_block_table_a_tile_ahead_matches_reference(block_n, block_size, softcap):
+    # Contexts ending inside a tile, on a tile's end and a token past it; cache blocks smaller and larger than a
+    # tile; every unused cache slot holds NaN.
     config = dataclasses.replace(triton_decode.FEW_PROGRAMS_DECODE_CONFIG, block_n=block_n)
-    step = random_step([1] * 5, [5, 64, 65, 130, 300], 16, 2, seed=4)
+    step = random_step([1] * 5, [5, 64, 65, 130, 300], block_size, 2, seed=4)
     check_against_reference(step, TritonPagedAttention(1, config), softcap=softcap)
 
 
