@@ -55,6 +55,24 @@ def test_sliding_window_and_soft_cap_match_reference(dtype, window, softcap, sha
             assert relative_error(out, expected) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_seqs", [40, 80], ids=["table read ahead", "default tiles"])
+def test_head_dim_256_decode_in_one_split_matches_reference(dtype, num_seqs):
+    # 160 or 320 programs of 4 KV heads: one split, below and above two programs a multiprocessor, with the
+    # largest tiles' shared memory (head_dim 256) and soft-capping on, as a Gemma layer without a window.
+    assert TritonPagedAttention().decode_splits(num_seqs, 4, DEVICE) == 1
+    lens = [1 + (97 * i) % 1500 for i in range(num_seqs)]
+    q, k, v, k_cache, v_cache, meta = random_paged_step(
+        [1] * num_seqs, lens, 16, dtype=dtype, device=DEVICE, seed=2, **GEMMA_LIKE
+    )
+    out = TritonPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.25, softcap=5.0)
+    expected = reference_attention(q, k, v, k_cache, v_cache, meta, 0.25, softcap=5.0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    else:
+        assert relative_error(out, expected) < 1e-2
+
+
 @pytest.fixture
 def graph_ms(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
