@@ -107,10 +107,10 @@ def _decode_one_split_kernel(
 ):
     """One program per (sequence, KV head) over the whole context, no window: the output written directly.
     With PREFETCH_TABLE each iteration reads the next tile's cache blocks from the block table, so a tile's
-    key and value loads never wait behind that read."""
+    key and value loads need not wait behind that read."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # The three reads are independent: issued together, they cost one round trip before the first tile.
+    # Three independent reads, issued together before the branch.
     q_row = tl.load(cu_query_lens_ptr + seq)
     q_end = tl.load(cu_query_lens_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
