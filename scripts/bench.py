@@ -213,9 +213,7 @@ def run_workload(
             print(f"{spec.name} {system}: skipped, {reason}", flush=True)
         else:
             runnable.append(system)
-    sources = [(system, None) for system in runnable]
-    if args.against is not None:  # each native system's other checkout right after it, in every round
-        sources = [pair for system in runnable for pair in _against(system, args.against)]
+    sources = [pair for system in runnable for pair in _sources(system, args.against)]
     for repeat, (system, repo) in ((r, pair) for r in range(args.repeat) for pair in sources):
         name = system if repo is None else f"{system}{AGAINST}"
         # One cache directory per system and round: its cold run starts it empty, its warm run finds it filled.
@@ -258,9 +256,9 @@ def run_workload(
     )
 
 
-def _against(system: str, repo: Path) -> list[tuple[str, Path | None]]:
-    """`system` from this checkout, then (a native system) from the one at `repo`."""
-    return [(system, None), (system, repo)] if system in NATIVE_SYSTEMS else [(system, None)]
+def _sources(system: str, against: Path | None) -> list[tuple[str, Path | None]]:
+    """Where each round runs `system` from: this checkout, then (a native system, with `--against`) the other."""
+    return [(system, None)] + ([(system, against)] if against is not None and system in NATIVE_SYSTEMS else [])
 
 
 def _read_json(path: Path) -> dict:

@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the model and tokenizers are kept")
     args = parser.parse_args(argv)
+    if args.constrain_every < 0:
+        parser.error(f"--constrain-every must be 0 or more, got {args.constrain_every}")
 
     from batchjob.engine import Request, SamplingParams, create_engine
 

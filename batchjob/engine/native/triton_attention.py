@@ -160,8 +160,8 @@ class TritonPagedAttention:
         self, num_seqs: int, num_kv_heads: int, device: torch.device, window: int = 0
     ) -> DecodeConfig:
         """The decode kernel's launch shape: the one given, else by the batch size. Only a one-split launch without
-        a window takes the wide tiles (sliding layers always run the reduce, and so does a split count fixed above
-        one: a variant of each per tile size would compile)."""
+        a window takes `default_config`'s choice (sliding layers and split counts above one run the split kernel
+        in the default tiles: another launch shape there would compile variants of its own)."""
         if self.decode_config is not None:
             return self.decode_config
         if window > 0 or self.decode_splits(num_seqs, num_kv_heads, device) != 1:
