@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,11 +277,14 @@ def test_tiny_constrained_run_measures_json_rows_on_the_same_work(tmp_path):
 
 
 def test_tiny_run_against_another_checkout_alternates_the_two_in_each_round(tmp_path):
-    # The other checkout is this one again: the harness cannot tell, and both versions must finish the same work.
+    # The other checkout is a copy of this one's engine; started from this checkout's root (where `python -m`
+    # would put this checkout's package first on the path), each run must import its own.
+    other = tmp_path / "other"
+    shutil.copytree(SCRIPTS.parent / "batchjob", other / "batchjob", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "out"
     command = [sys.executable, str(SCRIPTS / "bench.py"), "--tiny", "--systems", "native", "--runs", "warm"]
-    command += ["--against", str(SCRIPTS.parent), "--repeat", "2", "--out", str(out), "--model-cache", str(tmp_path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command += ["--against", str(other), "--repeat", "2", "--out", str(out), "--model-cache", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=SCRIPTS.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert [(r["system"], r["repeat"]) for r in rows] == [
@@ -290,6 +294,8 @@ def test_tiny_run_against_another_checkout_alternates_the_two_in_each_round(tmp_
         ("native@against", 1),
     ]
     assert len({r["output_tokens"] for r in rows}) == 1
+    sources = {r["system"]: r["engine_source"] for r in rows}
+    assert sources == {"native": str(SCRIPTS.parent.resolve()), "native@against": str(other.resolve())}
     rate = {(r["system"], r["repeat"]): r["output_tokens"] / r["wall_s"] for r in rows}
     ratios = [rate["native", k] / rate["native@against", k] for k in (0, 1)]
     assert re.search(rf"native warm .*  {ratios[0]:.3f}x of native@against warm\n", run.stdout)
@@ -297,7 +303,7 @@ def test_tiny_run_against_another_checkout_alternates_the_two_in_each_round(tmp_
     assert re.search(
         rf"native warm median .*of native@against warm \(rounds: {ratios[0]:.3f}, {ratios[1]:.3f}\)", run.stdout
     )
-    assert json.loads((out / "bench.json").read_text())["run"]["against"] == str(SCRIPTS.parent.resolve())
+    assert json.loads((out / "bench.json").read_text())["run"]["against"] == str(other.resolve())
 
 
 def test_against_a_directory_without_an_engine_stops_before_any_run(tmp_path):

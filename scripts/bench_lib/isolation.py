@@ -30,6 +30,14 @@ REPO = SCRIPTS.parent
 
 # Functions listed per ordering in a `--profile` file.
 PROFILE_LINES = 45
+# `python -m bench_lib.isolation`, less the working directory that `-m` and `-c` put first on the path: started
+# from a checkout's root it would import that checkout's `batchjob` before the one PYTHONPATH names (`repo`).
+CHILD = (
+    "import runpy, sys\n"
+    "if sys.path and sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    "runpy.run_module('bench_lib.isolation', run_name='__main__', alter_sys=True)"
+)
 
 
 class ChildFailed(RuntimeError):
@@ -56,7 +64,7 @@ def run_child(
         task_path.write_text(json.dumps(task))
         path = os.pathsep.join([str(SCRIPTS), str(repo or REPO), os.environ.get("PYTHONPATH", "")])
         child_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
-        command = [sys.executable, "-m", "bench_lib.isolation", str(task_path), str(out_path)]
+        command = [sys.executable, "-c", CHILD, str(task_path), str(out_path)]
         try:
             code = subprocess.run(command, env=child_env, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
@@ -97,7 +105,11 @@ def _system(task: dict[str, Any]) -> dict[str, Any]:
     result = _profiled(task["profile"], run_system, *args) if task.get("profile") else run_system(*args)
     # The native engine's package sets TRITON_CACHE_DIR on import when the environment did not.
     kernel_cache = os.environ.get("TRITON_CACHE_DIR")
-    return dataclasses.asdict(dataclasses.replace(result, run=task["run"], kernel_cache=kernel_cache))
+    import batchjob
+
+    source = str(Path(batchjob.__file__).resolve().parents[1])
+    result = dataclasses.replace(result, run=task["run"], kernel_cache=kernel_cache, engine_source=source)
+    return dataclasses.asdict(result)
 
 
 def _profiled(path: str, function, *args):

@@ -54,6 +54,7 @@ class SystemResult:
     note: str = ""
     run: str = "warm"  # "cold": a fresh process with empty kernel caches; "warm": a fresh process, caches filled
     kernel_cache: str | None = None  # the Triton cache directory the run used
+    engine_source: str | None = None  # the checkout whose `batchjob` the run imported
     repeat: int = 0  # which of the command's `--repeat` rounds (0: the first)
 
     @property
