@@ -208,6 +208,21 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
         torch.testing.assert_close(q.cpu(), want_q, **tol)
         torch.testing.assert_close(k.cpu(), want_k, **tol)
 
+    # The rotation writing keys and values into the paged cache (a slot of -1: no entry), as store_kv would.
+    q, k = qkv[:, : 8 * 128].view(37, 8, 128), qkv[:, 8 * 128 : 10 * 128].view(37, 2, 128)
+    v = qkv[:, 10 * 128 :].view(37, 2, 128)
+    slots = torch.randperm(8 * 16, device="cuda")[:37]
+    slots[3] = -1
+    want_q, want_k = q.clone(), k.clone()
+    triton_ops.rotary_qk_(want_q, want_k, positions, rope.cos_sin)
+    want_kc, want_vc = torch.zeros(2, 8, 16, 2, 128, device="cuda", dtype=dtype)
+    keep = slots >= 0
+    want_kc.view(-1, 2, 128)[slots[keep]], want_vc.view(-1, 2, 128)[slots[keep]] = want_k[keep], v[keep]
+    got_kc, got_vc = torch.zeros(2, 8, 16, 2, 128, device="cuda", dtype=dtype)
+    triton_ops.rotary_qk_(q, k, positions, rope.cos_sin, None, (v, got_kc, got_vc, slots))
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(got_kc, want_kc) and torch.equal(got_vc, want_vc)
+
 
 def test_stop_strings_and_n_samples_are_the_same_async_and_sync(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")

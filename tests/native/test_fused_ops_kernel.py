@@ -97,3 +97,57 @@ def test_one_rotary_call_turns_q_and_k_of_different_head_counts():
     for got, x in ((got_q, q), (got_k, k)):
         want = torch.cat((apply_rotary(x[..., :12], cos, sin), x[..., 12:]), dim=-1)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_norms", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_rotary_kernel_stores_rotated_keys_and_values_where_store_kv_would(with_norms, block_size):
+    # The decoder's views of one qkv row (6 query, 2 key heads), slots in shuffled blocks, one slot -1 (no entry).
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, dim = 6, 6, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor([0, 3, 4, 17, 40, 63])
+    slots = torch.tensor([5, 2 * block_size + 1, -1, 3 * block_size - 1, 0, block_size + 2])
+    rotary = RotaryEmbedding(RopeSpec(theta=500000.0), rotary_dim=dim, max_positions=64)
+    norms = None
+    if with_norms:
+        q_norm, k_norm = RMSNorm(dim, 1e-6), RMSNorm(dim, 1e-6)
+        q_norm.weight.data.normal_(generator=gen)
+        k_norm.weight.data.normal_(generator=gen)
+        norms = (q_norm.weight, k_norm.weight, 1e-6, False, 0.0)
+
+    def views(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = flat.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache = torch.full((2, 4, block_size, kv_heads, dim), float("nan"))  # both halves of one tensor
+        return k_cache[0], k_cache[1]
+
+    want_flat = qkv.clone()
+    want_q, want_k, want_v = views(want_flat)
+    triton_ops.rotary_qk_(want_q, want_k, positions, rotary.cos_sin, norms)
+    want_kc, want_vc = caches()
+    keep = slots >= 0
+    want_kc.view(-1, kv_heads, dim)[slots[keep]] = want_k[keep]
+    want_vc.view(-1, kv_heads, dim)[slots[keep]] = want_v[keep]
+
+    got_flat = qkv.clone()
+    got_q, got_k, got_v = views(got_flat)
+    got_kc, got_vc = caches()
+    triton_ops.rotary_qk_(got_q, got_k, positions, rotary.cos_sin, norms, (got_v, got_kc, got_vc, slots))
+
+    assert torch.equal(got_flat, want_flat)  # q and k rotated in place as without the store, v untouched
+    torch.testing.assert_close(got_kc, want_kc, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(got_vc, want_vc, equal_nan=True, atol=0, rtol=0)
+
+
+def test_rope_step_stores_only_when_it_turns_whole_heads():
+    # Phi-4-mini's partial rotary leaves channels the kernel never sees: the attention then stores k and v itself.
+    rotary = RotaryEmbedding(RopeSpec(theta=10000.0), rotary_dim=12, max_positions=64)
+    step = rotary.prepare(torch.tensor([1, 2]))
+    step.cos = step.sin = None  # the CUDA path's step (tables gathered in the kernel)
+    q, k, v = torch.randn(2, 2, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    k_cache, v_cache = torch.zeros(2, 4, 4, 1, 16)
+    _, _, stored = step.apply(q, k, None, (v, k_cache, v_cache, torch.tensor([0, 1])))
+    assert not stored and not k_cache.any() and not v_cache.any()

@@ -35,6 +35,10 @@ class AttentionMetadata:
 
 
 class PagedAttentionBackend(Protocol):
+    # Whether the rope kernel may write each step's keys and values into the cache for this backend (then
+    # `forward` gets kv_stored=True and skips its own store).
+    kv_from_rope: bool
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -46,7 +50,8 @@ class PagedAttentionBackend(Protocol):
         scale: float,
         window: int = 0,  # > 0: a query at position p attends only keys at positions > p - window (sliding window)
         softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)
-    ) -> torch.Tensor:  # [T, Hq, D]; k, v are stored at meta.slot_mapping first
+        kv_stored: bool = False,  # k, v are already in the cache (written by the rope kernel)
+    ) -> torch.Tensor:  # [T, Hq, D]; k, v are stored at meta.slot_mapping first (unless kv_stored)
         ...
 
 
@@ -101,6 +106,8 @@ class TorchPagedAttention:
     The host bounds in the metadata size the padding, so this path is not for CUDA-graph capture.
     """
 
+    kv_from_rope = False
+
     def forward(
         self,
         q: torch.Tensor,
@@ -112,8 +119,10 @@ class TorchPagedAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         num_seqs = meta.seq_lens.shape[0]
         block_size = k_cache.shape[1]

@@ -1,5 +1,6 @@
 """Rotary position embeddings: the parameters of every supported rope type, their cos/sin tables, and applying
-them to q and k (in place by one Triton kernel for both on CUDA, with any per-head q/k norms).
+them to q and k (in place by one Triton kernel for both on CUDA, with any per-head q/k norms, and there
+optionally storing the keys and values into the paged KV cache).
 
 Tables are computed once in float32, as transformers computes them, for every position the engine may use;
 a step only gathers rows. Partial rotary embeddings (Phi-4-mini) rotate the first `rotary_dim` channels of
@@ -175,12 +176,18 @@ class RopeStep:
     sin: torch.Tensor | None
 
     def apply(
-        self, q: torch.Tensor, k: torch.Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[RMSNorm, RMSNorm] | None = None,
+        store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """q, k [T, H, D] rotated over their first `rotary_dim` channels, after `norms` (per-head q and k
         norms) where given. On CUDA in place, q and k in one kernel, the norms in it too when rope turns
-        whole heads."""
-        fuse = norms is not None and self.cos is None and self.rotary_dim == q.shape[-1]
+        whole heads. `store` = (v, k_cache, v_cache, slot_mapping): the same kernel may also write the keys and
+        values into the paged cache; the third value says whether it did (on CUDA, when rope turns whole heads)."""
+        whole = self.rotary_dim == q.shape[-1]
+        fuse = norms is not None and self.cos is None and whole
         if norms is not None and not fuse:
             q, k = norms[0](q), norms[1](k)
         if self.cos is None:
@@ -190,10 +197,11 @@ class RopeStep:
             if fuse:
                 q_norm, k_norm = norms
                 fused = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.weight_fp32, q_norm.offset)
+            store = store if whole else None
             rotary = self.rotary_dim
-            triton_ops.rotary_qk_(q[..., :rotary], k[..., :rotary], self.positions, self.table, fused)
-            return q, k
-        return self._rotate(q), self._rotate(k)
+            triton_ops.rotary_qk_(q[..., :rotary], k[..., :rotary], self.positions, self.table, fused, store)
+            return q, k, store is not None
+        return self._rotate(q), self._rotate(k), False
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == x.shape[-1]:

@@ -137,7 +137,10 @@ class TritonPagedAttention:
 
     `num_decode_splits` fixes the decode split count and `decode_config` its launch shape; by default both come
     from the batch size and the SM count only, so every replay of a captured decode graph launches identically.
+    The rope kernel writes each step's keys and values into the cache (`kv_from_rope`), one launch fewer a layer.
     """
+
+    kv_from_rope = True
 
     def __init__(
         self,
@@ -179,11 +182,13 @@ class TritonPagedAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         check_attention_shapes(q, k, k_cache)
         if window < 0 or softcap < 0:
             raise ValueError(f"window ({window}) and softcap ({softcap}) must be >= 0 (0 turns each off)")
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # Every step's one-token sequences go through the decode kernels; a mixed step's chunks then through
         # the varlen kernel, which skips those rows (it would read their context a third slower).

@@ -1,7 +1,7 @@
 """Fused elementwise kernels for the CUDA path: residual-add + RMSNorm, rotary embedding on q and k in place
-(with the per-head q/k norms of the families that have them), and SiLU-and-mul. In plain torch each is 3-12
-kernels; at batch 32 of an 8B model those launches cost more GPU time than the math, so each is one kernel
-here. (The sampler's kernels are in triton_sampling.py.)
+(with the per-head q/k norms of the families that have them, and the paged KV cache's store), and SiLU-and-mul.
+In plain torch each is 3-12 kernels; at batch 32 of an 8B model those launches cost more GPU time than the math,
+so each is one kernel here. (The sampler's kernels are in triton_sampling.py.)
 
 Rounding follows transformers (fp32 statistics, a round to the model dtype before the weight multiply, SiLU
 rounded before the multiply), so bf16 results stay within bf16 tolerance of theirs and fp32 results agree
@@ -34,7 +34,9 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # Every load first: the weight's does not wait for the reduction (one memory round trip fewer).
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
     dtype = x.dtype
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
@@ -46,7 +48,6 @@ def _rms_norm_kernel(
     h = x * tl.rsqrt(variance + eps)
     if not WEIGHT_FP32:
         h = h.to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
     tl.store(out_ptr + row * out_stride + cols, (h * w).to(dtype), mask=mask)
 
 
@@ -72,7 +73,8 @@ def rms_norm(
     return out if residual is None else (out, residual)
 
 
-@triton.jit
+# The slot mapping is a view at a step-dependent offset in a packed buffer (see `_store_kv_kernel`).
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _qk_rope_kernel(
     q_ptr,
     k_ptr,
@@ -80,10 +82,19 @@ def _qk_rope_kernel(
     table_ptr,
     q_norm_ptr,
     k_norm_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     eps,
     offset,
     Q_HEADS: tl.constexpr,
@@ -93,9 +104,13 @@ def _qk_rope_kernel(
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
     WEIGHT_FP32: tl.constexpr,
+    STORE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """Program (token, 0) rotates every query head of one token, (token, 1) every key head; with NORM each
-    head is first RMS-normalised over its 2 * HALF channels, rounded as `_rms_norm_kernel` rounds."""
+    head is first RMS-normalised over its 2 * HALF channels, rounded as `_rms_norm_kernel` rounds. With STORE
+    the key program also writes the rotated keys and the values into the paged caches at the token's slot
+    (a negative slot: none), which saves the attention's own store kernel."""
     token = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 1:
         x_ptr, w_ptr, stride_t, stride_h, num_heads = k_ptr, k_norm_ptr, stride_kt, stride_kh, K_HEADS
@@ -125,8 +140,20 @@ def _qk_rope_kernel(
         w2 = tl.load(w_ptr + HALF + offs, mask=mask_c, other=0.0).to(tl.float32)[None, :] + offset
         # The normed head is rounded to the model dtype, as the norm kernel's output would be, before rotating.
         x1, x2 = (h1 * w1).to(dtype).to(tl.float32), (h2 * w2).to(dtype).to(tl.float32)
-    tl.store(base, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(base + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    y1, y2 = (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + HALF, y2, mask=mask)
+    if STORE and tl.program_id(1) == 1:
+        slot = tl.load(slot_ptr + token)
+        keep = mask & ((heads[:, None] * 0 + slot) >= 0)  # a tensor compare: the scalar one is no mask dtype
+        slot = tl.maximum(slot, 0)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads[:, None] * stride_ch
+        dst += offs[None, :]
+        tl.store(k_cache_ptr + dst, y1, mask=keep)
+        tl.store(k_cache_ptr + dst + HALF, y2, mask=keep)
+        v_base = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+        tl.store(v_cache_ptr + dst, tl.load(v_base, mask=keep), mask=keep)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v_base + HALF, mask=keep), mask=keep)
 
 
 def rotary_qk_(
@@ -135,12 +162,15 @@ def rotary_qk_(
     positions: torch.Tensor,
     table: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor, float, bool, float] | None = None,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Rotate `q` [T, Hq, D] and `k` [T, Hk, D] in place (any strides with a contiguous last dim; `k` may be
     None) by the cos/sin `table` rows of `positions` (each 2 * D wide), in one kernel.
 
     `norms` = (q weight, k weight, eps, weight_fp32, offset): first RMS-normalise each head over its D
     channels as `rms_norm` would (Qwen 3's and Gemma's per-head q/k norms), which needs the whole head rotated.
+    `store` = (v, k_cache, v_cache, slot_mapping): also write the rotated keys and `v` [T, Hk, D] into the
+    caches [num_blocks, block_size, Hk, D] at the flat slots [T], as `store_kv` would (whole heads only).
     """
     tokens, q_heads, dim = q.shape
     if tokens == 0:
@@ -150,11 +180,21 @@ def rotary_qk_(
     heads = triton.next_power_of_2(max(q_heads, k_heads))
     block = triton.next_power_of_2(half)
     q_weight, k_weight, eps, weight_fp32, offset = norms if norms is not None else (q, q, 0.0, False, 0.0)
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        if k is None or v.shape != k.shape or k_cache.shape[-1] != dim or k_cache.stride() != v_cache.stride():
+            raise ValueError("storing keys and values needs k and v of one shape, whole heads, and alike caches")
+        block_size = k_cache.shape[1]
+    else:
+        v, k_cache, v_cache, slots, block_size = q, q, q, positions, 1
     k = q if k is None else k
     _qk_rope_kernel[(tokens, 1 if k is q else 2)](
-        q, k, positions, table, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, offset,
+        q, k, positions, table, q_weight, k_weight, v, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2) if store is not None else 0, eps, offset,
         Q_HEADS=q_heads, K_HEADS=k_heads, HEADS=heads, HALF=half, BLOCK=block, NORM=norms is not None,
-        WEIGHT_FP32=weight_fp32, num_warps=4 if heads * block <= 2048 else 8,
+        WEIGHT_FP32=weight_fp32, STORE=store is not None, BLOCK_SIZE=block_size,
+        num_warps=4 if heads * block <= 2048 else 8,
     )  # fmt: skip
 
 

@@ -79,12 +79,15 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm == "head" else None
+        stored = False
         if rope is not None:
-            q, k = rope.apply(q, k, norms)
+            # A backend that takes stored keys and values lets the rope kernel write them into the cache.
+            store = (v, kv_cache[0], kv_cache[1], meta.slot_mapping) if self.attn.kv_from_rope else None
+            q, k, stored = rope.apply(q, k, norms, store)
         elif norms is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn.forward(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window, softcap=self.softcap
+            q, k, v, *kv_cache, meta, self.scale, window=self.window, softcap=self.softcap, kv_stored=stored
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
