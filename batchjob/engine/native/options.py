@@ -35,7 +35,7 @@ class NativeOptions:
     load_format: str = "auto"
     tensor_parallel: int = 1
     block_size: int = 16
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
