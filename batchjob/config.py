@@ -319,6 +319,11 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         # No row of this job can carry a constraint: the graphs of its split steps would only cost start-up
         # (more than half the graphs a native engine captures).
         engine_cfg["graph_constrained"] = False
+    rows = None if limit is None or data.format == "openai_batch" else limit * sampling.n  # (a line may set n)
+    seqs = engine_cfg.get("max_num_seqs")
+    if rows and isinstance(seqs, int) and not isinstance(seqs, bool) and rows < seqs:
+        # A job of `data.limit` rows never has more sequences in flight: fewer decode graphs to capture.
+        engine_cfg["max_num_seqs"] = rows
     if data.format != "openai_batch" and engine_cfg.get("graph_sampling") in (True, "all"):
         # Every row of this job samples alike (an OpenAI batch file may set a temperature per line): the graphs
         # of the other two sampler modes would be two thirds of the start-up's capture, never replayed.

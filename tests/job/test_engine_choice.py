@@ -152,6 +152,27 @@ def test_a_job_whose_rows_all_sample_alike_captures_graphs_of_that_sampler_mode_
     assert load_settings(cfg).engine_options["graph_sampling"] == captured
 
 
+@pytest.mark.parametrize(
+    ("overrides", "seqs"),
+    [
+        ((), 512),
+        (("data.limit=20",), 20),
+        (("data.limit=20", "sampling.n=3", "sampling.temperature=0.7"), 60),
+        (("data.limit=100000",), 512),
+        (("data.limit=20", "engine.max_num_seqs=8"), 8),
+        (("data.limit=0",), 512),
+        (("data.limit=20", "data.format=openai_batch"), 512),  # a line may ask for several samples
+    ],
+)
+def test_a_job_of_a_few_rows_runs_no_more_sequences_than_it_has(
+    tmp_path: Path, overrides: tuple[str, ...], seqs: int
+) -> None:
+    from batchjob.config import load_settings
+
+    cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
+    assert load_settings(cfg).engine_options["max_num_seqs"] == seqs
+
+
 def test_graph_sampling_takes_a_mode_name_or_a_boolean_and_names_its_choices() -> None:
     from batchjob.engine.native.options import NativeOptions
 
