@@ -25,9 +25,9 @@ def tokens(model_dir, requests: list[Request], engine: str = "native", **options
         eng.close()
 
 
-def single_device_case(model_dir, **options) -> tuple[list[Request], dict]:
+def single_device_case(model_dir, max_new: int = 12, **options) -> tuple[list[Request], dict]:
     """Requests (a third of them stopping on a token mid-way) and what the single-device engine makes of them."""
-    base = mixed_requests(16, seed=5, max_prompt=40, max_new=12)
+    base = mixed_requests(16, seed=5, max_prompt=40, max_new=max_new)
     return with_stops(base, tokens(model_dir, base, **options))
 
 
@@ -48,7 +48,8 @@ def test_tensor_parallel_2_greedy_output_equals_one_device(tp_case):
 def test_tensor_parallel_2_sync_loop_with_chunked_prefill_and_preemption_equals_one_device(arch, tmp_path):
     family, overrides = TP_CASES[arch]
     model_dir = make_tiny_model(tmp_path / arch, arch=family, **overrides)
-    requests, expected = single_device_case(model_dir, **TIGHT)
+    # Outputs that outgrow the room the scheduler keeps free for each running sequence: some are preempted.
+    requests, expected = single_device_case(model_dir, max_new=60, **TIGHT)
     # Poisoned host buffers on the ranks: a field the job process's message leaves out would corrupt a step.
     options = {**TIGHT, "tensor_parallel": 2, "debug_poison_slots": True}
     eng = create_engine("native_sync", str(model_dir), options)
