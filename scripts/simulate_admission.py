@@ -31,6 +31,9 @@ BLOCK = 16
 
 def simulate(prompt_lens, new_tokens, kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int = 8192) -> dict:
     """Step the scheduler until every request has its tokens; what it did, summed over the steps."""
+    longest = int(np.max(np.asarray(prompt_lens) + np.asarray(new_tokens)))
+    if -(-longest // BLOCK) > kv_blocks - 1:  # block 0 is the engine's scratch block
+        raise ValueError(f"a request of {longest} tokens needs more than the cache's {kv_blocks - 1} usable blocks")
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     scheduler = Scheduler(config, KVBlockManager(kv_blocks, BLOCK, enable_prefix_caching=False))
     pending = list(zip(prompt_lens, new_tokens, strict=True))[::-1]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from batchjob.engine import Request, SamplingParams
 from batchjob.engine.native.block_manager import KVBlockManager
@@ -82,3 +83,8 @@ def test_a_workload_twice_the_cache_runs_with_few_preemptions():
     assert result["preemptions"] <= 3
     assert result["recomputed_share"] < 0.01
     assert result["rows_per_decode_step"] > 60  # the cache still runs full: no admission starved
+
+
+def test_the_replay_refuses_a_request_longer_than_the_cache():
+    with pytest.raises(ValueError, match="needs more than the cache's 9 usable blocks"):
+        simulate(np.array([100, 10]), np.array([100, 10]), kv_blocks=10, max_num_seqs=4)
