@@ -5,8 +5,14 @@ finished sequences are replaced), after `--prefill-past` tokens already cached (
 
     python scripts/profile_decode.py --arch llama-3.1-8b --batch 32 --context 640 [--out profile.json]
     python scripts/profile_decode.py --arch llama-3.1-8b --batch 256 --context 1300 --prefill 1024,4
+    python scripts/profile_decode.py --arch llama-3.1-8b --batch 8,32,128 --split-k off,4096:4096:2/4096:14336:2
+    python scripts/profile_decode.py --arch llama-3.1-8b --batch 32 --blas engine,cublas,cublaslt
 
-Random bf16 weights built in memory (no checkpoint on disk); needs CUDA.
+Several batch sizes, split-K tables (`split_k.py`: "N:K:parts/..." for weights of N rows and K columns split into
+that many parts at up to `--split-rows` rows, "off" for none, "default" for the engine's)
+and BLAS libraries run in one process, each printed as its own block; by default the matmuls go to the library
+the engine picks for the step's rows (`blas.py`). Random bf16 weights built in memory (no checkpoint on disk);
+needs CUDA.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,23 +34,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib.hardware import graph_ms, measure_matmul_rate  # noqa: E402
 from bench_lib.models import _config  # noqa: E402
 
+from batchjob.engine.native import blas, split_k  # noqa: E402
 from batchjob.engine.native.attention import make_metadata  # noqa: E402
 from batchjob.engine.native.kv_cache import allocate_kv_cache  # noqa: E402
 from batchjob.engine.native.loader import read_model_spec  # noqa: E402
 from batchjob.engine.native.models import CausalLM  # noqa: E402
+from batchjob.engine.native.sampler import greedy_tokens  # noqa: E402
 from batchjob.engine.native.triton_attention import TritonPagedAttention  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="llama-3.1-8b")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", default="32", help="decoding sequences, or a comma-separated list")
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--prefill", default="0,0", help="L,P: P sequences prefilling L tokens each")
     parser.add_argument("--prefill-past", type=int, default=0, help="tokens the prefilling sequences had cached")
+    parser.add_argument("--split-k", default="default", help="comma-separated split-K tables to compare")
+    parser.add_argument("--split-rows", type=int, default=256, help="most rows a step splits (a table's)")
+    parser.add_argument("--blas", default="engine", help="comma-separated: engine (blas.py's pick), cublas, cublaslt")
     parser.add_argument("--out")
     args = parser.parse_args()
-    chunk, prompts = (int(x) for x in args.prefill.split(","))
+    model, spec = build_model(args)
+    results = []
+    default_splits = dict(split_k.SPLITS)
+    for batch in (int(b) for b in args.batch.split(",")):
+        for table in args.split_k.split(","):
+            for library in args.blas.split(","):
+                rows = range(1, args.split_rows + 1)
+                split_k.SPLITS = default_splits if table == "default" else parse_splits(table, rows)
+                results.append(profile(model, spec, args, batch, library))
+                torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def parse_splits(table: str, rows: range) -> dict:
+    """ "4096:4096:2/4096:14336:4" -> {(4096, 4096): (2, rows), (4096, 14336): (4, rows)}; "off" -> {}."""
+    if table == "off":
+        return {}
+    entries = (tuple(int(v) for v in item.split(":")) for item in table.split("/"))
+    return {(n, k): (parts, rows) for n, k, parts in entries}
+
+
+def build_model(args: argparse.Namespace) -> tuple[CausalLM, object]:
+    chunk = int(args.prefill.split(",")[0])
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(args.arch)
@@ -58,9 +94,30 @@ def main() -> None:
         for p in model.parameters():
             p.normal_(0, 0.02, generator=gen)
     model.reset_tables()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model, spec
 
-    b, ctx, bs = args.batch, args.context, 16
+
+@contextmanager
+def blas_library(library: str, rows: int, dtype: torch.dtype) -> Iterator[None]:
+    """The engine's BLAS pick for `rows` (library "engine"), or `library` throughout."""
+    if library == "engine":
+        with blas.for_rows(rows, torch.device("cuda"), dtype):
+            yield
+        return
+    previous = blas._set(library)
+    try:
+        yield
+    finally:
+        blas._set(previous)
+
+
+def profile(model: CausalLM, spec, args: argparse.Namespace, b: int, library: str) -> dict:
+    """Time one decode step of `b` sequences (with the prefill chunks `args` asks for) and print its block."""
+    device = torch.device("cuda")
+    attn = model.layers[0].self_attn.attn
+    chunk, prompts = (int(x) for x in args.prefill.split(","))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctx, bs = args.context, 16
     prefill_len = args.prefill_past + chunk
     query_lens = [1] * b + [chunk] * prompts
     seq_lens = [ctx] * b + [prefill_len] * prompts
@@ -84,9 +141,9 @@ def main() -> None:
     last_rows = torch.tensor([i for i in range(b)] + [b + (i + 1) * chunk - 1 for i in range(prompts)], device=device)
 
     def step():
-        with torch.no_grad():
+        with torch.no_grad(), blas_library(library, tokens, spec.dtype):
             h = model(ids, positions, meta, caches)
-            model.compute_logits(h[last_rows]).argmax(-1)
+            greedy_tokens(model.compute_logits(h[last_rows], float32=False))
 
     # The layers' linears run on every token, the output head (tied or not) on the sampled rows only.
     linears = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
@@ -94,9 +151,10 @@ def main() -> None:
     x_in = {w.shape[1]: torch.randn(tokens, w.shape[1], device=device, dtype=spec.dtype) for w, _ in linears}
 
     def matmuls():
-        for w, bias in linears:
-            F.linear(x_in[w.shape[1]], w, bias)
-        F.linear(x_in[spec.hidden_size][: len(last_rows)], lm_weight)
+        with blas_library(library, tokens, spec.dtype):
+            for w, bias in linears:
+                F.linear(x_in[w.shape[1]], w, bias)
+            F.linear(x_in[spec.hidden_size][: len(last_rows)], lm_weight)
 
     q = torch.randn(tokens, spec.num_heads, spec.head_dim, device=device, dtype=spec.dtype)
     kv = torch.randn(tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=spec.dtype)
@@ -114,6 +172,8 @@ def main() -> None:
     end.record()
     torch.cuda.synchronize()
     result = {
+        "split_k": "/".join(f"{n}:{k}:{p}" for (n, k), (p, rows) in split_k.SPLITS.items() if tokens in rows) or "off",
+        "blas": library,
         "arch": args.arch,
         "batch": b,
         "context": ctx,
@@ -141,9 +201,8 @@ def main() -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
     for key, value in result.items():
         print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
-    print(table)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(table, flush=True)
+    return result
 
 
 if __name__ == "__main__":

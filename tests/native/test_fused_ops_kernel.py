@@ -41,6 +41,33 @@ def test_fused_norm_with_residual_equals_the_torch_norm(style):
     torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+def test_fused_norm_adds_up_split_k_partial_sums_as_the_matmul_would(splits):
+    # A bf16 matmul's float32 partial sums over slices of K: the norm adds them up, rounds the total to bf16
+    # (as the plain matmul's output is rounded), then adds the residual. Small integers keep every sum exact in
+    # bf16: the interpreter rounds float32 to bf16 its own way, and the GPU test checks the rounding.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-2, 3, (6, 32), generator=gen).bfloat16()
+    weight = torch.randint(-2, 3, (48, 32), generator=gen).bfloat16()
+    residual = torch.randint(-8, 9, (6, 48), generator=gen).bfloat16()
+    norm = RMSNorm(48, 1e-5).bfloat16()
+    norm.weight.data.normal_(generator=gen)
+    parts = torch.stack([x[:, s::splits].float() @ weight[:, s::splits].float().T for s in range(splits)])
+    want_h, want_sum = norm(x @ weight.T, residual.clone())
+
+    fused_residual = residual.clone()
+    got_h, got_sum = triton_ops.rms_norm(parts, norm.weight, 1e-5, fused_residual)
+
+    assert got_h.dtype == torch.bfloat16
+    torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(fused_residual, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got_h, want_h, atol=2**-6, rtol=2**-7)
+    # The CPU path of the norm takes the same partial sums.
+    cpu_h, cpu_sum = norm(parts, residual.clone())
+    torch.testing.assert_close(cpu_sum, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(cpu_h, want_h, atol=0, rtol=0)
+
+
 def test_fused_rotary_turns_only_the_leading_channels_of_each_head():
     rotary = RotaryEmbedding(RopeSpec(theta=10000.0), rotary_dim=12, max_positions=64)
     positions = torch.tensor([0, 5, 63])

@@ -329,3 +329,23 @@ def test_logits_written_into_a_buffer_equal_the_returned_ones_soft_capped_too(tm
         written = ours.compute_logits(hidden, out=out)
     assert written.data_ptr() == out.data_ptr() and returned.dtype == torch.float32
     assert torch.equal(written, returned)
+
+
+@pytest.mark.parametrize(
+    ("arch", "split"), [("llama", True), ("qwen2", True), ("olmo2", False), ("gemma2", False), ("mixtral", False)]
+)
+def test_only_projections_feeding_a_fused_add_and_norm_may_split_k(arch, split, tmp_path):
+    # Split-K partial sums are added up by the residual add + RMSNorm that follows: norms before the sublayers
+    # (not OLMo 2's after, nor Gemma's around), no bias on the projection (Qwen2's is on q/k/v only), and a
+    # dense MLP (a mixture of experts sums its own output).
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch)
+    ours, spec = load_model(model_dir, "bfloat16", "cpu", TorchPagedAttention())
+    layer = ours.layers[0]
+    attention = spec.norm_placement == "pre" and not spec.o_bias
+    assert layer.self_attn.partial_sums == attention
+    assert getattr(layer.mlp, "partial_sums", False) == split
+    # Greedy logits may stay in the model's dtype, except soft-capped ones.
+    hidden = torch.randn(3, spec.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        raw = ours.compute_logits(hidden, float32=False)
+    assert raw.dtype == (torch.float32 if spec.final_softcap > 0 else torch.bfloat16)

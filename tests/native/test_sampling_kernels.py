@@ -297,3 +297,20 @@ def test_a_rows_token_does_not_depend_on_the_rest_of_the_batch():
     for row in (0, 10, 14):
         alone = SamplingTensors(*(getattr(params, f)[row : row + 1] for f in params.__dataclass_fields__))
         assert race(logits[row : row + 1], alone, chunk=512).item() == together[row].item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_are_torch_argmax_in_the_models_own_dtype(dtype):
+    # Ties across chunks and within one take the first maximum, as torch.argmax does; a row of one value and a
+    # row whose maximum sits in the last, partial chunk too.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 20_000, generator=gen).to(dtype)
+    logits[1, 100] = logits[1, 19_999] = 60.0
+    logits[2, 5_000] = logits[2, 5_001] = 60.0
+    logits[3] = 1.0
+    logits[4, 19_998] = 60.0
+    logits[5, :300] = float("-inf")
+    got = triton_race.greedy_tokens(logits, chunk=4096)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[1:5].tolist() == [100, 5_000, 0, 19_998]

@@ -30,16 +30,21 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`: (norm(x + residual), x + residual), the sum also written into `residual`
-        on CUDA (one fused kernel there)."""
+        on CUDA (one fused kernel there). With a residual, x may also be a split-K matmul's float32 partial
+        sums [splits, tokens, size] (split_k.py), added up first."""
         if x.is_cuda:
             from batchjob.engine.native import triton_ops
 
+            if residual is not None:
+                return triton_ops.rms_norm(x, self.weight, self.eps, residual, self.weight_fp32, self.offset)
             shape = x.shape
             out = triton_ops.rms_norm(
-                x.reshape(-1, shape[-1]), self.weight, self.eps, residual, self.weight_fp32, self.offset
+                x.reshape(-1, shape[-1]), self.weight, self.eps, None, self.weight_fp32, self.offset
             )
-            return out.reshape(shape) if residual is None else out
+            return out.reshape(shape)
         if residual is not None:
+            if x.dim() == residual.dim() + 1:
+                x = x.sum(0).to(residual.dtype)
             x = residual = x + residual
         # float32 statistics: bf16 squares of large activations lose too much precision.
         h = x.float()

@@ -151,6 +151,7 @@ class ModelRunner:
         max_query_len: int,
         max_seq_len: int,
         out: torch.Tensor | None = None,
+        float32: bool = True,
     ) -> torch.Tensor:
         ints, meta, _ = slot.device_views(shape, max_query_len, max_seq_len)
         # Carry-over: tokens the previous step sampled (still unknown to the CPU) replace their placeholders.
@@ -158,7 +159,7 @@ class ModelRunner:
         input_ids.add_(prev.dev_tokens[ints["carry_idx"]] * ints["carry_mask"])
         with blas.for_rows(shape.tokens, self.device, self.model.spec.dtype):
             hidden = self.model(input_ids, ints["positions"], meta, self.kv_caches)
-            return self.model.compute_logits(hidden[ints["logits_indices"]], out)
+            return self.model.compute_logits(hidden[ints["logits_indices"]], out, float32)
 
     def _sample(self, slot: IOSlot, shape: StepShape, mode: SamplerMode, logits: torch.Tensor, masked: bool) -> None:
         mask = TokenMask(slot.dev_bitmask, slot.int_views(shape)["mask_rows"]) if masked else None
@@ -174,8 +175,11 @@ class ModelRunner:
     def run_step(
         self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int, mode: SamplerMode
     ) -> None:
-        """A whole step: forward and sampler."""
-        self._sample(slot, shape, mode, self._logits(slot, prev, shape, max_query_len, max_seq_len), masked=False)
+        """A whole step: forward and sampler. A greedy step without log-probabilities takes the argmax of the
+        model's own logits (no float32 copy of them)."""
+        greedy = not mode.sampling and mode.logprobs is None
+        logits = self._logits(slot, prev, shape, max_query_len, max_seq_len, float32=not greedy)
+        self._sample(slot, shape, mode, logits, masked=False)
 
     def run_forward(self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int) -> None:
         """The first half of a split step: the forward, its logits left in `self.logits`."""

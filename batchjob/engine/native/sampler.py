@@ -148,15 +148,25 @@ def sampled_tokens(logits: torch.Tensor, params: SamplingTensors, filtering: boo
     return draw(logits, params, keep)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row (the first of equal maxima), of logits in any float dtype."""
+    if logits.is_cuda:
+        from batchjob.engine.native import triton_race
+
+        return triton_race.greedy_tokens(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode, mask: TokenMask | None = None
 ) -> SamplerOutput:
-    """Sample one token per row of float32 `logits` [S, V]. With `mask` (structured outputs), tokens a row's
-    constraint forbids are never chosen; log-probabilities stay those of the model's own distribution."""
+    """Sample one token per row of float32 `logits` [S, V] (a greedy mode without log-probabilities or `mask`
+    also takes the model's bf16/fp16 logits). With `mask` (structured outputs), tokens a row's constraint
+    forbids are never chosen; log-probabilities stay those of the model's own distribution."""
     raw = logits
     if mask is not None:
         logits = mask.apply_(logits.clone() if mode.logprobs is not None else logits)
-    tokens = sampled_tokens(logits, params, mode.filtering) if mode.sampling else logits.argmax(dim=-1)
+    tokens = sampled_tokens(logits, params, mode.filtering) if mode.sampling else greedy_tokens(logits)
     out = SamplerOutput(tokens=tokens)
     if mode.logprobs is not None:
         logprobs = raw.log_softmax(dim=-1)

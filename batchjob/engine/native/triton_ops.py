@@ -22,6 +22,7 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     x_stride,
+    split_stride,
     res_stride,
     out_stride,
     n_cols,
@@ -29,16 +30,21 @@ def _rms_norm_kernel(
     offset,
     HAS_RESIDUAL: tl.constexpr,
     WEIGHT_FP32: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """With SPLITS > 1, x is that many float32 partial sums of a split-K matmul (`split_k.py`): added up and
+    rounded to the model dtype here, they are the matmul's output."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     # Every load first: the weight's does not wait for the reduction (one memory round trip fewer).
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        x += tl.load(x_ptr + s * split_stride + row * x_stride + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    dtype = x.dtype
-    x = x.to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    x = x.to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
         # The sum is rounded to the model dtype, as a plain `x + residual` would be.
@@ -61,13 +67,16 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of 2-D `x`, scaled by `offset + weight` (rounded to the dtype before the
     multiply unless `weight_fp32`: see `layers.RMSNorm`). With `residual`: `residual += x` (in place), then
-    the norm of it; returns (normed, residual)."""
-    rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    the norm of it; returns (normed, residual). A 3-D float32 `x` [splits, rows, cols] is a split-K matmul's
+    partial sums (`split_k.py`), added up first; the output then takes the residual's dtype."""
+    splits = x.shape[0] if x.dim() == 3 else 1
+    rows, cols = x.shape[-2:]
+    dtype = x.dtype if splits == 1 else residual.dtype
+    out = torch.empty((rows, cols), dtype=dtype, device=x.device)
     res = residual if residual is not None else x
     _rms_norm_kernel[(rows,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), cols, eps, offset,
-        HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_fp32, BLOCK=triton.next_power_of_2(cols),
+        x, res, weight, out, x.stride(-2), x.stride(0), res.stride(0), out.stride(0), cols, eps, offset,
+        HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_fp32, SPLITS=splits, BLOCK=triton.next_power_of_2(cols),
         num_warps=4 if cols <= 4096 else 8,
     )  # fmt: skip
     return out if residual is None else (out, residual)

@@ -48,13 +48,14 @@ EXACT = tl.constexpr(2)
 @triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "keys_ptr"])
 def _race_kernel(
     logits_ptr, stride, temperature_ptr, keys_ptr, best_ptr, token_ptr, max_ptr, mass_ptr, vocab,
-    STATS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+    STATS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr = False,
 ):  # fmt: skip
+    """GREEDY: every row takes the argmax (no temperatures are read), of logits in any float dtype."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     part = row * tl.num_programs(1) + chunk
     row_ptr = logits_ptr + row * stride
-    temperature = tl.load(temperature_ptr + row)
+    temperature = 0.0 if GREEDY else tl.load(temperature_ptr + row)
     first = chunk * CHUNK_
     best = float("-inf")
     token = first
@@ -79,7 +80,7 @@ def _race_kernel(
     else:
         for start in range(first, first + CHUNK_, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))
+            x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
             block_best = tl.max(x, axis=0)
             if block_best > best:
                 best = block_best
@@ -212,6 +213,30 @@ def sample_tokens(
             logits, temperature, top_k, top_p, min_p, rows_to_search=state
         )
         triton_sampling.draw(logits, temperature, keys, (threshold, row_max, min_p), rows_to_draw=state, out=tokens)
+    return tokens
+
+
+def greedy_tokens(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """The argmax of each row of `logits` [S, V] (float32, bf16 or fp16: a model's own logits need no float32
+    copy), the first of equal maxima as torch.argmax takes it; int64 [S]. Split over many programs per row, as
+    the race is: torch's reduction reads a row with one block and leaves most of the GPU idle."""
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, chunk)
+    device = logits.device
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    if not rows:
+        return tokens
+    best = torch.empty((rows, chunks), dtype=torch.float32, device=device)
+    token = torch.empty((rows, chunks), dtype=torch.int32, device=device)
+    _race_kernel[(rows, chunks)](
+        logits, logits.stride(0), best, best, best, token, best, best, vocab,
+        STATS=False, CHUNK_=chunk, BLOCK=min(_BLOCK, chunk), GREEDY=True, num_warps=4,
+    )  # fmt: skip
+    _pick_kernel[(rows,)](
+        logits, logits.stride(0), best, best, best, best, best, token, best, best,
+        tokens, best, best, best, token, vocab, chunks, FILTERING=False,
+        CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1,
+    )  # fmt: skip
     return tokens
 
 

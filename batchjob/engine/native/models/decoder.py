@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchjob.engine.native import split_k
 from batchjob.engine.native.attention import AttentionMetadata, PagedAttentionBackend
 from batchjob.engine.native.layers import RMSNorm, act_and_mul
 from batchjob.engine.native.models.moe import SparseMoE
@@ -61,6 +62,7 @@ class Attention(nn.Module):
         self.window = spec.layers[layer].window
         self.softcap = spec.attn_softcap
         self.attn = attn
+        self.partial_sums = False  # the layer sets it where a fused add + norm takes split-K partial sums
 
     def forward(
         self,
@@ -89,7 +91,7 @@ class Attention(nn.Module):
         out = self.attn.forward(
             q, k, v, *kv_cache, meta, self.scale, window=self.window, softcap=self.softcap, kv_stored=stored
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return split_k.linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.partial_sums)
 
 
 class MLP(nn.Module):
@@ -98,9 +100,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.activation = spec.activation
+        self.partial_sums = False  # the layer sets it where a fused add + norm takes split-K partial sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.activation))
+        return split_k.linear(act_and_mul(self.gate_up_proj(x), self.activation), self.down_proj, self.partial_sums)
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +122,13 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size) if before else None
         self.mlp = SparseMoE(spec) if spec.layers[layer].sparse else MLP(spec)
         self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size) if after else None
+        # The attention's and the MLP's outputs go straight into a fused residual add + norm (this layer's
+        # second, the next layer's first or the final one) only with norms before the sublayers and one rank:
+        # there they may be split-K partial sums, which that norm adds up (split_k.py).
+        fused_add = spec.norm_placement == "pre" and not tp.active
+        self.self_attn.partial_sums = fused_add and not spec.o_bias
+        if isinstance(self.mlp, MLP):
+            self.mlp.partial_sums = fused_add and not spec.mlp_bias
 
     def forward(
         self,
@@ -228,16 +238,21 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(x)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, float32: bool = True
+    ) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden] (usually each sequence's last token); every
         rank gets all of them. `out`: a float32 [N, vocab] tensor to write them into (the conversion to float32
-        is then that write, with no float32 copy of its own)."""
+        is then that write, with no float32 copy of its own). `float32=False`: for an argmax only, the logits
+        may stay in the model's dtype (soft-capped ones are still converted: the cap could tie two of them)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         if self.tp.active:
             logits = self.tp.all_gather_last(logits)[:, : self.spec.vocab_size]
-        logits = logits.float() if out is None else out.copy_(logits)
         cap = self.spec.final_softcap
+        if not float32 and out is None and cap <= 0:
+            return logits
+        logits = logits.float() if out is None else out.copy_(logits)
         if cap > 0:
             logits = cap * torch.tanh(logits / cap) if out is None else logits.div_(cap).tanh_().mul_(cap)
         return logits
