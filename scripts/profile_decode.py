@@ -57,12 +57,14 @@ def main() -> None:
     args = parser.parse_args()
     model, spec = build_model(args)
     results = []
-    default_splits = dict(split_k.SPLITS)
+    rows = range(1, args.split_rows + 1)
+    tables = {
+        table: split_k.SPLITS if table == "default" else parse_splits(table, rows) for table in args.split_k.split(",")
+    }
     for batch in (int(b) for b in args.batch.split(",")):
-        for table in args.split_k.split(","):
+        for table in tables.values():
             for library in args.blas.split(","):
-                rows = range(1, args.split_rows + 1)
-                split_k.SPLITS = default_splits if table == "default" else parse_splits(table, rows)
+                split_k.SPLITS = table
                 results.append(profile(model, spec, args, batch, library))
                 torch.cuda.empty_cache()
     if args.out:

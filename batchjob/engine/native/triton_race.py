@@ -220,24 +220,32 @@ def greedy_tokens(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """The argmax of each row of `logits` [S, V] (float32, bf16 or fp16: a model's own logits need no float32
     copy), the first of equal maxima as torch.argmax takes it; int64 [S]. Split over many programs per row, as
     the race is: torch's reduction reads a row with one block and leaves most of the GPU idle."""
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    if len(tokens):
+        _race_unfiltered(logits, None, None, chunk, tokens)
+    return tokens
+
+
+def _race_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor | None, keys: torch.Tensor | None, chunk: int, tokens: torch.Tensor
+) -> None:
+    """Write each row's race winner without filters (the argmax where temperature is 0; every row's argmax
+    when `temperature` is None) into `tokens`: the race over chunks, then the pick of each row's best chunk."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, chunk)
-    device = logits.device
-    tokens = torch.empty(rows, dtype=torch.int64, device=device)
-    if not rows:
-        return tokens
-    best = torch.empty((rows, chunks), dtype=torch.float32, device=device)
-    token = torch.empty((rows, chunks), dtype=torch.int32, device=device)
+    best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    token = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    greedy = temperature is None
+    temperature = best if greedy else temperature
     _race_kernel[(rows, chunks)](
-        logits, logits.stride(0), best, best, best, token, best, best, vocab,
-        STATS=False, CHUNK_=chunk, BLOCK=min(_BLOCK, chunk), GREEDY=True, num_warps=4,
+        logits, logits.stride(0), temperature, best if greedy else keys, best, token, best, best, vocab,
+        STATS=False, CHUNK_=chunk, BLOCK=min(_BLOCK, chunk), GREEDY=greedy, num_warps=4,
     )  # fmt: skip
     _pick_kernel[(rows,)](
-        logits, logits.stride(0), best, best, best, best, best, token, best, best,
-        tokens, best, best, best, token, vocab, chunks, FILTERING=False,
-        CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1,
+        logits, logits.stride(0), temperature, temperature, temperature, temperature, best, token, best, best,
+        tokens, best, best, best, token, vocab, chunks, FILTERING=False, CHUNKS_P2=triton.next_power_of_2(chunks),
+        num_warps=1,
     )  # fmt: skip
-    return tokens
 
 
 def settle(
@@ -260,20 +268,16 @@ def settle(
     state = torch.zeros(rows, dtype=torch.int32, device=device)
     if not rows:
         return tokens, state
+    if filters is None:
+        _race_unfiltered(logits, temperature, keys, chunk, tokens)
+        return tokens, state
     best = torch.empty((rows, chunks), dtype=torch.float32, device=device)
     token = torch.empty((rows, chunks), dtype=torch.int32, device=device)
-    stats = filters is not None
-    maxes, masses = (torch.empty_like(best), torch.empty_like(best)) if stats else (best, best)
+    maxes, masses = torch.empty_like(best), torch.empty_like(best)
     _race_kernel[(rows, chunks)](
         logits, logits.stride(0), temperature, keys, best, token, maxes, masses, vocab,
-        STATS=stats, CHUNK_=chunk, BLOCK=block, num_warps=4,
+        STATS=True, CHUNK_=chunk, BLOCK=block, num_warps=4,
     )  # fmt: skip
-    if not stats:
-        _pick_kernel[(rows,)](
-            logits, logits.stride(0), temperature, temperature, temperature, temperature, best, token, best, best,
-            tokens, best, best, best, state, vocab, chunks, FILTERING=False, CHUNKS_P2=chunks_p2, num_warps=1,
-        )  # fmt: skip
-        return tokens, state
     top_k, top_p, min_p = filters
     candidate, row_max, total = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(3))
     _pick_kernel[(rows,)](
