@@ -81,12 +81,17 @@ def test_constrained_run_with_graphs_equals_eager_and_sync_and_stops_valid(tmp_p
     assert mixed_masked_graphs > 0 and stats["constrained_steps"] > 0
     # Jump-forward chunks make constrained steps mixed: they replay the split mixed graphs, none runs eagerly.
     assert stats["eager_steps"] == 0 and stats["mixed_graph_steps"] > 0
+    # Masked samplers waited on the GPU behind gates that the mask worker opened.
+    assert 0 < stats["constrained_steps_gated"] <= stats["constrained_steps"]
     tokens = {i: c.token_ids for i, c in graphed.items()}
     for options in (
         {"cuda_graphs": False},
         {"graph_constrained": False},
         {"debug_poison_slots": True},
         {"constrained_lag": True},
+        {"gate_masked_sampler": False},
+        {"mask_chunk_rows": 8},
+        {"mask_chunk_rows": 8, "debug_poison_slots": True},
     ):
         assert {i: c.token_ids for i, c in _run(model_dir, top_p, **options)[0].items()} == tokens, options
     assert {i: c.token_ids for i, c in _run(model_dir, top_p, "native_sync")[0].items()} == tokens
@@ -96,3 +101,21 @@ def test_constrained_run_with_graphs_equals_eager_and_sync_and_stops_valid(tmp_p
             assert valid_json(c.text, json.loads(r.sampling.json_schema)), c.text
         elif c.finish_reason == "stop" and r.sampling.choice:
             assert c.text in CHOICES
+
+
+# A run stopped at its first completion: the mask worker may still hold the next step's gate closed (the default
+# starts the masks before the step's completions are handed out; jump-forward after them).
+@pytest.mark.parametrize("options", [{}, {"jump_forward": True}])
+def test_a_run_stopped_while_samplers_wait_behind_gates_drains_and_serves_the_next(tmp_path, options):
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    eng = create_engine("native", str(model_dir), {"dtype": "float32", "max_num_seqs": 64, **options})
+    try:
+        run = eng.generate(_requests())
+        next(run)
+        run.close()  # the worker opens what it holds, the loop every other gate, before waiting for the device
+        assert eng.runner.gates.pending() == 0
+        again = {c.id: c.token_ids for c in eng.generate(_requests())}
+        assert eng.stats()["constrained_steps_gated"] > 0
+    finally:
+        eng.close()
+    assert again == {i: c.token_ids for i, c in _run(model_dir, 1.0, **options)[0].items()}

@@ -17,6 +17,15 @@ nor the host's step filling:
     loop:   process N (poll) | schedule (poll) | sampler N+1 | fill N+2 | forward N+2 | wait N+1 | process N+1
     worker:    masks N+1 .........|
     GPU:   forward N+1 .................| sampler N+1 | forward N+2 ..................
+
+On a GPU whose driver has stream memory operations (`engine.gate_masked_sampler`, host_gate.py), the loop
+enqueues the sampler as it hands the masks to the worker, behind a wait that the worker opens when they are
+filled, and step N+2's forward as soon as it is laid out: the GPU goes from the masks to the sampler to the next
+forward without a host call between.
+
+    loop:   process N (sampler N+1) | schedule | fill N+2 | forward N+2 | wait N+1 | process N+1
+    worker:    masks N+1 ..................| open
+    GPU:   forward N+1 ....................| sampler N+1 | forward N+2 ..................
 """
 
 from __future__ import annotations
@@ -237,6 +246,10 @@ class NativeEngine:
             if opts.tensor_parallel > 1:
                 steps = [step for step in steps if not step.constrained]
             self._stats["warmup_s"] = warm_up(self.runner, steps, opts.block_size)
+            if opts.gate_masked_sampler and opts.async_loop and not self._chunked_masks:
+                # Every kernel the run launches is loaded, and the mask worker, not the loop, fills the masks:
+                # masked samplers may wait on the GPU behind gates the worker opens (host_gate.py).
+                self.runner.use_gates()
         self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats["startup_s"] = time.perf_counter() - started
         self._start_loop(num_blocks)
@@ -337,10 +350,13 @@ class NativeEngine:
                 self.masks.poll()
                 if plan is not None:
                     prepared = self._prepare(plan)
-                    # The previous step's masked sampler first: this step's forward carries its tokens over.
-                    self.masks.finish()
+                    if not self.masks.gated:
+                        # The previous step's masked sampler first: this step's forward carries its tokens over
+                        # (a gated one is on the GPU already, while the worker fills its masks).
+                        self.masks.finish()
                     inflight.append(self._launch(prepared))
-                    if self.scheduler.config.constrained_lag and self.masks.matchers_settled(inflight[-1]):
+                    lag = self.scheduler.config.constrained_lag and not self.masks.busy
+                    if lag and self.masks.matchers_settled(inflight[-1]):
                         # Its constrained rows sat out the step in flight: their masks fill while this thread
                         # processes that step and prepares the next.
                         self.masks.start(inflight[-1], at_launch=True)
@@ -495,6 +511,7 @@ class NativeEngine:
                 constrained_steps_masked_at_launch=self.masks.started_at_launch,
                 constrained_steps_masked_early=self.masks.started_early,
                 constrained_steps_sampled_at_poll=self.masks.sampled_at_poll,
+                constrained_steps_gated=runner.gated_steps,
                 sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
                 jump_forward_tokens=self.outputs.forced_tokens,
                 grammars_compiled=self.grammars.compiled,

@@ -19,7 +19,13 @@ which the host learns only after this launch (one step behind). `sample_masked` 
 host, copies it on the H2D stream (`bitmask_done`), and enqueues the masked sampler and the D2H copy; compute
 waits for `bitmask_done`. The GPU runs the forward meanwhile, so it waits only if the host's masks take longer than a
 forward, and a step without constrained rows is launched whole, exactly as before. A CUDA stream can only wait
-for an event already recorded, which is why the sampler is enqueued after the bitmask copy, not at launch.
+for an event already recorded, which is why, without gates, the sampler is enqueued after the bitmask copy.
+
+With gates (`engine.gate_masked_sampler`, host_gate.py), the masked sampler is enqueued as soon as a worker
+thread starts filling the bitmask: on a fourth stream, a wait for a word in pinned host memory, then the bitmask
+copy (`bitmask_done`). The worker opens that gate (a store) when the bitmask is filled, so the GPU samples as
+soon as the masks exist and runs the next step's forward right after, which the engine enqueues without waiting
+for the masks: the sampler it carries tokens from is already ahead of it on the compute stream.
 A tensor-parallel engine never has constrained rows (the engine refuses them), so `launch_packed` launches whole.
 """
 
@@ -37,6 +43,7 @@ import torch
 from batchjob.engine.native import blas
 from batchjob.engine.native.busy_clock import BusyClock
 from batchjob.engine.native.graphs import StepGraphs
+from batchjob.engine.native.host_gate import Gate, HostGates
 from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.sampler import SamplerMode, sample
 from batchjob.engine.native.scheduler import StepPlan
@@ -59,7 +66,8 @@ class StepHandle:
     mode: SamplerMode
     masked_rows: int = 0
     graph_layout: StepLayout | None = None  # the layout of the graph its forward replayed (None: eager)
-    sampled: bool = True
+    sampled: bool = True  # False until its bitmask is filled and its masked sampler enqueued or let through
+    gate: Gate | None = None  # its masked sampler was enqueued at launch, behind this gate
 
     @property
     def graphed(self) -> bool:
@@ -122,6 +130,7 @@ class ModelRunner:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
             for slot in self.slots:
                 slot.events = _SlotEvents()
+        self.gates: HostGates | None = None  # see `use_gates`
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -135,6 +144,7 @@ class ModelRunner:
         self.graph_steps = 0  # replayed a graph (decode or mixed); the rest ran eagerly
         self.mixed_graph_steps = 0
         self.masked_steps = 0
+        self.gated_steps = 0  # split steps whose masked sampler was enqueued at launch, behind a gate
         self.tokens_fed = 0
         self.clock = BusyClock() if self.cuda else None
 
@@ -299,13 +309,65 @@ class ModelRunner:
         return step.slot.host_bitmask[: step.masked_rows]
 
     def enqueue_masked_sampler(self, step: StepHandle) -> None:
-        """Copy a split step's filled bitmask rows, enqueue its masked sampler and the copy of its tokens."""
+        """A split step's bitmask rows are filled: copy them, enqueue its masked sampler and the copy of its tokens
+        (or, enqueued already behind its gate, open it)."""
+        if step.gate is not None:
+            self.gates.open(step.gate)
+        else:
+            began = time.perf_counter()
+            with self._stream(self.h2d if self.cuda else None):
+                step.slot.copy_bitmask(step.masked_rows)
+                if self.cuda:
+                    step.slot.events.bitmask_done.record(self.h2d)
+            self._enqueue_sampler(step)
+            self.sampler_launch_s += time.perf_counter() - began
+        step.sampled = True
+        self.masked_steps += 1
+
+    def use_gates(self) -> bool:
+        """Let `arm_gate` gate masked samplers from now on (host_gate.py); True if this device can. Only once every
+        kernel the run launches has been loaded (the warm-up ran), and only for masks that a thread other than
+        the one launching steps fills: that thread may block on a closed gate."""
+        if self.cuda and self.gates is None:
+            # A word per slot. The bitmask copies behind the gates get a stream of their own, so that the next
+            # step's input copy never queues behind a closed one.
+            self.gates = HostGates.create(len(self.slots), self.device)
+            self.bitmask_h2d = torch.cuda.Stream(self.device)
+        return self.gates is not None
+
+    def arm_gate(self, step: StepHandle) -> bool:
+        """Give a split step whose bitmask rows are about to be filled (`bitmask_rows` was called) a gate, before
+        its filler starts: the filler may open it before `enqueue_gated_sampler` enqueues it. False without
+        gates."""
+        if self.gates is None:
+            return False
+        step.gate = self.gates.arm(step.slot.index)
+        return True
+
+    def open_gate(self, step: StepHandle) -> None:
+        """Let a gated step's masked sampler run once its bitmask rows are filled; any thread may call it."""
+        if step.gate is not None:
+            self.gates.open(step.gate)
+
+    def enqueue_gated_sampler(self, step: StepHandle) -> None:
+        """The bitmask copy of an armed step behind its gate, then its masked sampler and the copy of its tokens,
+        while its bitmask rows may still be filling."""
         began = time.perf_counter()
-        slot, shape = step.slot, step.shape
-        with self._stream(self.h2d if self.cuda else None):
+        slot = step.slot
+        with torch.cuda.stream(self.bitmask_h2d):
+            # The device rows were last read by the slot's previous sampler.
+            self.bitmask_h2d.wait_event(slot.events.compute_done)
+            self.gates.wait(self.bitmask_h2d, step.gate)
             slot.copy_bitmask(step.masked_rows)
-            if self.cuda:
-                slot.events.bitmask_done.record(self.h2d)
+            slot.events.bitmask_done.record(self.bitmask_h2d)
+        self._enqueue_sampler(step)
+        self.gated_steps += 1
+        self.sampler_launch_s += time.perf_counter() - began
+
+    def _enqueue_sampler(self, step: StepHandle) -> None:
+        """The masked sampler of a split step, after its bitmask copy (`bitmask_done`), and the copy of its
+        tokens."""
+        slot, shape = step.slot, step.shape
         with self._stream(self.compute if self.cuda else None):
             if self.cuda:
                 self.compute.wait_event(slot.events.bitmask_done)
@@ -319,9 +381,6 @@ class ModelRunner:
                 timing[1].record(self.compute)
                 slot.events.compute_done.record(self.compute)
         self._enqueue_d2h(step)
-        step.sampled = True
-        self.masked_steps += 1
-        self.sampler_launch_s += time.perf_counter() - began
 
     def _enqueue_d2h(self, step: StepHandle) -> None:
         slot, rows = step.slot, step.rows
@@ -362,5 +421,8 @@ class ModelRunner:
 
     def finish(self) -> None:
         if self.cuda:
+            if self.gates is not None:
+                # A run that stopped early may leave samplers behind closed gates (their tokens are dropped).
+                self.gates.open_all()
             torch.cuda.synchronize(self.device)
             self.clock.resolve(keep_last=0)

@@ -48,6 +48,7 @@ class NativeOptions:
     graph_sampling: str = "all"
     graph_constrained: bool = True
     constrained_lag: bool = False
+    gate_masked_sampler: bool = True
     mask_chunk_rows: int = 0
     mask_threads: int = 0
     jump_forward: bool = False

@@ -11,10 +11,12 @@ processed: `begin` sends the rows whose matchers are already settled (their sequ
 processed), and `settle` the rows of each chunk of processed sequences, each chunk one llguidance call from a
 worker thread of its own (the calls share llguidance's threads), while the loop processes the next chunk.
 
-In the asynchronous loop the step's masked sampler is enqueued as soon as its bitmask is filled, so the GPU
-samples the moment the masks are there instead of when the loop next waits for them: the loop calls `poll`
-between pieces of its work (every few dozen rows it processes, after admitting, after scheduling), and `poll`
-enqueues the sampler, in the loop's thread, once the fill is done. The worker enqueuing it itself lost: each of
+Where the runner has gates (`ModelRunner.use_gates`: not with chunked fills), `start` enqueues the step's masked
+sampler as it hands the rows to the worker, behind a wait that the worker opens the moment the bitmask is filled.
+Without them, in the asynchronous loop the step's masked sampler is enqueued as soon as its bitmask is filled,
+so the GPU samples the moment the masks are there instead of when the loop next waits for them: the loop calls
+`poll` between pieces of its work (every few dozen rows it processes, after admitting, after scheduling), and
+`poll` enqueues the sampler, in the loop's thread, once the fill is done. The worker enqueuing it itself lost: each of
 the dozen CUDA calls of an enqueue releases the GIL, and getting it back from the loop's Python work took up to a
 switch interval each time (0.5-1.2 ms an enqueue on a GPU host, against 0.24 ms from the loop's thread).
 
@@ -77,6 +79,11 @@ class StepMasks:
         """True while the worker holds a step (until `finish`)."""
         return self._job is not None
 
+    @property
+    def gated(self) -> bool:
+        """True while the step the worker fills has its masked sampler on the GPU already, behind its gate."""
+        return self._job is not None and self._job[0].gate is not None
+
     def holds(self, step: StepHandle) -> bool:
         return self._job is not None and self._job[0] is step
 
@@ -95,7 +102,12 @@ class StepMasks:
         nothing)."""
         bitmask = self.runner.bitmask_rows(step)
         rows = self._rows(step, bitmask)
-        self._job = (step, [self._submit(rows, bitmask)])
+        gated = self.runner.arm_gate(step)
+        self._job = (step, [self._submit(rows, bitmask, step if gated else None)])
+        if gated:
+            # Enqueued while the worker fills: from here on only the worker opens the gate, and this thread's
+            # next launches (which may block on it, host_gate.py) never wait for this thread.
+            self.runner.enqueue_gated_sampler(step)
         self.started_at_launch += at_launch
         self.started_early += early
 
@@ -202,7 +214,9 @@ class StepMasks:
             self.fill_s += max(end for _, end in self._spans) - min(start for start, _ in self._spans)
             self._spans = []
 
-    def _submit(self, rows: list, bitmask: torch.Tensor) -> Future:
+    def _submit(self, rows: list, bitmask: torch.Tensor, opens: StepHandle | None = None) -> Future:
+        """Fill `rows` of `bitmask` on a worker; one that fills a whole step (`opens`) opens its gate right after,
+        if its sampler waits behind one (model_runner.py), without waiting for the loop's next `poll`."""
         self.fill_calls += bool(rows)  # counted here, in the loop's thread
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="batchjob-masks")
@@ -215,16 +229,26 @@ class StepMasks:
         # A job queued behind busy workers is not waited for: that would hold the loop for a whole fill.
         idle = self._job is None or sum(not job.done() for job in self._job[1]) < self._workers
         entering = threading.Event()
-        job = self._worker.submit(self._fill, rows, bitmask, entering.set)
+        job = self._worker.submit(self._fill, rows, bitmask, entering.set, opens)
         if idle:
             entering.wait()
         return job
 
-    def _fill(self, rows: list, bitmask: torch.Tensor, entering: Callable[[], None] | None = None) -> None:
+    def _fill(
+        self,
+        rows: list,
+        bitmask: torch.Tensor,
+        entering: Callable[[], None] | None = None,
+        opens: StepHandle | None = None,
+    ) -> None:
         began = time.perf_counter()
         try:
             self.grammars.fill_bitmasks(rows, bitmask, entering)
         finally:
             if entering is not None:
                 entering()  # never leave the loop waiting, whatever the fill raised
+            if opens is not None:
+                # Never leave the GPU waiting either: a fill that raised lets the sampler run on what it wrote,
+                # and `finish` raises its error before the tokens are used.
+                self.runner.open_gate(opens)
         self._spans.append((began, time.perf_counter()))  # list.append is atomic: the chunks' threads share it
