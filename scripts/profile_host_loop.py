@@ -69,6 +69,9 @@ class _Runner:
     def enqueue_masked_sampler(self, step: StepHandle) -> None:
         step.sampled = True
 
+    def arm_gate(self, step: StepHandle) -> bool:
+        return False  # no GPU: no gates, the sampler counts as enqueued once the masks are filled
+
 
 def _grammars(cache: Path):
     """A grammar compiler over the benchmark's generated 128k BPE, and its EOS id."""

@@ -38,7 +38,9 @@ def one_constrained_step():
     plan = StepPlan(seqs=[seq], starts=one * 3, counts=one, samples=np.ones(1, dtype=bool), carry_rows=-one)
     bitmask = torch.zeros(1, 4, dtype=torch.int32)
     enqueued = []
-    runner = SimpleNamespace(bitmask_rows=lambda step: bitmask, enqueue_masked_sampler=enqueued.append)
+    runner = SimpleNamespace(
+        bitmask_rows=lambda step: bitmask, enqueue_masked_sampler=enqueued.append, arm_gate=lambda step: False
+    )
     return SimpleNamespace(plan=plan, sampled=False), runner, bitmask, enqueued
 
 
@@ -110,4 +112,59 @@ def test_the_switch_interval_is_cut_while_masks_fill_and_given_back() -> None:
     masks.finish()
     masks.abandon()  # the loop's end
     assert sys.getswitchinterval() == before
+    masks.close()
+
+
+class GatedRunner:
+    """A runner whose masked samplers wait behind gates: records who armed, enqueued and opened each gate."""
+
+    def __init__(self, bitmask: torch.Tensor) -> None:
+        self.bitmask = bitmask
+        self.events: list[tuple[str, int]] = []  # (what, thread)
+        self.bitmask_at_open: torch.Tensor | None = None
+
+    def bitmask_rows(self, step):
+        return self.bitmask
+
+    def arm_gate(self, step) -> bool:
+        step.gate = object()
+        self.events.append(("arm", threading.get_ident()))
+        return True
+
+    def enqueue_gated_sampler(self, step) -> None:
+        self.events.append(("enqueue", threading.get_ident()))
+
+    def open_gate(self, step) -> None:
+        self.bitmask_at_open = self.bitmask.clone()
+        self.events.append(("open", threading.get_ident()))
+
+    def enqueue_masked_sampler(self, step) -> None:
+        self.events.append(("sampled", threading.get_ident()))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_gated_sampler_is_enqueued_by_the_loop_and_its_gate_opened_by_the_worker(fails) -> None:
+    """The gate is armed before the worker starts (so the worker's open can never miss it), the sampler enqueued
+    by the loop's thread, and the gate opened by the worker once the bitmask is filled, even when the fill
+    raised: the loop's thread, which may block on a closed gate, never has to open it."""
+    step, _, bitmask, _ = one_constrained_step()
+    runner = GatedRunner(bitmask)
+    masks = StepMasks(runner, SlowLibrary(fails=fails))
+    masks.start(step)
+    assert masks.gated and masks.holds(step)
+    deadline = time.perf_counter() + 1.0
+    while len(runner.events) < 3 and time.perf_counter() < deadline:
+        time.sleep(0.001)  # the loop, free to launch the next step meanwhile
+    loop = threading.get_ident()
+    assert [what for what, _ in runner.events][:1] == ["arm"]
+    assert sorted(what for what, _ in runner.events) == ["arm", "enqueue", "open"]
+    assert {what: thread == loop for what, thread in runner.events} == {"arm": True, "enqueue": True, "open": False}
+    if fails:
+        with pytest.raises(RuntimeError, match="the library failed"):
+            masks.finish()
+    else:
+        assert runner.bitmask_at_open.eq(7).all()  # filled before the gate opened
+        masks.finish()
+        assert runner.events[-1][0] == "sampled" and not masks.gated
+    masks.abandon()
     masks.close()
