@@ -73,7 +73,7 @@ class HostGates:
         with torch.cuda.device(device):
             try:
                 return cls(driver, words)
-            except RuntimeError as error:
+            except (RuntimeError, AttributeError) as error:  # a driver call failed, or this driver lacks one
                 log.info("host gates unavailable (%s): masked samplers enqueue once filled", error)
                 return None
 
