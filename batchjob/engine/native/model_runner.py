@@ -67,7 +67,7 @@ class StepHandle:
     masked_rows: int = 0
     graph_layout: StepLayout | None = None  # the layout of the graph its forward replayed (None: eager)
     sampled: bool = True  # False until its bitmask is filled and its masked sampler enqueued or let through
-    gate: Gate | None = None  # its masked sampler was enqueued at launch, behind this gate
+    gate: Gate | None = None  # its masked sampler was enqueued as its masks began filling, behind this gate
 
     @property
     def graphed(self) -> bool:
@@ -131,6 +131,7 @@ class ModelRunner:
             for slot in self.slots:
                 slot.events = _SlotEvents()
         self.gates: HostGates | None = None  # see `use_gates`
+        self.bitmask_h2d: torch.cuda.Stream | None = None  # the gated bitmask copies' stream
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -144,7 +145,7 @@ class ModelRunner:
         self.graph_steps = 0  # replayed a graph (decode or mixed); the rest ran eagerly
         self.mixed_graph_steps = 0
         self.masked_steps = 0
-        self.gated_steps = 0  # split steps whose masked sampler was enqueued at launch, behind a gate
+        self.gated_steps = 0  # split steps whose masked sampler waited on the GPU behind a gate
         self.tokens_fed = 0
         self.clock = BusyClock() if self.cuda else None
 
@@ -312,7 +313,7 @@ class ModelRunner:
         """A split step's bitmask rows are filled: copy them, enqueue its masked sampler and the copy of its tokens
         (or, enqueued already behind its gate, open it)."""
         if step.gate is not None:
-            self.gates.open(step.gate)
+            self.open_gate(step)
         else:
             began = time.perf_counter()
             with self._stream(self.h2d if self.cuda else None):
@@ -332,7 +333,8 @@ class ModelRunner:
             # A word per slot. The bitmask copies behind the gates get a stream of their own, so that the next
             # step's input copy never queues behind a closed one.
             self.gates = HostGates.create(len(self.slots), self.device)
-            self.bitmask_h2d = torch.cuda.Stream(self.device)
+            if self.gates is not None:
+                self.bitmask_h2d = torch.cuda.Stream(self.device)
         return self.gates is not None
 
     def arm_gate(self, step: StepHandle) -> bool:

@@ -16,9 +16,9 @@ sampler as it hands the rows to the worker, behind a wait that the worker opens 
 Without them, in the asynchronous loop the step's masked sampler is enqueued as soon as its bitmask is filled,
 so the GPU samples the moment the masks are there instead of when the loop next waits for them: the loop calls
 `poll` between pieces of its work (every few dozen rows it processes, after admitting, after scheduling), and
-`poll` enqueues the sampler, in the loop's thread, once the fill is done. The worker enqueuing it itself lost: each of
-the dozen CUDA calls of an enqueue releases the GIL, and getting it back from the loop's Python work took up to a
-switch interval each time (0.5-1.2 ms an enqueue on a GPU host, against 0.24 ms from the loop's thread).
+`poll` enqueues the sampler, in the loop's thread, once the fill is done. The worker enqueuing it itself lost:
+each of the dozen CUDA calls of an enqueue releases the GIL, and getting it back from the loop's Python work took
+up to a switch interval each time (0.5-1.2 ms an enqueue on a GPU host, against 0.24 ms from the loop's thread).
 
 The worker needs the GIL to reach the library's call and again right after it, and the loop's own Python work
 would hold it off for up to the interpreter's switch interval (5 ms) each time. So the loop, having handed the
