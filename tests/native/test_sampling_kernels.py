@@ -314,3 +314,32 @@ def test_greedy_tokens_are_torch_argmax_in_the_models_own_dtype(dtype):
     assert got.dtype == torch.int64
     assert got.tolist() == logits.argmax(dim=-1).tolist()
     assert got[1:5].tolist() == [100, 5_000, 0, 19_998]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_greedy_tokens_read_the_bitmask_beside_the_logits(dtype):
+    # Constrained rows take the argmax among the tokens their bitmask row allows, unconstrained rows (-1) their
+    # plain argmax; the logits are not written. Rows allowing: every other token, one token in the last partial
+    # chunk, one token tied with another allowed one (the first wins), none at all (the row's first token, as
+    # torch.argmax of a row of -inf).
+    from batchjob.engine.native.token_mask import torch_apply_token_bitmask_
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 20_000
+    logits = torch.randn(6, vocab, generator=gen).to(dtype)
+    logits[3, 70] = logits[3, 9_000] = 50.0
+    logits[3, 8_000] = 60.0  # forbidden: the row's plain argmax
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros(5, words, dtype=torch.int32)
+    bitmask[0] = 0x55555555  # every even token
+    bitmask[1, 19_990 // 32] = 1 << (19_990 % 32)
+    bitmask[2, 70 // 32] = 1 << (70 % 32)
+    bitmask[2, 9_000 // 32] = 1 << (9_000 % 32)
+    rows = torch.tensor([0, -1, 1, 2, 4, -1])  # bitmask row 3 unused, row 4 allows nothing
+    before = logits.clone()
+    got = triton_race.greedy_tokens(logits, (bitmask, rows), chunk=4096)
+    assert torch.equal(logits, before)
+    expected = torch_apply_token_bitmask_(logits.float().clone(), bitmask, rows).argmax(dim=-1)
+    assert got.tolist() == expected.tolist()
+    assert got[2:5].tolist() == [19_990, 70, 0]
+    assert got[0].item() % 2 == 0

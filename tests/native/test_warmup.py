@@ -111,6 +111,8 @@ def test_constrained_split_steps_are_warmed_up_eagerly_in_each_batch_size():
     constrained = [s for s in warmup_steps(DEFAULTS) if s.constrained]
     assert {len(s.counts) for s in constrained if set(s.counts) == {1}} == {1, 3, 16, 256}
     assert all(s.sampling.logprobs == 0 for s in constrained if set(s.counts) == {1})  # eager, as above
+    # Greedy rows take the masked argmax, sampled rows the mask kernel and then the race: both are warmed.
+    assert {s.sampling.temperature for s in constrained if set(s.counts) == {1}} == {0.0, 1.0}
     assert any(max(s.counts) > 1 for s in constrained)  # a mixed step: the split prefill path
 
 

@@ -121,9 +121,14 @@ class ModelRunner:
         self.debug_poison = debug_poison
         self.cuda = device.type == "cuda"
         self.slots = [IOSlot(i, limits, device) for i in range(2)]
-        # Where a split step's forward leaves its logits for its sampler. One buffer serves both slots: nothing
-        # runs on the compute stream between a step's forward and its sampler.
+        # Where a split step's forward leaves its logits for its sampler, in the model's dtype (soft-capped ones in
+        # float32: the cap is computed there); a sampler that draws or returns log-probabilities converts them to
+        # float32 (`logits`) first, a greedy one takes the argmax of the model's own. One buffer of each serves
+        # both slots: nothing runs on the compute stream between a step's forward and its sampler.
         self.logits = torch.zeros((limits.max_rows, vocab_size), dtype=torch.float32, device=device)
+        spec = model.spec
+        own = spec.dtype if spec.final_softcap <= 0 else torch.float32
+        self.split_logits = self.logits if own == torch.float32 else torch.zeros_like(self.logits, dtype=own)
         self.step_index = 0
         self.graphs = StepGraphs(self)
         if self.cuda:
@@ -193,12 +198,15 @@ class ModelRunner:
         self._sample(slot, shape, mode, logits, masked=False)
 
     def run_forward(self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int) -> None:
-        """The first half of a split step: the forward, its logits left in `self.logits`."""
-        self._logits(slot, prev, shape, max_query_len, max_seq_len, out=self.logits[: shape.rows])
+        """The first half of a split step: the forward, its logits left in `self.split_logits`."""
+        self._logits(slot, prev, shape, max_query_len, max_seq_len, out=self.split_logits[: shape.rows])
 
     def run_masked_sampler(self, slot: IOSlot, shape: StepShape, mode: SamplerMode) -> None:
-        """The second half of a split step: the sampler, over `self.logits` under the step's bitmask."""
-        self._sample(slot, shape, mode, self.logits[: shape.rows], masked=True)
+        """The second half of a split step: the sampler, over `self.split_logits` under the step's bitmask."""
+        logits = self.split_logits[: shape.rows]
+        if (mode.sampling or mode.logprobs is not None) and logits.dtype != torch.float32:
+            logits = self.logits[: shape.rows].copy_(logits)
+        self._sample(slot, shape, mode, logits, masked=True)
 
     # ---- launching, sampling and collecting steps ----
 

@@ -148,25 +148,35 @@ def sampled_tokens(logits: torch.Tensor, params: SamplingTensors, filtering: boo
     return draw(logits, params, keep)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row (the first of equal maxima), of logits in any float dtype."""
+def greedy_tokens(logits: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor:
+    """The argmax of each row (the first of equal maxima), of logits in any float dtype; with `mask`, among the
+    tokens each constrained row allows. On CUDA the mask is read beside the logits (triton_race); elsewhere it
+    writes -inf over the forbidden logits first, in place."""
     if logits.is_cuda:
         from batchjob.engine.native import triton_race
 
-        return triton_race.greedy_tokens(logits)
+        return triton_race.greedy_tokens(logits, None if mask is None else (mask.bitmask, mask.rows))
+    if mask is not None:
+        logits = mask.apply_(logits)
     return logits.argmax(dim=-1)
 
 
 def sample(
     logits: torch.Tensor, params: SamplingTensors, mode: SamplerMode, mask: TokenMask | None = None
 ) -> SamplerOutput:
-    """Sample one token per row of float32 `logits` [S, V] (a greedy mode without log-probabilities or `mask`
-    also takes the model's bf16/fp16 logits). With `mask` (structured outputs), tokens a row's constraint
-    forbids are never chosen; log-probabilities stay those of the model's own distribution."""
+    """Sample one token per row of float32 `logits` [S, V] (a greedy mode without log-probabilities also takes
+    the model's bf16/fp16 logits). With `mask` (structured outputs), tokens a row's constraint forbids are never
+    chosen, and -inf may be written over them in `logits` unless log-probabilities are asked for: those stay the
+    model's own distribution's."""
     raw = logits
-    if mask is not None:
-        logits = mask.apply_(logits.clone() if mode.logprobs is not None else logits)
-    tokens = sampled_tokens(logits, params, mode.filtering) if mode.sampling else greedy_tokens(logits)
+    if mode.sampling:
+        if mask is not None:
+            logits = mask.apply_(logits.clone() if mode.logprobs is not None else logits)
+        tokens = sampled_tokens(logits, params, mode.filtering)
+    else:
+        # Off CUDA the mask is written over the logits: over a copy where the log-probabilities need them raw.
+        copy = mask is not None and not logits.is_cuda and mode.logprobs is not None
+        tokens = greedy_tokens(logits.clone() if copy else logits, mask)
     out = SamplerOutput(tokens=tokens)
     if mode.logprobs is not None:
         logprobs = raw.log_softmax(dim=-1)

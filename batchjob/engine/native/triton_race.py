@@ -45,12 +45,16 @@ OPEN = tl.constexpr(1)
 EXACT = tl.constexpr(2)
 
 
-@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "keys_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "keys_ptr", "mask_rows_ptr"])
 def _race_kernel(
     logits_ptr, stride, temperature_ptr, keys_ptr, best_ptr, token_ptr, max_ptr, mass_ptr, vocab,
+    bitmask_ptr, bitmask_stride, mask_rows_ptr,
     STATS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr = False,
+    MASKED: tl.constexpr = False,
 ):  # fmt: skip
-    """GREEDY: every row takes the argmax (no temperatures are read), of logits in any float dtype."""
+    """GREEDY: every row takes the argmax (no temperatures are read), of logits in any float dtype. MASKED (with
+    GREEDY): a row whose `mask_rows` entry is a bitmask row takes the argmax among the tokens that row allows
+    (token_mask.py's layout), read beside the logits instead of written over them first."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     part = row * tl.num_programs(1) + chunk
@@ -78,9 +82,14 @@ def _race_kernel(
                 mass += tl.sum(tl.where(v > float("-inf"), tl.exp(v - new_max), 0.0), axis=0)
                 chunk_max = new_max
     else:
+        mask_row = tl.load(mask_rows_ptr + row) if MASKED else -1
         for start in range(first, first + CHUNK_, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            if MASKED:  # noqa: SIM102 - a compile-time branch around a run-time one
+                if mask_row >= 0:
+                    words = tl.load(bitmask_ptr + mask_row * bitmask_stride + cols // 32, mask=cols < vocab, other=0)
+                    x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
             block_best = tl.max(x, axis=0)
             if block_best > best:
                 best = block_best
@@ -216,30 +225,42 @@ def sample_tokens(
     return tokens
 
 
-def greedy_tokens(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+def greedy_tokens(
+    logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None, chunk: int = CHUNK
+) -> torch.Tensor:
     """The argmax of each row of `logits` [S, V] (float32, bf16 or fp16: a model's own logits need no float32
     copy), the first of equal maxima as torch.argmax takes it; int64 [S]. Split over many programs per row, as
-    the race is: torch's reduction reads a row with one block and leaves most of the GPU idle."""
+    the race is: torch's reduction reads a row with one block and leaves most of the GPU idle. `mask`: a step's
+    (bitmask, mask_rows) (token_mask.py): a constrained row's argmax among the tokens it allows, as if the
+    forbidden ones were -inf (a row that allows none takes its first token, as torch.argmax of all -inf)."""
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if len(tokens):
-        _race_unfiltered(logits, None, None, chunk, tokens)
+        _race_unfiltered(logits, None, None, chunk, tokens, mask)
     return tokens
 
 
 def _race_unfiltered(
-    logits: torch.Tensor, temperature: torch.Tensor | None, keys: torch.Tensor | None, chunk: int, tokens: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    keys: torch.Tensor | None,
+    chunk: int,
+    tokens: torch.Tensor,
+    mask: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write each row's race winner without filters (the argmax where temperature is 0; every row's argmax
-    when `temperature` is None) into `tokens`: the race over chunks, then the pick of each row's best chunk."""
+    when `temperature` is None, under `mask` when given) into `tokens`: the race over chunks, then the pick of
+    each row's best chunk."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, chunk)
     best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     token = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     greedy = temperature is None
     temperature = best if greedy else temperature
+    bitmask, mask_rows = mask if mask is not None else (token, token)
     _race_kernel[(rows, chunks)](
         logits, logits.stride(0), temperature, best if greedy else keys, best, token, best, best, vocab,
-        STATS=False, CHUNK_=chunk, BLOCK=min(_BLOCK, chunk), GREEDY=greedy, num_warps=4,
+        bitmask, bitmask.stride(0), mask_rows,
+        STATS=False, CHUNK_=chunk, BLOCK=min(_BLOCK, chunk), GREEDY=greedy, MASKED=mask is not None, num_warps=4,
     )  # fmt: skip
     _pick_kernel[(rows,)](
         logits, logits.stride(0), temperature, temperature, temperature, temperature, best, token, best, best,
@@ -275,7 +296,7 @@ def settle(
     token = torch.empty((rows, chunks), dtype=torch.int32, device=device)
     maxes, masses = torch.empty_like(best), torch.empty_like(best)
     _race_kernel[(rows, chunks)](
-        logits, logits.stride(0), temperature, keys, best, token, maxes, masses, vocab,
+        logits, logits.stride(0), temperature, keys, best, token, maxes, masses, vocab, token, 0, token,
         STATS=True, CHUNK_=chunk, BLOCK=block, num_warps=4,
     )  # fmt: skip
     top_k, top_p, min_p = filters

@@ -130,12 +130,16 @@ def mode_steps(limits: WarmupLimits) -> list[WarmupStep]:
 
 
 def constrained_steps(limits: WarmupLimits) -> list[WarmupStep]:
-    """Split steps (structured outputs), greedy: eager decodes of the same batch sizes and the mixed steps. The
-    captured split graphs ran their work once while being captured; these cover the eager masked sampler."""
+    """Split steps (structured outputs): eager decodes of the same batch sizes, greedy (the masked argmax) and
+    sampled (the mask kernel, then the race), and greedy mixed steps. The captured split graphs ran their work
+    once while being captured; these cover the eager masked samplers."""
     batches, mixed = _batches_and_mixed(limits)
     plain = SamplingParams(max_new_tokens=1)
-    eager = dataclasses.replace(plain, logprobs=0)
-    steps = [WarmupStep((1,) * b, eager, constrained=True) for b in batches]
+    steps = [
+        WarmupStep((1,) * b, dataclasses.replace(plain, logprobs=0, **params), constrained=True)
+        for params in (_MODE_PARAMS["greedy"], _MODE_PARAMS["temperature"])
+        for b in batches
+    ]
     return steps + [WarmupStep(counts, plain, last_unsampled=len(counts) == 5, constrained=True) for counts in mixed]
 
 

@@ -243,9 +243,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden] (usually each sequence's last token); every
         rank gets all of them. `out`: a float32 [N, vocab] tensor to write them into (the conversion to float32
-        is then that write, with no float32 copy of its own). `float32=False`: for an argmax only, the logits
-        may stay in the model's dtype (soft-capped ones are still converted: the cap could tie two of them)."""
+        is then that write, with no float32 copy of its own), or one of the model's dtype, which the matmul
+        writes (logits without a soft cap). `float32=False`: for an argmax only, the logits may stay in the
+        model's dtype (soft-capped ones are still converted: the cap could tie two of them)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if out is not None and out.dtype == weight.dtype and not self.tp.active and self.spec.final_softcap <= 0:
+            return torch.mm(hidden, weight.t(), out=out)
         logits = F.linear(hidden, weight)
         if self.tp.active:
             logits = self.tp.all_gather_last(logits)[:, : self.spec.vocab_size]
