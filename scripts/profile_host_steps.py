@@ -39,7 +39,7 @@ DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "
 PARTS = (
     ("processing a step's tokens", "native/output.py", "process"),
     ("  jump-forward", "native/output.py", "_jump_forward"),
-    ("  advancing matchers", "native/output.py", "_advance_matchers"),
+    ("  advancing matchers", "engine/grammar.py", "advance"),
     ("scheduling", "native/scheduler.py", "schedule"),
     ("laying steps out", "native/model_runner.py", "prepare"),
 )

@@ -85,10 +85,20 @@ def check_constraint(constraint: Constraint) -> None:
 
 class Matcher:
     """One sample's position in its constraint. `consume` returns False when the token is not allowed (the
-    matcher is then in an error state, `error` says why)."""
+    matcher is then in an error state, `error` says why). A matcher made while its compiled copy is still
+    compiling (`compiling`, beside the run) waits for it at its first use, its first mask as a rule."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self, inner: Any = None, compiling: Future | None = None) -> None:
+        self._inner = inner
+        self._compiling = compiling
+
+    @property
+    def inner(self) -> Any:
+        """llguidance's matcher (only one thread at a time uses a sample's matcher: the first use resolves it)."""
+        if self._inner is None:
+            self._inner = self._compiling.result().deep_copy()
+            self._compiling = None
+        return self._inner
 
     def consume(self, token: int) -> bool:
         return self.inner.consume_token(token)
@@ -135,6 +145,7 @@ class GrammarCompiler:
         self._lltokenizer = None
         self._executor = None
         self._consumer = None
+        self._compiler: ThreadPoolExecutor | None = None  # compiles copies of shared constraints (`_Starts`)
         self._building = threading.Lock()  # one build of the vocabulary index, whichever thread asks first
         self._builder: threading.Thread | None = None
         # Per constraint: its grammar, its start-state matchers (each with a lexer of its own, up to `self.lexers`)
@@ -163,10 +174,13 @@ class GrammarCompiler:
         self._builder.start()
 
     def close(self) -> None:
-        """Wait for a vocabulary index still being built beside start-up."""
+        """Wait for a vocabulary index still being built beside start-up, and for copies still compiling."""
         if self._builder is not None:
             self._builder.join()
             self._builder = None
+        if self._compiler is not None:
+            self._compiler.shutdown()
+            self._compiler = None
 
     def _ensure_tokenizer(self):
         if self._lltokenizer is not None:
@@ -209,7 +223,9 @@ class GrammarCompiler:
             starts = self._cache[constraint] = _Starts(grammar, [start])
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-        return Matcher(starts.next(self.lexers, self._lltokenizer, self.threads).deep_copy())
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(self.threads, thread_name_prefix="batchjob-grammar-compile")
+        return starts.next(self.lexers, self._lltokenizer, self._compiler)
 
     def fill_bitmasks(
         self,
@@ -230,6 +246,12 @@ class GrammarCompiler:
             entering()
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
 
+    def advance(self, pairs: Sequence[tuple[Matcher, int]]) -> list[tuple[bool, bool, str]]:
+        """`consume`, then for each matcher whether it accepted its token, whether its constraint is complete,
+        and its error if it refused the token: all a step's processing needs of its matchers."""
+        accepted = self.consume(pairs)
+        return [(ok, m.is_stopped, "" if ok else m.error) for ok, (m, _) in zip(accepted, pairs, strict=True)]
+
     def consume(self, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:
         """Advance each matcher by its token; False where the token was not allowed. A token takes several
         microseconds with the GIL held (6.5 us a row on the benchmark's schema), so a step's rows go to
@@ -241,33 +263,32 @@ class GrammarCompiler:
 
 
 class _Starts:
-    """A compiled constraint's matchers in their start state, each with a lexer of its own; handed out in turn,
-    and compiled again (1.2-2.2 ms for the benchmark's JSON schema) until there are as many as asked for. A
-    constraint that every row shares would otherwise hold up the first rows' admission by `count` compiles one
-    after the other (75 ms for 49): whenever every copy has been handed out, as many again are compiled at once
-    in `threads` threads (llguidance compiles without the GIL), so a constraint of a few rows stays a few
-    compiles."""
+    """A compiled constraint's matchers in their start state, each with a lexer of its own, handed out in turn; more
+    are compiled (1.2-2.2 ms each for the benchmark's JSON schema) until there are as many as asked for. Whenever
+    every copy has been handed out, as many again start compiling in `pool`'s threads (llguidance compiles
+    without the GIL), so a constraint of a few rows stays a few compiles; a row given a copy still compiling
+    gets a matcher that waits for it at its first use. A constraint that every row shares thus never holds up
+    admission: its 49 copies were 50 ms of compiles in rounds before the first step, in the loop's thread; now
+    they compile while the first steps run, which need the masks of only a few rows."""
 
     def __init__(self, grammar: str, matchers: list[Any]) -> None:
         self.grammar = grammar
-        self.matchers = matchers
+        self.matchers: list[Any] = matchers  # compiled matchers, or futures of those still compiling
         self.handed = 0
 
-    def next(self, count: int, lltokenizer: Any, threads: int = 1) -> Any:
+    def next(self, count: int, lltokenizer: Any, pool: ThreadPoolExecutor) -> Matcher:
         k = self.handed % count
         self.handed += 1
         if k == len(self.matchers):
-            self._grow(min(len(self.matchers), count - k), lltokenizer, threads)
-        return self.matchers[k]
+            self._grow(min(len(self.matchers), count - k), lltokenizer, pool)
+        start = self.matchers[k]
+        if isinstance(start, Future):
+            if not start.done():
+                return Matcher(compiling=start)
+            start = self.matchers[k] = start.result()
+        return Matcher(start.deep_copy())
 
-    def _grow(self, n: int, lltokenizer: Any, threads: int) -> None:
+    def _grow(self, n: int, lltokenizer: Any, pool: ThreadPoolExecutor) -> None:
         from llguidance import LLMatcher
 
-        def compile_one(_: int) -> Any:
-            return LLMatcher(lltokenizer, self.grammar, log_level=0)
-
-        if n == 1 or threads == 1:
-            self.matchers.extend(map(compile_one, range(n)))
-            return
-        with ThreadPoolExecutor(min(n, threads), thread_name_prefix="batchjob-grammar-compile") as pool:
-            self.matchers.extend(pool.map(compile_one, range(n)))
+        self.matchers.extend(pool.submit(LLMatcher, lltokenizer, self.grammar, log_level=0) for _ in range(n))

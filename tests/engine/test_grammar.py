@@ -174,6 +174,29 @@ def test_copies_of_a_shared_constraint_are_compiled_in_parallel_batches_doubling
     assert len(compiler._cache[Constraint("regex", "[a-z]{3}")].matchers) == 1
 
 
+def test_a_row_given_a_copy_still_compiling_waits_for_it_at_its_first_mask(tokenizer):
+    # Admission never waits for copies of a shared constraint: they compile in the background (here held up
+    # behind a blocked thread), and a matcher handed one resolves it when first used, with the same masks.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiler.lexers = 5
+    compiler._compiler = pool = ThreadPoolExecutor(1)
+    release = threading.Event()
+    pool.submit(release.wait)
+    constraint = Constraint("json_schema", json.dumps(PET_SCHEMA))
+    matchers = [compiler.matcher(constraint) for _ in range(6)]
+    assert [m._compiling is not None for m in matchers] == [False, True, True, True, True, False]
+    release.set()
+    bitmask = torch.zeros(len(matchers), compiler.words, dtype=torch.int32)
+    compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
+    assert all(m._compiling is None for m in matchers)
+    assert all(torch.equal(bitmask[0], row) for row in bitmask)
+    assert len({id(m.inner) for m in matchers}) == 6  # each row its own copy of its compiled start
+    compiler.close()
+
+
 def test_the_engine_runs_more_lexers_than_mask_threads():
     from batchjob.engine.grammar import lexers_per_constraint, mask_threads
 

@@ -168,3 +168,52 @@ def test_a_gated_sampler_is_enqueued_by_the_loop_and_its_gate_opened_by_the_work
         assert runner.events[-1][0] == "sampled" and not masks.gated
     masks.abandon()
     masks.close()
+
+
+class AdvancingLibrary(SlowLibrary):
+    """SlowLibrary that also advances matchers: records the order of its calls and the thread they ran in."""
+
+    def __init__(self, fails: bool = False) -> None:
+        super().__init__()
+        self.advance_fails = fails
+        self.calls: list[tuple[str, int]] = []
+
+    def advance(self, pairs):
+        self.calls.append(("advance", threading.get_ident()))
+        if self.advance_fails:
+            raise RuntimeError("the matcher failed")
+        time.sleep(0.01)
+        return [(True, token == 9, "") for _, token in pairs]
+
+    def fill_bitmasks(self, rows, bitmask, entering=None) -> None:
+        self.calls.append(("fill", threading.get_ident()))
+        super().fill_bitmasks(rows, bitmask, entering)
+
+
+def test_the_worker_advances_the_step_being_processed_then_fills_the_next_ones_masks() -> None:
+    # The loop hands the processed step's (matcher, token) pairs over with the next step's rows and goes on with
+    # its own work; the worker advances them first (their answer is the future the loop reads later), then fills.
+    step, runner, bitmask, enqueued = one_constrained_step()
+    library = AdvancingLibrary()
+    masks = StepMasks(runner, library)
+    advanced = masks.advance_and_start(step, [("m1", 5), ("m2", 9)])
+    python_work(0.005)
+    assert advanced.result(timeout=1) == [(True, False, ""), (True, True, "")]
+    masks.finish()
+    assert bitmask.eq(7).all() and enqueued == [step]
+    assert [name for name, _ in library.calls] == ["advance", "fill"]
+    assert len({thread for _, thread in library.calls}) == 1 and library.calls[0][1] != threading.get_ident()
+    assert masks.started_early == 1
+    masks.close()
+
+
+def test_a_failed_advance_reaches_the_loop_through_its_future_and_finish() -> None:
+    step, runner, _, enqueued = one_constrained_step()
+    masks = StepMasks(runner, AdvancingLibrary(fails=True))
+    advanced = masks.advance_and_start(step, [("m1", 5)])
+    with pytest.raises(RuntimeError, match="the matcher failed"):
+        advanced.result(timeout=1)
+    with pytest.raises(RuntimeError, match="the matcher failed"):
+        masks.finish()
+    masks.close()
+    assert enqueued == []

@@ -472,9 +472,10 @@ class NativeEngine:
                 self.masks.begin(follower, step.plan.seqs)
                 settle = self.masks.settle
             elif not self.options.jump_forward:
-                # The follower's masks need only this step's tokens in the matchers: they fill while the rest of
-                # this step is processed (jump-forward would need the matchers after that).
-                advanced = functools.partial(self.masks.start, follower, early=True)
+                # The follower's masks need only this step's tokens in the matchers: the worker advances them and
+                # fills the masks while this thread processes the step (jump-forward would need the matchers
+                # after that).
+                advanced = functools.partial(self.masks.advance_and_start, follower)
         result = self.runner.collect(step)
         yield from self.outputs.process(
             step, result, self.scheduler, settle, self.options.mask_chunk_rows, advanced, self.masks.poll

@@ -10,7 +10,9 @@ and jumps forward over tokens its constraint forces.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from itertools import compress
+from typing import Any
 
 from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion, Sample
 from batchjob.engine.grammar import GrammarCompiler
@@ -49,21 +51,29 @@ class OutputProcessor:
         scheduler: Scheduler,
         settle: Callable[[list[Sequence]], None] | None = None,
         chunk: int = 0,
-        advanced: Callable[[], None] | None = None,
+        advanced: Callable[[list], Future] | None = None,
         poll: Callable[[], None] | None = None,
     ) -> Iterator[Completion]:
         """Apply one collected step: resolve each sampled row's pending token, stop what must stop, and
         yield the requests whose samples have all finished. With `settle`, every `chunk` sequences done are
-        passed to it: their matchers are final for the next step. `advanced` is called once every matcher has
-        its token, before the rest: without jump-forward, nothing here touches a matcher after that. `poll` is
-        called every `POLL_SEQS` sequences (the next step's sampler goes to the GPU once its masks are done)."""
+        passed to it: their matchers are final for the next step. `poll` is called every `POLL_SEQS` sequences
+        (the next step's sampler goes to the GPU once its masks are done).
+
+        `advanced(pairs)`, without jump-forward, hands the step's (matcher, token) pairs over to be consumed
+        (`StepMasks.start`: the mask worker advances them and goes on to fill the next step's masks from them)
+        and returns the future of what `GrammarCompiler.advance` says of them. The unconstrained rows are then
+        processed while the worker consumes, and the constrained rows after them, from that answer: nothing here
+        touches a matcher once it is handed over."""
         tokens = result.tokens.tolist()  # Python ints once, not a numpy scalar per row
         samples = step.plan.samples.tolist()
-        advanced_by = self._advance_matchers(step.plan, tokens)
-        if advanced is not None:
-            advanced()
+        pairs, ids = self._matcher_tokens(step.plan, tokens)
+        consumed = advanced(pairs) if advanced is not None else None
+        advanced_by = {}
+        if consumed is None and pairs:
+            advanced_by = dict(zip(ids, self.grammars.advance(pairs), strict=True))
         row = 0
         done: list[Sequence] = []
+        later: list[tuple[Sequence, int]] = []  # constrained rows, while their matchers are being consumed
         plain_step = result.logprobs is None
         for index, (seq, sampled) in enumerate(zip(step.plan.seqs, samples, strict=True)):
             if settle is not None and len(done) == chunk:
@@ -80,6 +90,10 @@ class OutputProcessor:
                     finished = self._append_plain(seq, tokens[row], scheduler)
                     if finished is not None:
                         yield finished
+                elif consumed is not None and seq.matcher is not None:
+                    later.append((seq, row))
+                    row += 1
+                    continue
                 else:
                     finished = self._append(seq, tokens[row], result, row, scheduler, advanced_by.get(seq.seq_id))
                     if finished is not None:
@@ -89,13 +103,23 @@ class OutputProcessor:
                 scheduler.release_if_idle(seq)
         if settle is not None and done:
             settle(done)
+        if later:
+            if poll is not None:
+                poll()
+            advanced_by = dict(zip(ids, consumed.result(), strict=True))
+            for seq, row in later:
+                finished = self._append(seq, tokens[row], result, row, scheduler, advanced_by.get(seq.seq_id))
+                if finished is not None:
+                    yield finished
+                if seq.status is Status.FINISHED:
+                    scheduler.release_if_idle(seq)
 
-    def _advance_matchers(self, plan: StepPlan, tokens: list[int]) -> dict[int, tuple[bool, bool, str]]:
-        """Advance every constrained sequence's matcher by its new token, unless its constraint had already forced
-        (and consumed) that token. Returns, by sequence id, whether each matcher accepted its token, whether its
-        constraint is now complete, and its error if it refused the token."""
+    @staticmethod
+    def _matcher_tokens(plan: StepPlan, tokens: list[int]) -> tuple[list[tuple[Any, int]], list[int]]:
+        """(matcher, token) for every constrained sequence whose constraint had not already forced (and
+        consumed) its new token, and their sequence ids."""
         if not plan.constrained.any():
-            return {}
+            return [], []
         pairs, ids = [], []
         for seq, token in compress(zip(plan.sampled, tokens, strict=True), plan.constrained.tolist()):
             if seq.status is not Status.FINISHED:
@@ -103,12 +127,7 @@ class OutputProcessor:
                 if position >= seq.forced_until:
                     pairs.append((seq.matcher, token))
                     ids.append(seq.seq_id)
-        if not pairs:
-            return {}
-        accepted = self.grammars.consume(pairs)
-        return {
-            i: (ok, m.is_stopped, "" if ok else m.error) for i, ok, (m, _) in zip(ids, accepted, pairs, strict=True)
-        }
+        return pairs, ids
 
     def _append(
         self,
@@ -184,7 +203,7 @@ class OutputProcessor:
     ) -> str | None:
         """`stop` once the constraint is complete (EOS sampled, or nothing but EOS may follow), `error` if the
         token broke it (a bug: masks allow only what the matcher accepts); None to go on. `advanced` is what
-        `_advance_matchers` found: the next step's masks may be filling from this matcher already."""
+        `GrammarCompiler.advance` found: the next step's masks may be filling from this matcher already."""
         if forced:
             if int(seq.tokens[position]) != token:
                 seq.error = f"constrained decoding sampled token {token} where the constraint forced another"

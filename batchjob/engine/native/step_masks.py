@@ -100,16 +100,28 @@ class StepMasks:
         """Have the worker fill `step`'s bitmask; `poll` or `finish` enqueues its sampler. `early`: the step before
         it is still being processed, its tokens already in the matchers (a row that stops there is filled for
         nothing)."""
+        self._start(step, None)
+        self.started_at_launch += at_launch
+        self.started_early += early
+
+    def advance_and_start(self, step: StepHandle, pairs: list) -> Future:
+        """`start` from the step before `step` as it begins being processed: the worker first advances that
+        step's matchers by their tokens (`pairs` of (matcher, token)), then fills `step`'s bitmask. Returns the
+        future of `GrammarCompiler.advance`'s answer, set before the fill begins."""
+        advanced: Future = Future()
+        self._start(step, (pairs, advanced))
+        self.started_early += 1
+        return advanced
+
+    def _start(self, step: StepHandle, advance: tuple[list, Future] | None) -> None:
         bitmask = self.runner.bitmask_rows(step)
         rows = self._rows(step, bitmask)
         gated = self.runner.arm_gate(step)
-        self._job = (step, [self._submit(rows, bitmask, step if gated else None)])
+        self._job = (step, [self._submit(rows, bitmask, step if gated else None, advance)])
         if gated:
             # Enqueued while the worker fills: from here on only the worker opens the gate, and this thread's
             # next launches (which may block on it, host_gate.py) never wait for this thread.
             self.runner.enqueue_gated_sampler(step)
-        self.started_at_launch += at_launch
-        self.started_early += early
 
     def begin(self, step: StepHandle, processing: Iterable[Sequence]) -> None:
         """Fill `step`'s bitmask chunk by chunk: the rows of sequences outside `processing` (the step whose tokens
@@ -214,9 +226,16 @@ class StepMasks:
             self.fill_s += max(end for _, end in self._spans) - min(start for start, _ in self._spans)
             self._spans = []
 
-    def _submit(self, rows: list, bitmask: torch.Tensor, opens: StepHandle | None = None) -> Future:
-        """Fill `rows` of `bitmask` on a worker; one that fills a whole step (`opens`) opens its gate right after,
-        if its sampler waits behind one (model_runner.py), without waiting for the loop's next `poll`."""
+    def _submit(
+        self,
+        rows: list,
+        bitmask: torch.Tensor,
+        opens: StepHandle | None = None,
+        advance: tuple[list, Future] | None = None,
+    ) -> Future:
+        """Fill `rows` of `bitmask` on a worker (having first advanced the matchers of `advance`, and set its
+        future); one that fills a whole step (`opens`) opens its gate right after, if its sampler waits behind one
+        (model_runner.py), without waiting for the loop's next `poll`."""
         self.fill_calls += bool(rows)  # counted here, in the loop's thread
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="batchjob-masks")
@@ -229,7 +248,7 @@ class StepMasks:
         # A job queued behind busy workers is not waited for: that would hold the loop for a whole fill.
         idle = self._job is None or sum(not job.done() for job in self._job[1]) < self._workers
         entering = threading.Event()
-        job = self._worker.submit(self._fill, rows, bitmask, entering.set, opens)
+        job = self._worker.submit(self._fill, rows, bitmask, entering.set, opens, advance)
         if idle:
             entering.wait()
         return job
@@ -240,9 +259,21 @@ class StepMasks:
         bitmask: torch.Tensor,
         entering: Callable[[], None] | None = None,
         opens: StepHandle | None = None,
+        advance: tuple[list, Future] | None = None,
     ) -> None:
         began = time.perf_counter()
         try:
+            if advance is not None:
+                pairs, advanced = advance
+                if entering is not None:
+                    entering()
+                    entering = None
+                try:
+                    advanced.set_result(self.grammars.advance(pairs) if pairs else [])
+                except BaseException as err:
+                    advanced.set_exception(err)  # the loop waiting for it raises it
+                    raise
+                began = time.perf_counter()  # the fill's own time from here
             self.grammars.fill_bitmasks(rows, bitmask, entering)
         finally:
             if entering is not None:
