@@ -26,6 +26,11 @@ from batchjob.engine.native.sequence import NOT_PLAIN, Sequence, Status
 POLL_SEQS = 32
 
 
+def _refusal(token: int, error: str) -> str:
+    """A constrained row's error when its matcher refused its token (a bug: masks allow only what it accepts)."""
+    return f"constrained decoding failed: {error or f'token {token} not allowed'}"
+
+
 class OutputProcessor:
     def __init__(
         self,
@@ -108,7 +113,11 @@ class OutputProcessor:
                 poll()
             advanced_by = dict(zip(ids, consumed.result(), strict=True))
             for seq, row in later:
-                finished = self._append(seq, tokens[row], result, row, scheduler, advanced_by.get(seq.seq_id))
+                advanced_row = advanced_by.get(seq.seq_id)
+                if plain_step and advanced_row is not None:
+                    finished = self._append_constrained(seq, tokens[row], scheduler, advanced_row)
+                else:
+                    finished = self._append(seq, tokens[row], result, row, scheduler, advanced_row)
                 if finished is not None:
                     yield finished
                 if seq.status is Status.FINISHED:
@@ -120,14 +129,13 @@ class OutputProcessor:
         consumed) its new token, and their sequence ids."""
         if not plan.constrained.any():
             return [], []
-        pairs, ids = [], []
-        for seq, token in compress(zip(plan.sampled, tokens, strict=True), plan.constrained.tolist()):
-            if seq.status is not Status.FINISHED:
-                _, position = seq.pending[0]
-                if position >= seq.forced_until:
-                    pairs.append((seq.matcher, token))
-                    ids.append(seq.seq_id)
-        return pairs, ids
+        finished = Status.FINISHED
+        rows = [
+            (seq, token)
+            for seq, token in compress(zip(plan.sampled, tokens, strict=True), plan.constrained.tolist())
+            if seq.status is not finished and (not seq.forced_until or seq.pending[0][1] >= seq.forced_until)
+        ]
+        return [(seq.matcher, token) for seq, token in rows], [seq.seq_id for seq, _ in rows]
 
     def _append(
         self,
@@ -184,6 +192,23 @@ class OutputProcessor:
             return self._finish(seq, position, FINISH_LENGTH, scheduler)
         return None
 
+    def _append_constrained(
+        self, seq: Sequence, token: int, scheduler: Scheduler, advanced: tuple[bool, bool, str]
+    ) -> Completion | None:
+        """`_append` for a constrained row of a step without log-probabilities whose token its matcher consumed
+        (`advanced`), without jump-forward: the same outcome, without the checks that cannot apply."""
+        position, _ = seq.resolve_oldest(token)
+        self.tokens_out += 1
+        accepted, stopped, error = advanced
+        if not accepted:
+            seq.error = _refusal(token, error)
+            return self._finish(seq, position, FINISH_ERROR, scheduler)
+        if stopped or token in self.eos_token_ids:
+            return self._finish(seq, position, FINISH_STOP, scheduler)
+        if position + 1 >= seq.max_len:
+            return self._finish(seq, position, FINISH_LENGTH, scheduler)
+        return None
+
     def _stop_reason(self, seq: Sequence, token: int, position: int) -> str | None:
         sampling = seq.sampling
         if (not sampling.ignore_eos and token in self.eos_token_ids) or token in sampling.stop_token_ids:
@@ -211,7 +236,7 @@ class OutputProcessor:
             return FINISH_STOP if seq.matcher.is_stopped else None
         accepted, stopped, error = advanced
         if not accepted:
-            seq.error = f"constrained decoding failed: {error or f'token {token} not allowed'}"
+            seq.error = _refusal(token, error)
             return FINISH_ERROR
         if token in self.eos_token_ids or stopped:
             return FINISH_STOP

@@ -219,7 +219,15 @@ class StepMasks:
     def _rows(self, step: StepHandle, bitmask: torch.Tensor) -> list:
         """Row k of `bitmask` is what the k-th constrained sampled row of `step` may sample. Writes the rows that
         need no matcher and returns `(matcher, k)` for the others."""
-        return [(seq.matcher, k) for seq, k in self._constrained_rows(step) if self._row(seq, k, bitmask)]
+        plan = step.plan
+        seqs = compress(plan.sampled, plan.constrained.tolist())
+        running = Status.RUNNING
+        # Most rows, in one pass: running, nothing forced (jump-forward); `_row` settles the others.
+        return [
+            (seq.matcher, k)
+            for k, seq in enumerate(seqs)
+            if (seq.status is running and not seq.forced_until) or self._row(seq, k, bitmask)
+        ]
 
     def _count_fill_time(self) -> None:
         if self._spans:
