@@ -6,13 +6,13 @@ step N's tokens (the GPU is already busy with N+1) -> update sequences, emit fin
 are admitted sorted by prompt within a bounded look-ahead window (admission.py), and the engine's start-up
 ends with a warm-up of every kind of step (warmup.py).
 
-Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have
-advanced the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why;
-step_masks.py fills them). In the asynchronous loop the bitmasks are filled by a worker thread (llguidance
-computes them off the GIL, in its own threads) while this thread processes the rest of step N, admits, schedules
-and fills step N+2; between those pieces of work it polls, and enqueues step N+1's sampler at the first poll that
-finds the masks filled, then step N+2's forward once it is laid out, so the GPU waits for neither the scheduler
-nor the host's step filling:
+Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have advanced
+the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why; step_masks.py fills
+them). In the asynchronous loop a worker thread advances the matchers by N's tokens while this thread applies N's
+unconstrained rows (output.py), then fills the bitmasks (llguidance computes both off the GIL, in its own threads)
+while this thread processes the rest of step N, admits, schedules and fills step N+2; between those pieces of work
+it polls, and enqueues step N+1's sampler at the first poll that finds the masks filled, then step N+2's forward
+once it is laid out, so the GPU waits for neither the scheduler nor the host's step filling:
 
     loop:   process N (poll) | schedule (poll) | sampler N+1 | fill N+2 | forward N+2 | wait N+1 | process N+1
     worker:    masks N+1 .........|
@@ -24,7 +24,7 @@ filled, and step N+2's forward as soon as it is laid out: the GPU goes from the 
 forward without a host call between.
 
     loop:   process N (sampler N+1) | schedule | fill N+2 | forward N+2 | wait N+1 | process N+1
-    worker:    masks N+1 ..................| open
+    worker:    advance N, masks N+1 .......| open
     GPU:   forward N+1 ....................| sampler N+1 | forward N+2 ..................
 """
 

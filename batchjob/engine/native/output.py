@@ -65,7 +65,7 @@ class OutputProcessor:
         (the next step's sampler goes to the GPU once its masks are done).
 
         `advanced(pairs)`, without jump-forward, hands the step's (matcher, token) pairs over to be consumed
-        (`StepMasks.start`: the mask worker advances them and goes on to fill the next step's masks from them)
+        (`StepMasks.advance_and_start`: the mask worker advances them, then fills the next step's masks)
         and returns the future of what `GrammarCompiler.advance` says of them. The unconstrained rows are then
         processed while the worker consumes, and the constrained rows after them, from that answer: nothing here
         touches a matcher once it is handed over."""
