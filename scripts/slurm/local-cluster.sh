@@ -72,6 +72,10 @@ CONF
         --log-error=$BASE/log/mysql/mariadb.err >/dev/null 2>&1 &
     echo $! > $R/mariadb.pid
     for i in $(seq 100); do mariadb -e 'select 1' >/dev/null 2>&1 && break; sleep 0.1; done
+    # A controller without saved job state numbers jobs from 1 again: an accounting database kept from an
+    # earlier cluster would answer sacct for those ids with the old jobs' final states, and submitit would
+    # take a job just submitted for finished. Such a database starts empty.
+    [ -e $BASE/state/ctld/job_state ] || mariadb -e 'DROP DATABASE IF EXISTS slurm_acct_db'
     cat > /etc/slurm/slurmdbd.conf <<CONF
 AuthType=auth/munge
 DbdHost=localhost
