@@ -277,7 +277,7 @@ class StepMasks:
                     entering()
                     entering = None
                 try:
-                    advanced.set_result(self.grammars.advance(pairs) if pairs else [])
+                    advanced.set_result(self.grammars.advance(pairs))
                 except BaseException as err:
                     advanced.set_exception(err)  # the loop waiting for it raises it
                     raise
