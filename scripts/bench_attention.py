@@ -1,7 +1,7 @@
 """GPU microbenchmark of the Triton paged-attention kernels against SDPA on dense K/V.
 
     python scripts/bench_attention.py results/attention.json [--sweep] [--iters 100] [--decode 32x640,64x1024]
-        [--decode-only] [--layers 32]
+        [--decode-only | --cases prefill,mixed] [--layers 32]
 
 Decode: time per call (eager and replayed from a CUDA graph) and effective bandwidth = KV bytes read / time,
 next to SDPA on the same K/V laid out densely, and to a device-to-device copy measured in the same run.
@@ -11,9 +11,9 @@ as the engine runs them, with a sweep of the varlen launch configs on each part.
 index_copy_.
 `--sweep` also times every launch config and split count (and prints the best of each split count), to pick the
 defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context),
-`--decode-only` skips the others, and `--layers N` times each decode call over N distinct caches in turn (a
-step's layers: one cache of a few tens of MB stays partly in L2 between calls). Prints a table and writes
-everything as JSON to the path given.
+`--decode-only` skips the others (`--cases` names the kinds to run), and `--layers N` times each decode call
+over N distinct caches in turn (a step's layers: one cache of a few tens of MB stays partly in L2 between
+calls). Prints a table and writes everything as JSON to the path given.
 """
 
 from __future__ import annotations
@@ -304,6 +304,7 @@ def main() -> None:
         "--decode", default="64x1024,32x1152,32x640", help="decode cases, SEQSxCONTEXT separated by commas"
     )
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill, mixed-step and store cases")
+    parser.add_argument("--cases", default="decode,prefill,mixed,store", help="kinds of case to run")
     parser.add_argument(
         "--layers", type=int, default=1, help="decode: time each call over this many distinct caches (a step's layers)"
     )
@@ -314,7 +315,8 @@ def main() -> None:
 
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bandwidth(20)}
     print(f"{results['device']}: device-to-device copy {results['copy_bytes_per_s'] / 1e12:.2f} TB/s")
-    cases = [tuple(int(n) for n in case.split("x")) for case in args.decode.split(",")]
+    kinds = {"decode"} if args.decode_only else set(args.cases.split(","))
+    cases = [tuple(int(n) for n in case.split("x")) for case in args.decode.split(",")] if "decode" in kinds else []
     results["decode"] = [decode_bench(b, s, args.sweep, args.iters, args.layers) for b, s in cases]
     for case in results["decode"]:
         title = f"decode {case['num_seqs']} seqs x {case['context']} ctx, KV {case['kv_bytes'] / 1e6:.0f} MB a layer"
@@ -325,15 +327,13 @@ def main() -> None:
                 best = best_of([r for r in case["sweep"] if r["splits"] == splits])
                 rate = best["rate"] / 1e12
                 print(f"  best with {splits} splits: {best['seconds'] * 1e6:.1f} us, {rate:.2f} TB/s: {best}")
-    if args.decode_only:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
-        return
     prefill_cases = (
         ([1024] * 8, [1024] * 8),
         ([512] * 4, [2048] * 4),
+        ([1432], [1832]),  # a prompt's chunk after 400 cached tokens, as finished sequences are replaced
         ([1, 1, 1, 1, 900, 300], [700, 300, 2000, 64, 900, 1500]),
     )
+    prefill_cases = prefill_cases if "prefill" in kinds else ()
     results["prefill"] = [prefill_bench(list(ql), list(sl), args.sweep, args.iters // 4) for ql, sl in prefill_cases]
     for case in results["prefill"]:
         print_table(
@@ -344,10 +344,12 @@ def main() -> None:
             1e12,
         )
         if "sweep" in case:
-            print(f"  best of sweep (rate in FLOP/s): {best_of(case['sweep'])}")
-    results["mixed"] = [
-        mixed_bench(d, c, p, n, args.iters // 4) for d, c, p, n in ((256, 1300, 4, 1024), (64, 600, 2, 1024))
-    ]
+            ranked = sorted((r for r in case["sweep"] if r["rate"]), key=lambda r: -r["rate"])
+            for r in ranked[:4]:
+                config = f"m {r['block_m']}, n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages"
+                print(f"  sweep: {config:<44} {r['seconds'] * 1e6:8.1f} us {r['rate'] / 1e12:8.1f} TFLOP/s")
+    mixed_cases = ((256, 1300, 4, 1024), (64, 600, 2, 1024)) if "mixed" in kinds else ()
+    results["mixed"] = [mixed_bench(d, c, p, n, args.iters // 4) for d, c, p, n in mixed_cases]
     for case in results["mixed"]:
         print(
             f"\nmixed step: {case['decodes']} decodes at {case['context']}"
@@ -358,7 +360,7 @@ def main() -> None:
         for part in ("decode rows", "prompts"):
             best = max((r for r in case["sweep"] if r["part"] == part and r["rate"]), key=lambda r: r["rate"])
             print(f"  best varlen config for the {part}: {best}")
-    results["store"] = [store_bench(n, args.iters) for n in (64, 8192)]
+    results["store"] = [store_bench(n, args.iters) for n in ((64, 8192) if "store" in kinds else ())]
     for case in results["store"]:
         print_table(f"store {case['num_tokens']} tokens", case["rows"], "bytes_per_s", "TB/s", 1e12)
 

@@ -23,6 +23,7 @@ from batchjob.engine.native.step_layout import (
     SAMPLING,
     GraphBuckets,
     decode_buckets,
+    fastest_buckets,
     layout_step,
     mixed_buckets,
     sampler_mode,
@@ -65,6 +66,19 @@ def test_mixed_buckets_double_from_256_up_to_the_token_budget_which_is_the_last(
 def test_the_default_limits_add_few_graphs_beside_the_decode_graphs():
     # 256 sequences and 8192 tokens: per sampler mode and IO slot, 6 mixed graphs beside 20 decode graphs.
     assert len(mixed_buckets(8192)) == 6 and len(decode_buckets(256)) == 20
+
+
+def test_a_decode_bucket_that_a_larger_one_replays_faster_is_dropped_and_its_steps_pad_up():
+    # 448 rows replaying slower than 512 (tile and wave quantization of the matmuls): 448 goes, 512 takes its
+    # steps; 16 and 32 within 2% of each other both stay; the largest bucket always stays.
+    seconds = {16: 1.00, 32: 0.99, 448: 5.0, 512: 4.0}
+    assert fastest_buckets(seconds) == (16, 32, 512)
+    assert fastest_buckets({16: 1.0, 32: 0.5, 64: 2.0}) == (32, 64)
+    assert fastest_buckets({8: 3.0}) == (8,)
+    captured = dataclasses.replace(CAPTURED, decode=fastest_buckets({1: 1.0, 2: 0.5, 4: 1.0, 8: 1.0}))
+    assert captured.decode == (2, 4, 8)
+    layout = layout_step(_plan((1,)), captured)
+    assert not layout.mixed and layout.bucket == 2 and layout.shape == StepShape(tokens=2, seqs=2, rows=2)
 
 
 def test_a_step_with_a_chunk_pads_its_tokens_to_the_next_bucket_and_its_sequences_to_the_limit():

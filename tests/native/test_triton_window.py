@@ -47,6 +47,15 @@ def test_prefill_with_a_window_under_default_tiles_and_gqa_4_matches_the_referen
     check_against_reference(step, TritonPagedAttention(), window=24)
 
 
+@pytest.mark.parametrize("window", [33, 50, 64])
+def test_prefill_tiles_inside_every_rows_window_are_read_without_masks_and_the_edges_with(window):
+    # 16-key tiles, 8-query programs: a 120-token prompt and a 30-token chunk after 100 cached tokens have
+    # masked tiles at the window's start, unmasked ones wholly inside every query's window, masked ones at the
+    # diagonal. A key read outside its window is NaN and would show.
+    step = windowed_step([120, 30, 1], [120, 130, 77], window, seed=7)
+    check_against_reference(step, SMALL_TILES, window=window)
+
+
 @pytest.mark.parametrize("window", [1, 16, 50, 200])
 def test_decode_with_a_sliding_window_matches_the_reference(window):
     # Contexts shorter than, equal to and many tiles longer than the window; 3 splits over the in-window tiles.

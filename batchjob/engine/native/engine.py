@@ -212,14 +212,15 @@ class NativeEngine:
             split = opts.graph_constrained and opts.tensor_parallel == 1
             mixed = mixed_buckets(opts.max_num_batched_tokens) if opts.graph_mixed else []
             graphs = self.runner.graphs
-            seconds, nbytes = graphs.capture(decode_buckets(max_batch), modes, split, mixed)
+            captured = decode_buckets(max_batch)
+            seconds, nbytes = graphs.capture(captured, modes, split, mixed)
             kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
             log.info(
                 "captured %d CUDA graphs (2 slots x %d decode buckets x %d sampler modes, plus %d for steps with "
                 "constrained rows and %d for mixed steps, token buckets: %s) in %.1f s using %.1f MiB, plus %.1f MiB "
                 "for the second IO slot (%.2f%% of the KV cache together)",
                 len(graphs.decode),
-                len(graphs.buckets.decode),
+                len(captured),
                 len(graphs.buckets.modes),
                 graphs.split_count,
                 len(graphs.mixed),
@@ -230,6 +231,7 @@ class NativeEngine:
                 100 * (nbytes + self._stats["slot_bytes"]) / kv_bytes,
             )
             self._stats.update(
+                decode_buckets=len(graphs.buckets.decode),
                 graph_capture_s=seconds,
                 graph_bytes=nbytes,
                 kv_cache_bytes=kv_bytes,

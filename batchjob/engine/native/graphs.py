@@ -10,7 +10,8 @@ step_layout.py says how a step is padded to a graph's shape. All graphs share on
 stream; the largest steps are captured first, so the smaller ones reuse their memory.
 
 A capture runs its step once eagerly (lazy initialisation, autotuning), then records it, from inputs whose
-every token is padding in the scratch block.
+every token is padding in the scratch block. Once captured, each decode graph is replayed and timed, and a
+bucket that a larger one beats is dropped from the buckets steps pad to (`step_layout.fastest_buckets`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ import torch
 
 from batchjob.engine.native.io_slot import IOSlot, StepShape
 from batchjob.engine.native.sampler import SamplerMode
-from batchjob.engine.native.step_layout import GraphBuckets, StepLayout
+from batchjob.engine.native.step_layout import GraphBuckets, StepLayout, fastest_buckets
 
 if TYPE_CHECKING:
     from batchjob.engine.native.model_runner import ModelRunner
 
 log = logging.getLogger("batchjob.engine.native")
+
+# Replays of each decode graph timed to choose the buckets (one more runs first, untimed).
+TIMED_REPLAYS = 2
 
 
 @contextmanager
@@ -78,6 +82,7 @@ class StepGraphs:
         self.mixed_masked: dict[tuple[int, int, SamplerMode], torch.cuda.CUDAGraph] = {}
         self.errors: list[str] = []
         self.buckets = GraphBuckets()
+        self.decode_seconds: dict[int, float] = {}  # a replay of each decode bucket's graph (first mode, slot 0)
 
     def for_step(self, slot: int, layout: StepLayout, split: bool) -> torch.cuda.CUDAGraph | None:
         """The graph that replays `layout` in `slot` (with `split`, its forward alone), or None: run it
@@ -120,8 +125,12 @@ class StepGraphs:
             self._capture_all(f"mixed steps with {mode}", mode, mixed_steps)
             decode_steps = [partial(self._decode, b, mode, pool, split) for b in sorted(decode, reverse=True)]
             self._capture_all(f"decode steps with {mode}", mode, decode_steps, required=mode == modes[0])
+        self.decode_seconds = self._time_decode(sorted(decode), modes[0])
+        kept = fastest_buckets(self.decode_seconds)
+        if len(kept) < len(decode):
+            log.info("decode steps pad to %d of the %d buckets: %s", len(kept), len(decode), self._dropped(kept))
         self.buckets = GraphBuckets(
-            decode=tuple(sorted(decode)),
+            decode=kept,
             modes=frozenset(key[2] for key in self.decode),
             masked_modes=frozenset(key[2] for key in self.masked),
             mixed=tuple(sorted(mixed)),
@@ -131,6 +140,34 @@ class StepGraphs:
         )
         torch.cuda.synchronize(device)
         return time.perf_counter() - start, torch.cuda.memory_reserved(device) - before
+
+    def _time_decode(self, buckets: list[int], mode: SamplerMode) -> dict[int, float]:
+        """Seconds a replay of each bucket's decode graph takes (slot 0, `mode`), from the captures' inputs.
+        Every rank of a tensor-parallel engine replays the same graphs in the same order: their collectives
+        meet."""
+        runner = self.runner
+        slot, prev = runner.slots
+        seconds = {}
+        for bucket in buckets:
+            graph = self.decode[(slot.index, bucket, mode)]
+            prepare_dummy(slot, prev, StepShape(tokens=bucket, seqs=bucket, rows=bucket), runner.max_model_len)
+            runner.compute.wait_stream(torch.cuda.current_stream(runner.device))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(runner.compute):
+                graph.replay()
+                start.record()
+                for _ in range(TIMED_REPLAYS):
+                    graph.replay()
+                end.record()
+            end.synchronize()
+            seconds[bucket] = start.elapsed_time(end) / 1e3 / TIMED_REPLAYS
+        return seconds
+
+    def _dropped(self, kept: tuple[int, ...]) -> str:
+        """Each dropped bucket's replay time beside the one its steps now pad to, for the log."""
+        ms = {b: f"{t * 1e3:.2f} ms" for b, t in self.decode_seconds.items()}
+        pads_to = {b: next(k for k in kept if k > b) for b in self.decode_seconds if b not in kept}
+        return ", ".join(f"{b} ({ms[b]}) to {k} ({ms[k]})" for b, k in pads_to.items())
 
     def _capture_all(
         self, what: str, mode: SamplerMode, captures: list[Callable[[], None]], required: bool = False

@@ -60,6 +60,23 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
     return buckets + [max_num_batched_tokens]
 
 
+# A decode bucket is dropped only when a larger one replays faster by more than this share: timing noise must
+# not move small steps to large buckets for nothing.
+BUCKET_GAIN = 0.02
+
+
+def fastest_buckets(seconds: dict[int, float]) -> tuple[int, ...]:
+    """The decode buckets worth padding to, given each one's replay time: a bucket is dropped when a larger one
+    replays faster (by more than `BUCKET_GAIN`); its steps then pad up to the next bucket kept. A matmul can
+    take longer at 448 rows than at 512, where its tiles and waves fill the GPU."""
+    kept, best = [], float("inf")
+    for bucket in sorted(seconds, reverse=True):
+        if seconds[bucket] * (1 - BUCKET_GAIN) < best:
+            kept.append(bucket)
+        best = min(best, seconds[bucket])
+    return tuple(sorted(kept))
+
+
 @dataclass(frozen=True)
 class GraphBuckets:
     """The graphs a runner captured: decode buckets and the sampler modes captured whole (`modes`) and as split

@@ -70,6 +70,7 @@ def attend_kv_tile(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EDGE: tl.constexpr = True,
 ):
     """Fold keys [n0, n0 + BLOCK_N) below `kv_end` into the running softmax of the query rows `q`
     [M, HEAD_DIM]: max `m_i` and sum `l_i` [M] (log2 domain) and unnormalised output `acc` [M, HEAD_DIM].
@@ -77,23 +78,34 @@ def attend_kv_tile(
     CAUSAL masks keys after each row's position `q_pos` [M]. SLIDING never reads keys before `kv_start`
     (blocks that far back may already be freed and hold anything, NaN included), and with CAUSAL also masks,
     per row, keys at or before `q_pos - window`. Without SLIDING, `kv_start` and `window` are ignored.
+    Without EDGE the caller knows every row sees every key of the tile: nothing is masked (a causal prefill's
+    tiles before its first query, most of its work).
     """
-    block = tile_blocks(table_row, n0, kv_start, kv_end, BLOCK_SIZE, BLOCK_N, SLIDING)
+    block = tile_blocks(table_row, n0, kv_start, kv_end, BLOCK_SIZE, BLOCK_N, SLIDING, EDGE)
     return attend_kv_blocks(
         q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, kv_head,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION, EDGE,
     )  # fmt: skip
 
 
 @triton.jit
 def tile_blocks(
-    table_row, n0, kv_start, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr
+    table_row,
+    n0,
+    kv_start,
+    kv_end,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    EDGE: tl.constexpr = True,
 ):
     """The cache block of each key of the tile [n0, n0 + BLOCK_N), read from the sequence's block-table row
-    (0 for keys outside [kv_start, kv_end); `kv_start` only with SLIDING)."""
+    (0 for keys outside [kv_start, kv_end); `kv_start` only with SLIDING; without EDGE every key is inside)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    if not EDGE:
+        return tl.load(table_row + offs_n // BLOCK_SIZE)
     mask_n = offs_n < kv_end
     if SLIDING:
         mask_n = mask_n & (offs_n >= kv_start)
@@ -130,6 +142,7 @@ def attend_kv_blocks(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EDGE: tl.constexpr = True,
 ):
     """`attend_kv_tile` with the tile's cache blocks already read (`tile_blocks`): a kernel can then read the
     next tile's blocks while this one's keys load."""
@@ -140,21 +153,20 @@ def attend_kv_blocks(
         mask_n = mask_n & (offs_n >= kv_start)
     block = block.to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
-    k = tl.load(
-        k_cache_ptr + (block * stride_kb + in_block * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :],
-        mask=mask_n[:, None],
-        other=0.0,
-    )
+    k_rows = k_cache_ptr + (block * stride_kb + in_block * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :]
+    v_rows = v_cache_ptr + (block * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :]
+    k = tl.load(k_rows, mask=mask_n[:, None], other=0.0) if EDGE else tl.load(k_rows)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
     if SOFTCAP:
         # tanh(x) = 1 - 2 / (e^(2x) + 1): exact at both ends (e^(2x) overflowing to inf gives 1), no NaN.
         s = (1.0 - 2.0 / (tl.math.exp2(s) + 1.0)) * softcap_log2
-    visible = mask_n[None, :]
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-        if SLIDING:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-    s = tl.where(visible, s, float("-inf"))
+    if EDGE:
+        visible = mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+            if SLIDING:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = m_new
     if CAUSAL and SLIDING:
@@ -165,10 +177,6 @@ def attend_kv_blocks(
     p = tl.math.exp2(s - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr + (block * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :],
-        mask=mask_n[:, None],
-        other=0.0,
-    )
+    v = tl.load(v_rows, mask=mask_n[:, None], other=0.0) if EDGE else tl.load(v_rows)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

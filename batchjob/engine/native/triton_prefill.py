@@ -113,12 +113,31 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # The tile's last query sees positions up to its own, its first no further back than the window:
-    # nothing outside [kv_start, kv_end) is read.
-    kv_end = tl.minimum(seq_len, context_before + q0 + BLOCK_Q)
+    # nothing outside [kv_start, kv_end) is read. Key tiles that every row sees whole, [full_start, full_end),
+    # need no mask (most of a long prompt's work); the few tiles on either side are masked per key and row.
+    first_pos = context_before + q0
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
     kv_start = 0
+    full_start = 0
     if SLIDING:
-        kv_start = tl.maximum(context_before + q0 - window + 1, 0)
-    for n0 in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
+        kv_start = tl.maximum(first_pos - window + 1, 0)
+        full_start = tl.cdiv(tl.maximum(first_pos + BLOCK_Q - window, 0), BLOCK_N) * BLOCK_N
+        for n0 in range(kv_start // BLOCK_N * BLOCK_N, tl.minimum(full_start, kv_end), BLOCK_N):
+            m_i, l_i, acc = attend_kv_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION,
+            )  # fmt: skip
+    full_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, full_start)
+    for n0 in range(full_start, full_end, BLOCK_N):
+        m_i, l_i, acc = attend_kv_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION, False,
+        )  # fmt: skip
+    for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
