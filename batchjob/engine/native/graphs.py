@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("batchjob.engine.native")
 
-# Replays of each decode graph timed to choose the buckets (one more runs first, untimed).
-TIMED_REPLAYS = 2
+# Replays of each decode graph timed to choose the buckets, after one untimed.
+TIMED_REPLAYS = 1
 
 
 @contextmanager
