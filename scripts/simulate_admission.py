@@ -29,42 +29,53 @@ from batchjob.engine.native.sequence import RequestGroup, Sequence  # noqa: E402
 BLOCK = 16
 
 
-def simulate(prompt_lens, new_tokens, kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int = 8192) -> dict:
-    """Step the scheduler until every request has its tokens; what it did, summed over the steps."""
+def replay(prompt_lens, new_tokens, kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int = 8192,
+           token_buckets: tuple[int, ...] = ()):  # fmt: skip
+    """Step the scheduler until every request has its tokens, yielding each step's plan (`token_buckets`: the
+    mixed graphs' buckets, which the scheduler cuts chunks to fill) and the scheduler."""
     longest = int(np.max(np.asarray(prompt_lens) + np.asarray(new_tokens)))
     if -(-longest // BLOCK) > kv_blocks - 1:  # block 0 is the engine's scratch block
         raise ValueError(f"a request of {longest} tokens needs more than the cache's {kv_blocks - 1} usable blocks")
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, token_buckets=token_buckets
+    )
     scheduler = Scheduler(config, KVBlockManager(kv_blocks, BLOCK, enable_prefix_caching=False))
     pending = list(zip(prompt_lens, new_tokens, strict=True))[::-1]
-    steps = fed = decode_rows = decode_steps = 0
     while pending or scheduler.has_unfinished:
         while pending and scheduler.free_seq_slots > 0:
             seq_id = len(prompt_lens) - len(pending)
             prompt_len, new = pending.pop()
-            request = Request(seq_id, tuple(range(3, 3 + prompt_len)), SamplingParams(new, ignore_eos=True))
+            request = Request(seq_id, tuple(range(3, 3 + prompt_len)), SamplingParams(int(new), ignore_eos=True))
             group = RequestGroup(request, prompt_len)
             scheduler.add(Sequence.create(seq_id, group, 0, prompt_len + new, seq_id, BLOCK))
         plan = scheduler.schedule()
         if plan is None:
             raise RuntimeError("the scheduler planned nothing with sequences left: the cache is too small")
-        steps += 1
-        fed += plan.num_tokens
-        if plan.is_decode:
-            decode_steps += 1
-            decode_rows += len(plan.seqs)
+        yield plan, scheduler
         for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True):
             seq.inflight -= 1
             if sampled:
                 seq.resolve_oldest(7)
                 if seq.num_tokens >= seq.max_len:
                     scheduler.finish(seq, "length")
+
+
+def simulate(prompt_lens, new_tokens, kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int = 8192) -> dict:
+    """Step the scheduler until every request has its tokens; what it did, summed over the steps."""
+    steps = fed = decode_rows = decode_steps = preemptions = 0
+    for plan, scheduler in replay(prompt_lens, new_tokens, kv_blocks, max_num_seqs, max_num_batched_tokens):
+        steps += 1
+        fed += plan.num_tokens
+        if plan.is_decode:
+            decode_steps += 1
+            decode_rows += len(plan.seqs)
+        preemptions = scheduler.num_preemptions
     needed = int(np.sum(prompt_lens)) + int(np.sum(new_tokens)) - len(prompt_lens)  # the last token is never fed
     return {
         "steps": steps,
         "decode_steps": decode_steps,
         "rows_per_decode_step": decode_rows / max(decode_steps, 1),
-        "preemptions": scheduler.num_preemptions,
+        "preemptions": preemptions,
         "recomputed": fed - needed,
         "recomputed_share": (fed - needed) / needed,
     }

@@ -312,3 +312,21 @@ def test_against_a_directory_without_an_engine_stops_before_any_run(tmp_path):
     assert run.returncode == 1
     assert f"--against {tmp_path.resolve()}: no batchjob/engine there" in run.stderr
     assert not (tmp_path / "runs.jsonl").exists()
+
+
+def test_step_kinds_prices_the_replayed_schedule_of_w1_as_one_prefill_step_and_1023_decode_steps(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
+    from bench_lib.roofline import model_shape
+    from bench_lib.workloads import ARCHITECTURES
+    from step_kinds import step_floors
+
+    copy, flops = 4.27e12, 7.9e14
+    steps = list(step_floors("W1", 60_000, 512, 8192, copy, flops))
+    # 32 prompts of 128 tokens fill the 4,096-token bucket at once; each of the 1,024 output tokens but the
+    # prefill's then takes a decode step of 32 rows, reading every weight once.
+    assert [kind for kind, _ in steps] == ["mixed 4096"] + ["decode"] * 1023
+    weights_s = model_shape(ARCHITECTURES["llama-3.1-8b"]).weight_bytes / copy
+    decode = [seconds for kind, seconds in steps if kind == "decode"]
+    assert all(seconds > weights_s for seconds in decode) and decode[-1] > decode[0]
+    assert sum(decode) == pytest.approx(4.5, abs=0.1)  # W1's decode floor (docs/benchmarks.md)
