@@ -15,12 +15,16 @@ neither stays in L2) and replayed; times are per layer:
   (what a step's forward could do, with each weight read twice);
 - `halves, matmuls first`: the same with the matmul stream at a higher priority.
 
+With `--programs P,...` the attention, `independent` and `halves` variants run again with the decode kernel on a
+persistent grid of P programs (`DecodeConfig.programs`), which leaves the other multiprocessors to the matmuls.
+
 Prints the table and writes it as JSON with the copy rate measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -107,11 +111,21 @@ def copy_rate() -> float:
     return 2 * src.numel() / seconds
 
 
-def variants(step: Step, layers: list[Layer], backend: TritonPagedAttention) -> dict[str, Callable[[], None]]:
+def variants(
+    step: Step, layers: list[Layer], backend: TritonPagedAttention, programs: int = 0, launch: dict | None = None
+) -> dict[str, Callable[[], None]]:
+    """Every variant; with `programs` only those with attention, the decode kernel on a grid of that many
+    (`launch`: its tiles, warps and stages instead of the default's)."""
     rows, half = step.rows, step.rows // 2
     whole, first, second = slice(0, rows), slice(0, half), slice(half, rows)
-    plan = {p: (backend.decode_splits(n, KV_HEADS, DEVICE), backend.decode_launch_config(n, KV_HEADS, DEVICE))
-            for p, n in ((whole, rows), (first, half), (second, rows - half))}  # fmt: skip
+    plan = {}
+    for part, n in ((whole, rows), (first, half), (second, rows - half)):
+        splits, config = backend.decode_splits(n, KV_HEADS, DEVICE), backend.decode_launch_config(n, KV_HEADS, DEVICE)
+        if programs:
+            if splits != 1:
+                raise SystemExit(f"{n} rows run the split kernel: a persistent grid needs one split")
+            config = dataclasses.replace(config, programs=programs, **(launch or {}))
+        plan[part] = (splits, config)
     attend = lambda layer, part: attention(step, layer, part, *plan[part])  # noqa: E731
 
     def attention_only():
@@ -170,6 +184,21 @@ def variants(step: Step, layers: list[Layer], backend: TritonPagedAttention) -> 
 
         return run
 
+    if launch:
+        shape = "x".join(str(launch[k]) for k in ("block_n", "num_warps", "num_stages"))
+        shape += "p" if launch["prefetch_table"] else ""
+        return {
+            f"attention on {programs}, {shape}": attention_only,
+            f"independent, attention on {programs}, {shape}": independent,
+        }
+    if programs:
+        return {
+            f"attention on {programs}": attention_only,
+            f"serial, attention on {programs}": serial,
+            f"independent, attention on {programs}": independent,
+            f"halves, attention on {programs}": halves(0),
+            f"halves, matmuls first, attention on {programs}": halves(-1),
+        }
     return {
         "attention": attention_only,
         "matmuls": matmuls_only,
@@ -185,6 +214,12 @@ def main() -> None:
     parser.add_argument("--rows", default="512", help="comma-separated")
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--programs", default="", help="comma-separated persistent grid sizes for the attention")
+    parser.add_argument(
+        "--launches",
+        default="",
+        help="comma-separated BLOCK_NxWARPSxSTAGES[p] tried on each persistent grid (p: block table read ahead)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     backend = TritonPagedAttention()
@@ -193,11 +228,18 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         layers = [Layer(rows, args.context) for _ in range(args.layers)]
         step = Step(rows)
-        times = {name: graph_seconds(fn) / args.layers for name, fn in variants(step, layers, backend).items()}
+        runs = variants(step, layers, backend)
+        for programs in (int(p) for p in args.programs.split(",") if p):
+            runs |= variants(step, layers, backend, programs)
+            for shape in (s for s in args.launches.split(",") if s):
+                block_n, warps, stages = (int(v) for v in shape.rstrip("p").split("x"))
+                launch = dict(block_n=block_n, num_warps=warps, num_stages=stages, prefetch_table=shape.endswith("p"))
+                runs |= variants(step, layers, backend, programs, launch)
+        times = {name: graph_seconds(fn) / args.layers for name, fn in runs.items()}
         kv_bytes = 2 * rows * args.context * KV_HEADS * HEAD_DIM * 2
         print(f"{rows} rows x {args.context} tokens of context, per layer (KV {kv_bytes / 1e6:.0f} MB):")
         for name, seconds in times.items():
-            print(f"  {name:<24} {seconds * 1e6:8.1f} us  {times['serial'] / seconds:5.3f}x of serial")
+            print(f"  {name:<44} {seconds * 1e6:8.1f} us  {times['serial'] / seconds:5.3f}x of serial")
         results["cases"].append({"rows": rows, "context": args.context, "kv_bytes": kv_bytes, "seconds": times})
         del layers, step
         torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
     # Importing the kernels here, uninterpreted, would leave them unusable for the CPU interpreter tests.
     pytest.skip("needs CUDA", allow_module_level=True)
 
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 
 from attention_cases import random_paged_step  # noqa: E402
@@ -17,6 +18,7 @@ from attention_cases import reference_attention as reference  # noqa: E402
 
 from batchjob.engine.native.attention import AttentionMetadata  # noqa: E402
 from batchjob.engine.native.triton_attention import TritonPagedAttention, store_kv  # noqa: E402
+from batchjob.engine.native.triton_decode import DEFAULT_DECODE_CONFIG  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -36,6 +38,18 @@ def test_bf16_decode_at_llama_8b_shape_matches_reference(num_seqs, context):
     seq_lens = (context - torch.randint(0, 300, (num_seqs,), generator=gen)).tolist()
     step = random_step([1] * num_seqs, seq_lens, 16, dtype=torch.bfloat16, **LLAMA_8B)
     out = TritonPagedAttention().forward(*step, scale=128**-0.5)
+    assert relative_error(out, reference(*step, scale=128**-0.5)) < 1e-2
+
+
+@pytest.mark.parametrize("programs", [66, 132])
+def test_bf16_decode_on_a_persistent_grid_matches_the_grid_of_a_program_per_head(programs):
+    gen = torch.Generator().manual_seed(programs)
+    seq_lens = (1024 - torch.randint(0, 300, (96,), generator=gen)).tolist()
+    step = random_step([1] * 96, seq_lens, 16, dtype=torch.bfloat16, **LLAMA_8B)
+    persistent = dataclasses.replace(DEFAULT_DECODE_CONFIG, programs=programs)
+    out = TritonPagedAttention(1, persistent).forward(*step, scale=128**-0.5)
+    expected = TritonPagedAttention(1, DEFAULT_DECODE_CONFIG).forward(*step, scale=128**-0.5)
+    assert torch.equal(out, expected)
     assert relative_error(out, reference(*step, scale=128**-0.5)) < 1e-2
 
 

@@ -73,6 +73,15 @@ def test_one_split_reading_the_block_table_a_tile_ahead_matches_reference(block_
     check_against_reference(step, TritonPagedAttention(1, config), softcap=softcap)
 
 
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_a_persistent_grid_takes_every_sequence_and_head_in_turn(programs):
+    # 5 sequences x 2 KV heads = 10 pairs: one program takes all of them, 3 take 4, 3 and 3, 64 leave most
+    # programs without one.
+    config = dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, programs=programs)
+    step = random_step([1] * 5, [1, 17, 64, 65, 130], 16, 2, seed=5)
+    check_against_reference(step, TritonPagedAttention(1, config))
+
+
 def test_decode_with_more_splits_than_context_tiles_matches_reference():
     # 8 splits over at most 3 tiles of 64 tokens: most split programs exit at once and the reduce
     # must ignore the partials they never wrote.
@@ -141,6 +150,7 @@ def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits, config
     [
         (1, triton_decode.DEFAULT_DECODE_CONFIG),
         (1, triton_decode.FEW_PROGRAMS_DECODE_CONFIG),
+        (1, dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, programs=3)),
         (3, triton_decode.DEFAULT_DECODE_CONFIG),
     ],
 )

@@ -60,9 +60,14 @@ class DecodeConfig:
     # One split only: read the next tile's cache blocks from the block table a tile ahead (a hand-made stage
     # for the one load whose address the key and value loads need).
     prefetch_table: bool = False
+    # One split only: a fixed grid of this many programs taking the (sequence, KV head) pairs in turn, so the
+    # kernel leaves the other multiprocessors free (0: a program per pair).
+    programs: int = 0
 
     def __post_init__(self) -> None:
         check_tile("block_n", self.block_n)
+        if self.programs < 0:
+            raise ValueError(f"programs must be >= 0, got {self.programs}")
 
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
@@ -71,11 +76,10 @@ DEFAULT_DECODE_CONFIG = DecodeConfig()
 FEW_PROGRAMS_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3, prefetch_table=True)
 
 
-@triton.jit(
-    do_not_specialize=["stride_bt"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr"],
-)
-def _decode_one_split_kernel(
+@triton.jit
+def _decode_one(
+    seq,
+    kv_head,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -105,54 +109,110 @@ def _decode_one_split_kernel(
     DOT_PRECISION: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
 ):
-    """One program per (sequence, KV head) over the whole context, no window: the output written directly.
-    With PREFETCH_TABLE each iteration reads the next tile's cache blocks from the block table, so a tile's
-    key and value loads need not wait behind that read."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """One (sequence, KV head) over the whole context, no window: the output written directly. With
+    PREFETCH_TABLE each iteration reads the next tile's cache blocks from the block table, so a tile's key and
+    value loads need not wait behind that read. A sequence of another query count is skipped."""
     # Three independent reads, issued together before the branch.
     q_row = tl.load(cu_query_lens_ptr + seq)
     q_end = tl.load(cu_query_lens_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if q_end - q_row != 1:
-        return  # a mixed step's chunk: the varlen kernel's
-    q_row = q_row.to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_h = offs_h < GROUP
-    q_heads = kv_head * GROUP + offs_h
-    q = tl.load(
-        q_ptr + q_row * stride_qt + q_heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0
-    )
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    if PREFETCH_TABLE:
-        block = tile_blocks(table_row, 0, 0, seq_len, BLOCK_SIZE, BLOCK_N, False)
-        for tile in range(0, num_tiles):
-            n0 = tile * BLOCK_N
-            this_block = block
-            block = tile_blocks(table_row, n0 + BLOCK_N, 0, seq_len, BLOCK_SIZE, BLOCK_N, False)
-            m_i, l_i, acc = attend_kv_blocks(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_block, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                n0, 0, seq_len, 0, 0, score_scale, softcap_log2,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION,
+    if q_end - q_row == 1:  # else a mixed step's chunk: the varlen kernel's
+        row = q_row.to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD_DIM)
+        mask_h = offs_h < GROUP
+        q_heads = kv_head * GROUP + offs_h
+        q = tl.load(
+            q_ptr + row * stride_qt + q_heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        table_row = block_tables_ptr + tl.cast(seq, tl.int64) * stride_bt
+        num_tiles = tl.cdiv(seq_len, BLOCK_N)
+        if PREFETCH_TABLE:
+            block = tile_blocks(table_row, 0, 0, seq_len, BLOCK_SIZE, BLOCK_N, False)
+            for tile in range(0, num_tiles):
+                n0 = tile * BLOCK_N
+                this_block = block
+                block = tile_blocks(table_row, n0 + BLOCK_N, 0, seq_len, BLOCK_SIZE, BLOCK_N, False)
+                m_i, l_i, acc = attend_kv_blocks(
+                    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_block, kv_head,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    n0, 0, seq_len, 0, 0, score_scale, softcap_log2,
+                    HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION,
+                )  # fmt: skip
+        else:
+            for tile in range(0, num_tiles):
+                m_i, l_i, acc = attend_kv_tile(
+                    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    tile * BLOCK_N, 0, seq_len, 0, 0, score_scale, softcap_log2,
+                    HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION,
+                )  # fmt: skip
+        # An empty sequence (a padding slot in a graph bucket) read no tile: zeros, as the reduce writes, not NaN.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_rows = out_ptr + row * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+
+
+@triton.jit(
+    do_not_specialize=["stride_bt", "num_items"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr"],
+)
+def _decode_one_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_query_lens_ptr,
+    out_ptr,
+    score_scale,
+    softcap_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    num_items,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """One split per (sequence, KV head): a program each, or with PERSISTENT a fixed grid whose programs take
+    the `num_items` (sequence, KV head) pairs in turn, so the kernel holds only as many multiprocessors as it
+    has programs."""
+    if PERSISTENT:
+        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+            _decode_one(
+                item // NUM_KV_HEADS, item % NUM_KV_HEADS, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                seq_lens_ptr, cu_query_lens_ptr, out_ptr, score_scale, softcap_log2, stride_qt, stride_qh,
+                stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, PREFETCH_TABLE,
             )  # fmt: skip
     else:
-        for tile in range(0, num_tiles):
-            m_i, l_i, acc = attend_kv_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                tile * BLOCK_N, 0, seq_len, 0, 0, score_scale, softcap_log2,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, SOFTCAP, DOT_PRECISION,
-            )  # fmt: skip
-    # An empty sequence (a padding slot in a graph bucket) read no tile: zeros, as the reduce writes, not NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_rows = out_ptr + q_row * stride_ot + q_heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+        _decode_one(
+            tl.program_id(0), tl.program_id(1), q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+            seq_lens_ptr, cu_query_lens_ptr, out_ptr, score_scale, softcap_log2, stride_qt, stride_qh,
+            stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, PREFETCH_TABLE,
+        )  # fmt: skip
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -208,10 +268,13 @@ def paged_decode_attention(
         SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits == 1 and window == 0:
-        _decode_one_split_kernel[(num_seqs, num_kv_heads)](
+        items = num_seqs * num_kv_heads
+        grid = (config.programs,) if config.programs else (num_seqs, num_kv_heads)
+        _decode_one_split_kernel[grid](
             q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out, score_scale, softcap_log2,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            block_tables.stride(0), **launch, BLOCK_N=block_n, PREFETCH_TABLE=config.prefetch_table,
+            block_tables.stride(0), items, NUM_KV_HEADS=num_kv_heads, **launch, BLOCK_N=block_n,
+            PREFETCH_TABLE=config.prefetch_table, PERSISTENT=config.programs > 0,
         )  # fmt: skip
         return out
     split_decode_attention(
