@@ -200,7 +200,7 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
     buckets = GraphBuckets(
         decode=tuple(decode_buckets(args.seqs)),
         modes=frozenset(GRAPH_MODES),
-        mixed=tuple(mixed_buckets(budget)),
+        mixed=tuple(mixed_buckets(budget, args.seqs)),
         mixed_modes=frozenset(GRAPH_MODES),
         mixed_seqs=args.seqs,
     )

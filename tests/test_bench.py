@@ -330,3 +330,26 @@ def test_step_kinds_prices_the_replayed_schedule_of_w1_as_one_prefill_step_and_1
     decode = [seconds for kind, seconds in steps if kind == "decode"]
     assert all(seconds > weights_s for seconds in decode) and decode[-1] > decode[0]
     assert sum(decode) == pytest.approx(4.5, abs=0.1)  # W1's decode floor (docs/benchmarks.md)
+
+
+def test_mixed_padding_counts_the_tokens_each_step_pads_to_its_bucket(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
+    from types import SimpleNamespace
+
+    from mixed_padding import padding
+
+    from batchjob.engine.native import scheduler
+
+    requests = SimpleNamespace(prompt_lengths=np.array([100, 100, 100]), output_lengths=np.array([8, 8, 8]))
+    # Three prompts of 100 tokens. Cutting them to 256 keeps over a quarter of the 300: 256 tokens, then the 44
+    # left with the two decodes of the prompts done (46, padded by 210), then decode steps of 3 rows.
+    monkeypatch.setattr(scheduler, "CUT_SHARE", 0.25)
+    assert padding(requests, (256, 512, 8192), 1000, 8, 8192) == {
+        "steps": 9, "mixed": 2, "padded": 210, "buckets": {256: 2}
+    }  # fmt: skip
+    # A cut must keep 90%: the 300 run as one step padded to 512, and the run takes a step less.
+    monkeypatch.setattr(scheduler, "CUT_SHARE", 0.9)
+    assert padding(requests, (256, 512, 8192), 1000, 8, 8192) == {
+        "steps": 8, "mixed": 1, "padded": 212, "buckets": {512: 1}
+    }  # fmt: skip

@@ -36,7 +36,7 @@ def step_floors(workload: str, kv_blocks: int, max_num_seqs: int, max_tokens: in
     spec = WORKLOADS[workload]
     shape = model_shape(ARCHITECTURES[spec.architecture])
     requests = draw_requests(spec, shape.vocab)
-    buckets = tuple(mixed_buckets(max_tokens))
+    buckets = tuple(mixed_buckets(max_tokens, max_num_seqs))
     params = 2.0 * shape.matmul_parameters_per_token
     for plan, _ in replay(
         requests.prompt_lengths, requests.output_lengths, kv_blocks, max_num_seqs, max_tokens, buckets

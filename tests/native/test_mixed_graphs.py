@@ -63,6 +63,16 @@ def test_mixed_buckets_double_from_256_up_to_the_token_budget_which_is_the_last(
     assert mixed_buckets(1) == []  # no step can carry a two-token chunk
 
 
+def test_a_full_batch_of_decodes_with_a_quarter_or_half_batch_chunk_has_buckets_of_its_own():
+    # A saturated run's usual mixed step: 511 decodes and a new prompt's chunk, which 1,024 would pad by up to 512.
+    assert mixed_buckets(8192, 512) == [256, 512, 640, 768, 1024, 2048, 4096, 8192]
+    assert mixed_buckets(8192, 256) == [256, 320, 384, 512, 1024, 2048, 4096, 8192]
+    assert mixed_buckets(8192, 300) == [256, 384, 512, 1024, 2048, 4096, 8192]  # 375, 450 rounded up to 64
+    assert mixed_buckets(8192, 1024) == [256, 512, 1024, 1280, 1536, 2048, 4096, 8192]
+    assert mixed_buckets(8192, 128) == mixed_buckets(8192)  # small batches: the powers of two pad little
+    assert mixed_buckets(700, 512) == [256, 512, 640, 700]  # none at or past the token budget
+
+
 def test_the_default_limits_add_few_graphs_beside_the_decode_graphs():
     # 256 sequences and 8192 tokens: per sampler mode and IO slot, 6 mixed graphs beside 20 decode graphs.
     assert len(mixed_buckets(8192)) == 6 and len(decode_buckets(256)) == 20

@@ -1,5 +1,5 @@
 """Steps that carry prefill chunks fill the mixed CUDA graphs' token buckets: a step that would overshoot a
-bucket by less than half of its prefill takes smaller chunks instead of being padded up to the next bucket,
+bucket takes smaller chunks to fill the one below, if they keep a quarter of its prefill, instead of being padded,
 decodes are never cut for a chunk, and the engine's greedy output does not change; `scripts/profile_host_loop.py`
 times the loop's host work without a model."""
 
@@ -59,11 +59,12 @@ def _decoding(scheduler: Scheduler, count: int, first_id: int = 0) -> None:
         (250, 300, 512),  # 550 tokens: 262 of the prompt fill the 512 bucket (padded to 1024 otherwise)
         (250, 1000, 1024),  # 1,250: 774 of 1,000 prompt tokens fill 1,024
         (100, 2500, 2048),  # 2,600: 1,948 of 2,500 fill 2,048
-        (1000, 100, 1100),  # 24 of 100 prompt tokens would fill 1,024: less than half, so padded instead
+        (700, 1000, 1024),  # 1,700: 324 of 1,000 fill 1,024 (a third: cut, not padded to 2,048)
+        (1000, 100, 1100),  # 24 of 100 prompt tokens would fill 1,024: under a quarter, so padded instead
         (250, 262, 512),  # exactly a bucket: nothing to cut
     ],
 )
-def test_a_mixed_step_fills_the_bucket_below_it_when_most_of_its_prefill_fits(decodes, prompt, want):
+def test_a_mixed_step_fills_the_bucket_below_it_when_a_quarter_of_its_prefill_fits(decodes, prompt, want):
     scheduler = _scheduler(BUCKETS)
     _decoding(scheduler, decodes)
     scheduler.add(_sequence(10_000, prompt))

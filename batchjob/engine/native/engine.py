@@ -210,7 +210,7 @@ class NativeEngine:
             modes = GRAPH_MODES_BY_NAME[opts.graph_sampling]
             # The ranks of a tensor-parallel engine never split a step: constrained requests are refused there.
             split = opts.graph_constrained and opts.tensor_parallel == 1
-            mixed = mixed_buckets(opts.max_num_batched_tokens) if opts.graph_mixed else []
+            mixed = mixed_buckets(opts.max_num_batched_tokens, opts.max_num_seqs) if opts.graph_mixed else []
             graphs = self.runner.graphs
             captured = decode_buckets(max_batch)
             seconds, nbytes = graphs.capture(captured, modes, split, mixed)

@@ -19,9 +19,11 @@ With the asynchronous loop the step being planned runs after one still in flight
 sequence in flight grows by its pending token, and blocks are reserved for it.
 
 With CUDA graphs a step that carries prefill chunks is padded up to a token bucket of the mixed graphs, and a
-padded token costs a real token's compute. A step that would overshoot a bucket by less than half of its
-prefill takes smaller chunks to fill that bucket exactly; the rest of a prompt comes in the next step, which
-runs anyway for the decodes. Decodes are never cut for a chunk.
+padded token costs a real token's compute. A step that would overshoot a bucket takes smaller chunks to fill
+the bucket below exactly when that keeps at least `CUT_SHARE` of its prefill; the rest of a prompt comes in the
+next step, which runs anyway for the decodes. Below that share the step is padded instead, so a prompt is not
+cut into slivers that delay its first token for many steps (in a run whose requests finish in waves, that would
+delay the whole wave's end). Decodes are never cut for a chunk.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from batchjob.engine.native.sequence import Sequence, Status
 RESERVE = 4
 # The share of the KV cache that must be free for the admission limit a preemption set to be lifted.
 SPARE = 0.25
+# The least share of a step's prefill tokens a cut to the bucket below must keep (module docstring).
+CUT_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,9 @@ class Scheduler:
         return remaining.count(1), sum(remaining)
 
     def step_budget(self, decodes: int, running_tokens: int) -> int:
-        """Tokens this step may take: `max_num_batched_tokens`, or a mixed graph's token bucket that the step
-        would overshoot by less than half of its prefill tokens (module docstring). `decodes` and
-        `running_tokens`: `_demand()`."""
+        """Tokens this step may take: `max_num_batched_tokens`, or the largest mixed graph's token bucket below
+        what the step wants that keeps at least `CUT_SHARE` of its prefill tokens (module docstring). `decodes`
+        and `running_tokens`: `_demand()`."""
         limit = self.config.max_num_batched_tokens
         if not self.config.token_buckets or not self.config.enable_chunked_prefill:
             return limit
@@ -145,7 +149,7 @@ class Scheduler:
             wanted += seq.num_tokens
         wanted = min(wanted, limit)
         prefill = wanted - decodes
-        below = [b for b in self.config.token_buckets if b < wanted and 2 * (b - decodes) >= prefill]
+        below = [b for b in self.config.token_buckets if b < wanted and b - decodes >= CUT_SHARE * prefill]
         return below[-1] if prefill > 0 and wanted not in self.config.token_buckets and below else limit
 
     def schedule(self) -> StepPlan | None:

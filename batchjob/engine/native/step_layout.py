@@ -48,16 +48,23 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sorted(set(small + list(range(16, max_batch + 1, 16)) + [max_batch]))
 
 
-def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Token counts of the mixed graphs: powers of two from `SMALLEST_MIXED_BUCKET`, and the token budget. A
-    step pads at most to twice its tokens; a full-budget step (the start of a run) pads nothing."""
+def mixed_buckets(max_num_batched_tokens: int, max_num_seqs: int = 0) -> list[int]:
+    """Token counts of the mixed graphs: powers of two from `SMALLEST_MIXED_BUCKET`, the token budget, and a
+    full batch of decodes with a chunk of a quarter and of half its size (`max_num_seqs` x 5/4 and x 3/2,
+    rounded up to 64). A saturated run's usual step is a full batch of decodes and one new prompt's chunk,
+    which the powers of two alone pad by up to the batch's size (`scripts/dev/mixed_padding.py`). A step pads
+    at most to twice its tokens; a full-budget step (the start of a run) pads nothing."""
     if max_num_batched_tokens < 2:
         return []  # no step can carry a chunk of two tokens
-    buckets, size = [], SMALLEST_MIXED_BUCKET
+    buckets, size = {max_num_batched_tokens}, SMALLEST_MIXED_BUCKET
     while size < max_num_batched_tokens:
-        buckets.append(size)
+        buckets.add(size)
         size *= 2
-    return buckets + [max_num_batched_tokens]
+    for share in (4, 2):
+        size = -(-(max_num_seqs + max_num_seqs // share) // 64) * 64
+        if max_num_seqs >= SMALLEST_MIXED_BUCKET and size < max_num_batched_tokens:
+            buckets.add(size)
+    return sorted(buckets)
 
 
 # A decode bucket is dropped only when a larger one replays faster by more than this share: timing noise must
