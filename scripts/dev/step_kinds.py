@@ -14,6 +14,7 @@ show how well the groups match (the replay is not the run: a few steps differ).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from collections import defaultdict
@@ -65,7 +66,7 @@ def main() -> None:
     hardware = json.loads(args.bench.read_text())["hardware"]
     runs = [json.loads(line) for line in args.runs.read_text().splitlines() if line.strip()]
     stats = runs[0]["engine_stats"]
-    stats = stats if isinstance(stats, dict) else eval(stats)  # noqa: S307 - older rows hold a repr
+    stats = stats if isinstance(stats, dict) else ast.literal_eval(stats)  # older rows hold a repr
     floors = defaultdict(lambda: [0, 0.0])
     for kind, seconds in step_floors(
         args.workload, int(stats["kv_blocks"]), args.max_num_seqs, args.max_num_batched_tokens,

@@ -60,10 +60,11 @@ def mixed_buckets(max_num_batched_tokens: int, max_num_seqs: int = 0) -> list[in
     while size < max_num_batched_tokens:
         buckets.add(size)
         size *= 2
-    for share in (4, 2):
-        size = -(-(max_num_seqs + max_num_seqs // share) // 64) * 64
-        if max_num_seqs >= SMALLEST_MIXED_BUCKET and size < max_num_batched_tokens:
-            buckets.add(size)
+    if max_num_seqs >= SMALLEST_MIXED_BUCKET:
+        for chunk in (max_num_seqs // 4, max_num_seqs // 2):
+            size = -(-(max_num_seqs + chunk) // 64) * 64
+            if size < max_num_batched_tokens:
+                buckets.add(size)
     return sorted(buckets)
 
 
