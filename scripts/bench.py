@@ -56,7 +56,7 @@ from bench_lib.systems import (
     SystemResult,
     run_label,
 )
-from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests
+from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests, workload
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
@@ -126,6 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="also run every native system from the checkout at DIR (its batchjob package), alternating with "
         "this checkout's run in each round, as SYSTEM@against",
+    )
+    parser.add_argument(
+        "--greedy",
+        action="store_true",
+        help="decode every workload greedily (W5 without its sampling: the same requests and floor, for the "
+        "sampler's cost)",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
     parser.add_argument(
@@ -223,6 +229,7 @@ def run_workload(
                     "kind": "system",
                     "system": system,
                     "workload": spec.name,
+                    "greedy": args.greedy,
                     "model_dir": str(model_dir),
                     "vocab": vocab,
                     "special_ids": special_ids,
@@ -244,7 +251,9 @@ def run_workload(
                 results.append(result)
                 # One line per finished run, written at once: a command stopped later keeps what it measured.
                 with open(args.out / "runs.jsonl", "a") as log:
-                    log.write(json.dumps({"workload": spec.name, **dataclasses.asdict(result)}) + "\n")
+                    log.write(
+                        json.dumps({"workload": spec.name, "greedy": args.greedy, **dataclasses.asdict(result)}) + "\n"
+                    )
                 print(
                     f"{spec.name} {name} {label}: {result.wall_s:.2f} s, {result.output_tokens} tokens, "
                     f"{result.tok_per_s:,.0f} tok/s, start-up {result.startup_s:.1f} s"
@@ -299,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("the benchmark needs a CUDA GPU; use --tiny for the CPU smoke run")
-        specs = [WORKLOADS[name] for name in _select(args.workloads, WORKLOADS, "--workloads")]
+        specs = [workload(name, args.greedy) for name in _select(args.workloads, WORKLOADS, "--workloads")]
         settings = RunSettings(
             "cuda", "bfloat16", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens, args.hf_attn_implementation
         )
@@ -339,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "against": None if args.against is None else str(args.against),
         "engine_options": options,
         "load_format": args.load_format,
+        "greedy": args.greedy,
         "hf_batch": args.hf_batch,
     }
     write_json(args.out / "bench.json", reports, rates, run)

@@ -151,6 +151,19 @@ def test_w5_samples_and_its_floor_runs_in_waves_when_the_cache_cannot_hold_every
     assert floor.prefill_s < floor.decode_s
 
 
+def test_greedy_w5_draws_the_same_requests_and_floor_as_sampled_w5(bench_lib):
+    workloads, roofline = bench_lib.workloads, bench_lib.roofline
+    sampled, greedy = workloads.workload("W5"), workloads.workload("W5", greedy=True)
+    assert not sampled.greedy and greedy.greedy and greedy.top_p == 1.0
+    shape = roofline.model_shape(workloads.ARCHITECTURES["llama-3.1-8b"])
+    drawn = [workloads.draw_requests(spec, shape.vocab) for spec in (sampled, greedy)]
+    assert drawn[0].prompts == drawn[1].prompts and drawn[0].new_tokens == drawn[1].new_tokens
+    kv_budget = int(0.9 * 143_771 * 2**20) - shape.weight_bytes
+    floors = [roofline.roofline(shape, requests, 4.27e12, 790e12, kv_budget) for requests in drawn]
+    assert floors[0].total_s == floors[1].total_s
+    assert workloads.workload("tiny") is workloads.TINY_WORKLOAD
+
+
 def test_w6_shape_counts_the_qwen3_moe_parameters_transformers_builds(bench_lib):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -96,9 +96,9 @@ def _model(task: dict[str, Any]) -> dict[str, Any]:
 
 def _system(task: dict[str, Any]) -> dict[str, Any]:
     from bench_lib.systems import RunSettings, run_system
-    from bench_lib.workloads import TINY_WORKLOAD, WORKLOADS, draw_requests
+    from bench_lib.workloads import draw_requests, workload
 
-    spec = TINY_WORKLOAD if task["workload"] == TINY_WORKLOAD.name else WORKLOADS[task["workload"]]
+    spec = workload(task["workload"], task.get("greedy", False))
     requests = draw_requests(spec, task["vocab"], task["special_ids"])
     settings = RunSettings(**task["settings"])
     args = (task["system"], Path(task["model_dir"]), requests, settings)

@@ -6,7 +6,7 @@ every run sees the same requests; EOS is ignored, so every system does the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -137,6 +137,14 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         "W7", "beyond one GPU", "llama-3.1-70b", 256, (128, 1024), (128, 512), tensor_parallel=2, load_format="dummy"
     ),
 }
+
+
+def workload(name: str, greedy: bool = False) -> WorkloadSpec:
+    """The named workload; `greedy`: the same requests decoded greedily (W5 without its sampling, for the
+    sampler's cost: the same prompts, output lengths and floor, since a sampler reads only the logits)."""
+    spec = TINY_WORKLOAD if name == TINY_WORKLOAD.name else WORKLOADS[name]
+    return replace(spec, temperature=0.0, top_p=1.0) if greedy else spec
+
 
 # `--tiny`: the CPU smoke run, on the tiny llama of `batchjob.tiny_model`.
 TINY_WORKLOAD = WorkloadSpec("tiny", "tiny smoke", "tiny-llama", 8, (8, 24), (16, 16))
