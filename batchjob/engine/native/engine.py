@@ -35,7 +35,6 @@ import functools
 import gc
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -45,21 +44,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchjob.engine.api import Completion, EngineSetupError, Request
-from batchjob.engine.grammar import GrammarCompiler, GrammarError, bitmask_words
+from batchjob.engine.api import Completion, Request
+from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.native import parallel
 from batchjob.engine.native.admission import AdmissionQueue
 from batchjob.engine.native.block_manager import KVBlockManager
-from batchjob.engine.native.io_slot import SlotLimits
-from batchjob.engine.native.kv_cache import allocate_kv_cache, decide_num_blocks
-from batchjob.engine.native.model_runner import ModelRunner, PreparedStep, StepHandle
+from batchjob.engine.native.device_start import load_on_device, short_thread_switches, start_runner
+from batchjob.engine.native.model_runner import PreparedStep, StepHandle
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig, StepPlan
 from batchjob.engine.native.sequence import RequestGroup, Sequence
-from batchjob.engine.native.step_layout import GRAPH_MODES_BY_NAME, decode_buckets, mixed_buckets
 from batchjob.engine.native.step_masks import StepMasks
-from batchjob.engine.native.warmup import WarmupLimits, warm_up, warmup_steps
 from batchjob.transformers_import import load_tokenizer
 
 if TYPE_CHECKING:
@@ -107,17 +103,6 @@ def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
         pool.shutdown(wait=False)  # the thread ends with the load
 
 
-def _hash_triton_beside() -> None:
-    """Triton keys its kernel cache with a hash of its own files (libtriton alone is about 500 MB), computed once
-    per process at the first kernel launch: 0.3-0.5 s of a start-up. Hashing releases the interpreter lock, so a
-    thread computes it while the weights load; the first launch then finds it done (Triton keeps it)."""
-    from triton.runtime import cache
-
-    key = getattr(cache, "triton_key", None)  # Triton's own; absent from a version that keys otherwise
-    if callable(key):
-        threading.Thread(target=key, name="batchjob-triton-key", daemon=True).start()
-
-
 class NativeEngine:
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -138,9 +123,6 @@ class NativeEngine:
         return spec.architecture
 
     def __init__(self, model_path: str, **options: Any) -> None:
-        from batchjob.engine.native.attention import TorchPagedAttention
-        from batchjob.engine.native.loader import load_model
-
         self.options = opts = NativeOptions.from_mapping(options)
         self.ranks: RankGroup | None = None
         if opts.tensor_parallel > 1 and not parallel.current().active:
@@ -149,112 +131,26 @@ class NativeEngine:
             return
         self.device = _device(opts.device)
         started = time.perf_counter()
-        # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
-        tokenizer = _load_tokenizer_beside(model_path) if opts.detokenize else None
-        if self.device.type == "cuda":
-            from batchjob.engine.native.triton_attention import TritonPagedAttention
-
-            _hash_triton_beside()
-            attn = TritonPagedAttention()
-        else:
-            attn = TorchPagedAttention()
-        self.model, self.spec = load_model(
-            model_path, opts.dtype, self.device, attn, opts.max_model_len, opts.load_format
-        )
-        self.max_model_len = self.spec.max_model_len
-        self._make_grammars(tokenizer)
-        loaded = time.perf_counter()
-        num_blocks = decide_num_blocks(self.model, self.spec, opts, self.device)
-        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, opts.block_size, self.device)
-        kv_sized = time.perf_counter()
-        blocks_per_seq = -(-(self.max_model_len + 1) // opts.block_size)
-        if num_blocks - 1 < blocks_per_seq:
-            raise EngineSetupError(
-                f"the KV cache holds {num_blocks - 1} blocks of {opts.block_size} tokens, fewer than one sequence "
-                f"of max_model_len={self.max_model_len} needs ({blocks_per_seq}); lower engine.max_model_len "
-                f"or give the cache more memory (engine.gpu_memory_utilization / engine.kv_cache_gb)"
-            )
-        if not opts.enable_chunked_prefill and opts.max_num_batched_tokens < self.max_model_len:
-            raise EngineSetupError(
-                f"without chunked prefill a whole sequence must fit one step, but engine.max_num_batched_tokens="
-                f"{opts.max_num_batched_tokens} < max_model_len={self.max_model_len}; raise it, lower "
-                "engine.max_model_len, or set engine.enable_chunked_prefill=true"
-            )
-        max_batch = min(opts.graph_max_batch or opts.max_num_seqs, opts.max_num_seqs)
-        limits = SlotLimits(
-            max_tokens=max(opts.max_num_batched_tokens, max_batch),
-            max_rows=opts.max_num_seqs,
-            max_blocks_per_seq=blocks_per_seq,
-            max_top_logprobs=20,
-            bitmask_words=bitmask_words(self.spec.vocab_size),
-        )
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_caches,
-            opts.block_size,
-            limits,
-            self.device,
-            self.max_model_len,
-            self.spec.vocab_size,
-            debug_poison=opts.debug_poison_slots,
-        )
-        self._stats: dict[str, float] = {
-            "kv_blocks": num_blocks,
-            "block_size": opts.block_size,
-            "slot_bytes": self.runner.slots[1].device_bytes,
-            # where start-up goes: weights, then the KV sizing profile (first kernel compiles too)
-            "load_s": loaded - started,
-            "kv_sizing_s": kv_sized - loaded,
-        }
-        if self.device.type == "cuda" and opts.cuda_graphs:
-            modes = GRAPH_MODES_BY_NAME[opts.graph_sampling]
-            # The ranks of a tensor-parallel engine never split a step: constrained requests are refused there.
-            split = opts.graph_constrained and opts.tensor_parallel == 1
-            mixed = mixed_buckets(opts.max_num_batched_tokens, opts.max_num_seqs) if opts.graph_mixed else []
-            graphs = self.runner.graphs
-            captured = decode_buckets(max_batch)
-            seconds, nbytes = graphs.capture(captured, modes, split, mixed)
-            kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
-            log.info(
-                "captured %d CUDA graphs (2 slots x %d decode buckets x %d sampler modes, plus %d for steps with "
-                "constrained rows and %d for mixed steps, token buckets: %s) in %.1f s using %.1f MiB, plus %.1f MiB "
-                "for the second IO slot (%.2f%% of the KV cache together)",
-                len(graphs.decode),
-                len(captured),
-                len(graphs.buckets.modes),
-                graphs.split_count,
-                len(graphs.mixed),
-                ", ".join(map(str, graphs.buckets.mixed)) or "none",
-                seconds,
-                nbytes / 2**20,
-                self._stats["slot_bytes"] / 2**20,
-                100 * (nbytes + self._stats["slot_bytes"]) / kv_bytes,
-            )
-            self._stats.update(
-                decode_buckets=len(graphs.buckets.decode),
-                graph_capture_s=seconds,
-                graph_bytes=nbytes,
-                kv_cache_bytes=kv_bytes,
-                graph_modes=len(graphs.buckets.modes),
-                mixed_graph_modes=len(graphs.buckets.mixed_modes),
-            )
-        # On a CPU nothing compiles and there is no caching allocator to prime: the warm-up would be pure cost.
-        if opts.warmup if opts.warmup is not None else self.device.type == "cuda":
-            steps = warmup_steps(
-                WarmupLimits(
-                    opts.max_num_seqs, opts.max_num_batched_tokens, self.max_model_len, limits.max_top_logprobs
-                )
-            )
-            if opts.tensor_parallel > 1:
-                steps = [step for step in steps if not step.constrained]
-            self._stats["warmup_s"] = warm_up(self.runner, steps, opts.block_size)
-            if opts.gate_masked_sampler and opts.async_loop and not self._chunked_masks:
+        with short_thread_switches():
+            # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
+            tokenizer = _load_tokenizer_beside(model_path) if opts.detokenize else None
+            self.model, self.spec = load_on_device(model_path, opts, self.device)
+            self.max_model_len = self.spec.max_model_len
+            self._make_grammars(tokenizer)
+            loaded = time.perf_counter()
+            ready = start_runner(self.model, self.spec, opts, self.device)
+            self.kv_caches, self.runner = ready.kv_caches, ready.runner
+            if opts.gate_masked_sampler and opts.async_loop and not self._chunked_masks and "warmup_s" in ready.stats:
                 # Every kernel the run launches is loaded, and the mask worker, not the loop, fills the masks:
                 # masked samplers may wait on the GPU behind gates the worker opens (host_gate.py).
                 self.runner.use_gates()
-        self.tokenizer = None if tokenizer is None else tokenizer.result()
-        self._stats["startup_s"] = time.perf_counter() - started
-        self._start_loop(num_blocks)
+            self.tokenizer = None if tokenizer is None else tokenizer.result()
+        self._stats: dict[str, float] = {
+            **ready.stats,
+            "load_s": loaded - started,  # the weights (and the first CUDA calls)
+            "startup_s": time.perf_counter() - started,
+        }
+        self._start_loop(ready.num_blocks)
 
     def _start_ranks(self, model_path: str) -> None:
         """The job process of a tensor-parallel engine: the ranks (`rank_group.py`) hold the model and run the
