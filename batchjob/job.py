@@ -35,7 +35,7 @@ from batchjob.pipelines.feeder import PromptFeeder
 from batchjob.run_files import recorded_run
 from batchjob.shard_run import ShardRun
 from batchjob.signals import Interrupted, exit_code_for
-from batchjob.startup import StartupClock
+from batchjob.startup import StartupClock, compiled_afresh
 
 log = logging.getLogger("batchjob")
 # sysexits' EX_TEMPFAIL: the output could take no more rows (a full disk, a lost lock) or the engine broke down
@@ -54,7 +54,11 @@ def import_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     warnings.filterwarnings("ignore", module=r"(transformers|datasets|torch)(\..*)?")
     quiet_lost_connections()
-    import torch  # noqa: F401
+    import torch
+
+    uncompiled = compiled_afresh(torch)
+    if uncompiled:
+        log.warning("%s", uncompiled)
 
     # transformers is imported where the tokenizer loads, beside the engine's start-up, and the native engine
     # reads a model's config through it only once per config (its spec is kept): on a GPU node its imports

@@ -9,9 +9,13 @@ them. Only the standard library here: `python -m batchjob` starts this clock bef
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 # Critical path, in order, with the words of the log line.
@@ -107,3 +111,19 @@ class StartupClock:
             if f"engine_{key}" in summary
         ]
         return f" ({', '.join(shown)})" if shown else ""
+
+
+def compiled_afresh(module: ModuleType) -> str | None:
+    """Why every job compiles `module`'s package from its sources (it has no bytecode beside them and Python may
+    not write it), with the fix; None when its bytecode is there. Installers such as uv leave packages without
+    bytecode, and container images often set PYTHONDONTWRITEBYTECODE: torch's 2,141 modules then cost every job
+    about 3 s more (import torch took 4.9 s against 2.0 s with its bytecode, on a 16-core GPU host)."""
+    source = getattr(module, "__file__", None) or ""
+    if not source.endswith(".py") or os.path.exists(importlib.util.cache_from_source(source)):
+        return None
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "its folder is not writable"
+    packages = os.path.dirname(os.path.dirname(source)) if source.endswith("__init__.py") else os.path.dirname(source)
+    return (
+        f"{module.__name__} has no compiled bytecode and {why}, so every job compiles it afresh (seconds of "
+        f"start-up); compile the environment once: python -m compileall -q -j 0 {packages}"
+    )

@@ -125,3 +125,29 @@ def test_a_later_job_on_a_model_imports_no_config_classes(tmp_path: Path) -> Non
 
     assert imported("first") == set(watched)
     assert imported("later") == {TOKENIZER_MODULE}
+
+
+def test_a_package_without_bytecode_that_python_may_not_write_is_reported_with_its_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+    import shlex
+    import subprocess
+    import sys
+
+    from batchjob.startup import compiled_afresh
+
+    package = tmp_path / "site" / "uncompiled_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # what PYTHONDONTWRITEBYTECODE=1 sets
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    module = importlib.import_module("uncompiled_pkg")
+    assert not (package / "__pycache__").exists()
+    message = compiled_afresh(module)
+    assert message is not None and "PYTHONDONTWRITEBYTECODE is set" in message
+    fix = shlex.split(message.split(": ", 1)[1])
+    assert fix[:2] == ["python", "-m"] and fix[-1] == str(tmp_path / "site")
+    subprocess.run([sys.executable, *fix[1:]], check=True)
+    assert compiled_afresh(module) is None
+    assert compiled_afresh(sys) is None  # a built-in module has no sources to compile
