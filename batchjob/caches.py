@@ -11,6 +11,9 @@
   `tokenizer-classes/`: which tokenizer class transformers chose for each model (`transformers_import.py`), so
   a later job on the same files need not import transformers' config and auto classes. Small JSON entries,
   written as a whole (`store_entry`) and read again from the model's files when unreadable (`load_entry`).
+- `package-distributions/`: which distribution provides each importable package, as transformers asks the
+  standard library on import (listing every installed file), kept per state of `sys.path`
+  (`transformers_import.py`).
 """
 
 from __future__ import annotations

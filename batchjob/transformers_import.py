@@ -11,11 +11,22 @@ more than the tokenizer itself. The class it chose for a model directory is kept
 `$BATCHJOB_CACHE/tokenizer-classes`, keyed by the directory, the files it chose from and the transformers
 version; a later load imports that class's module alone and calls its `from_pretrained` as `AutoTokenizer`
 would.
+
+Importing transformers calls `importlib.metadata.packages_distributions()`, which lists every file of every
+installed distribution that ships no `top_level.txt` (a GPU node's environment holds the CUDA wheels' tens of
+thousands): seconds of Python on such a node, holding the interpreter lock beside the engine's start-up. Its
+result is kept in `$BATCHJOB_CACHE/package-distributions`, keyed by every `sys.path` folder and the time it last
+gained or lost an entry (installing, upgrading or removing a distribution adds or removes its `.dist-info`
+folder), and the first import through here makes the process's `packages_distributions` read it (the same
+mapping; recomputed whenever the key changes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import os
+import sys
 import threading
 from importlib import metadata
 from pathlib import Path
@@ -30,10 +41,45 @@ KIND = "tokenizer-classes"
 CHOICE_FILES = ("config.json", "tokenizer_config.json")
 
 
+PACKAGES_KIND = "package-distributions"
+_computed_packages_distributions = metadata.packages_distributions
+
+
+def environment_key() -> str:
+    """The installed distributions' state: every `sys.path` entry with the time it last changed (a folder gains or
+    loses an entry when a distribution is installed, upgraded or removed), and the interpreter."""
+    digest = hashlib.sha256(sys.version.encode())
+    for entry in sys.path:
+        try:
+            changed = os.stat(entry or ".").st_mtime_ns
+        except OSError:
+            changed = -1
+        digest.update(f"{entry}\0{changed}\0".encode())
+    return digest.hexdigest()[:32]
+
+
+def kept_packages_distributions() -> dict[str, list[str]]:
+    """`importlib.metadata.packages_distributions()`, from `$BATCHJOB_CACHE` when an earlier process computed it
+    for the same `environment_key()`."""
+    key = environment_key()
+    kept = load_entry(PACKAGES_KIND, key)
+    if isinstance(kept, dict):
+        return kept
+    mapping = _computed_packages_distributions()
+    store_entry(PACKAGES_KIND, key, mapping)
+    return mapping
+
+
+def _import(module: str) -> Any:
+    """`importlib.import_module(module)` under the process's one lock, with the distributions' mapping kept."""
+    with _LOCK:
+        metadata.packages_distributions = kept_packages_distributions
+        return importlib.import_module(module)
+
+
 def from_transformers(name: str) -> Any:
     """`from transformers import <name>`, under the process's one lock."""
-    with _LOCK:
-        return getattr(importlib.import_module("transformers"), name)
+    return getattr(_import("transformers"), name)
 
 
 def transformers_version() -> str:
@@ -48,8 +94,7 @@ def _kept_class(key: str) -> type | None:
     if not isinstance(entry, dict) or not str(entry.get("module", "")).startswith("transformers."):
         return None
     try:
-        with _LOCK:
-            return getattr(importlib.import_module(entry["module"]), entry["name"])
+        return getattr(_import(entry["module"]), entry["name"])
     except (ImportError, AttributeError, KeyError, TypeError):
         return None
 

@@ -105,3 +105,64 @@ def test_an_unusable_entry_chooses_through_autotokenizer(entry: str, entries: Pa
     path.write_text(entry)
     _same(load_tokenizer(model), AutoTokenizer.from_pretrained(model))
     assert json.loads(path.read_text())["module"].startswith("transformers.")  # chosen again and kept
+
+
+def _distribution(site: Path, name: str, top_level: str) -> None:
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text(top_level + "\n")
+
+
+def test_the_distributions_mapping_is_kept_until_a_distribution_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from importlib import metadata
+
+    from batchjob import transformers_import
+
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    site = tmp_path / "site"
+    site.mkdir()
+    _distribution(site, "first_dist", "first_pkg")
+    monkeypatch.syspath_prepend(str(site))
+    computed = transformers_import._computed_packages_distributions
+    first = transformers_import.kept_packages_distributions()
+    assert first == computed() and first["first_pkg"] == ["first_dist"]
+    entries = list((tmp_path / "cache" / transformers_import.PACKAGES_KIND).iterdir())
+    assert len(entries) == 1
+
+    def not_again() -> dict:
+        raise AssertionError("computed again for an unchanged environment")
+
+    monkeypatch.setattr(transformers_import, "_computed_packages_distributions", not_again)
+    assert transformers_import.kept_packages_distributions() == first
+    # Installing a distribution adds a folder to a sys.path folder: a new key, computed again.
+    os.utime(site, ns=(1, 1))
+    _distribution(site, "second_dist", "second_pkg")
+    monkeypatch.setattr(transformers_import, "_computed_packages_distributions", computed)
+    second = transformers_import.kept_packages_distributions()
+    assert second["second_pkg"] == ["second_dist"] and second == metadata.packages_distributions()
+
+
+def test_a_later_process_reads_the_kept_mapping_once_it_imports_transformers(entries: Path, tmp_path: Path) -> None:
+    probe = (
+        "import sys\n"
+        "from importlib import metadata\n"
+        "if sys.argv[1] == 'later':\n"
+        "    def listed():\n"
+        "        raise SystemExit('the distributions were listed again')\n"
+        "    metadata.packages_distributions = listed\n"
+        "from batchjob import transformers_import\n"
+        "transformers_import.from_transformers('PreTrainedTokenizerFast')\n"
+        "print(len(metadata.packages_distributions()['transformers']))\n"
+    )
+    env = {**os.environ, "BATCHJOB_CACHE": str(entries.parent)}
+    work = tmp_path / "work"  # the probe's sys.path[0]: a folder nothing writes into, so the key stays
+    work.mkdir()
+    for run in ("first", "later"):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, run], env=env, cwd=work, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["1"]
