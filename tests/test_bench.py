@@ -366,3 +366,43 @@ def test_mixed_padding_counts_the_tokens_each_step_pads_to_its_bucket(monkeypatc
     assert padding(requests, (256, 512, 8192), 1000, 8, 8192) == {
         "steps": 8, "mixed": 1, "padded": 212, "buckets": {512: 1}
     }  # fmt: skip
+
+
+def test_startup_spy_puts_each_sample_of_a_real_job_in_its_phase(monkeypatch, tmp_path):
+    import gzip
+
+    monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
+    from startup_spy import summarise
+
+    # py-spy's samples of a GPU job holding the interpreter lock (`--gil`), as recorded.
+    spy = tmp_path / "spy.json"
+    spy.write_bytes(gzip.decompress((SCRIPTS.parent / "docs" / "bench" / "startup-spy-gil.json.gz").read_bytes()))
+    text = summarise(spy, top=3)
+    main = dict(re.findall(r"^  (\S[\w ()-]*?)\s+([\d.]+) s: holding the lock", text, flags=re.MULTILINE))
+    assert {"imports", "weights", "KV sizing", "CUDA graphs", "warm-up", "generation"} <= set(main)
+    total = float(re.search(r"main thread \(([\d.]+) s sampled\)", text).group(1))
+    assert sum(map(float, main.values())) == pytest.approx(total, abs=0.05)
+    assert re.search(r"batchjob-checks_0\s+[\d.]+", text) and "batchjob-engine-tokenizer_0" in text
+
+
+def test_startup_spy_tells_a_wait_for_the_interpreter_lock_from_running(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
+    from startup_spy import summarise
+
+    names = ["<module>", "load_on_device", "WeightReader.read", "0x7f00", "pthread_cond_timedwait"]
+    names.append("cuEventSynchronize")
+    frames = [{"name": name, "file": "x.py", "line": 1, "col": None} for name in names]
+    profile = {
+        "type": "sampled",
+        "name": 'Thread 1 ""',
+        "unit": "seconds",
+        "startValue": 0,
+        "endValue": 0.03,
+        "samples": [[0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 5]],
+        "weights": [0.01, 0.01, 0.01],
+    }
+    spy = tmp_path / "spy.json"
+    spy.write_text(json.dumps({"shared": {"frames": frames}, "profiles": [profile]}))
+    text = summarise(spy, top=1)
+    assert "weights" in text and "waiting for the interpreter lock 0.01" in text
+    assert "running 0.01" in text and "in the CUDA driver 0.01" in text
