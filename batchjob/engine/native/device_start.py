@@ -81,8 +81,12 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
     return load_model(model_path, opts.dtype, device, attn, opts.max_model_len, opts.load_format)
 
 
-def start_runner(model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device) -> DeviceReady:
-    """Size and allocate the KV cache, build the runner, capture its CUDA graphs and warm it up (on a GPU)."""
+def start_runner(
+    model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device, gates: bool = False
+) -> DeviceReady:
+    """Size and allocate the KV cache, build the runner, capture its CUDA graphs and warm it up (on a GPU).
+    `gates`: once warmed up, masked samplers may wait on the GPU behind gates (the masks are filled by a thread
+    other than the loop's)."""
     started = time.perf_counter()
     num_blocks = decide_num_blocks(model, spec, opts, device)
     kv_caches = allocate_kv_cache(spec, num_blocks, opts.block_size, device)
@@ -124,6 +128,10 @@ def start_runner(model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: 
         if opts.tensor_parallel > 1:
             steps = [step for step in steps if not step.constrained]
         ready.stats["warmup_s"] = warm_up(runner, steps, opts.block_size)
+        if gates:
+            # Every kernel the run launches is loaded, and the mask worker, not the loop, fills the masks:
+            # masked samplers may wait on the GPU behind gates the worker opens (host_gate.py).
+            runner.use_gates()
     return ready
 
 

@@ -138,12 +138,9 @@ class NativeEngine:
             self.max_model_len = self.spec.max_model_len
             self._make_grammars(tokenizer)
             loaded = time.perf_counter()
-            ready = start_runner(self.model, self.spec, opts, self.device)
+            gates = opts.gate_masked_sampler and opts.async_loop and not self._chunked_masks
+            ready = start_runner(self.model, self.spec, opts, self.device, gates)
             self.kv_caches, self.runner = ready.kv_caches, ready.runner
-            if opts.gate_masked_sampler and opts.async_loop and not self._chunked_masks and "warmup_s" in ready.stats:
-                # Every kernel the run launches is loaded, and the mask worker, not the loop, fills the masks:
-                # masked samplers may wait on the GPU behind gates the worker opens (host_gate.py).
-                self.runner.use_gates()
             self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats: dict[str, float] = {
             **ready.stats,
