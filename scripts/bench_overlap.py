@@ -18,6 +18,10 @@ neither stays in L2) and replayed; times are per layer:
 With `--programs P,...` the attention, `independent` and `halves` variants run again with the decode kernel on a
 persistent grid of P programs (`DecodeConfig.programs`), which leaves the other multiprocessors to the matmuls.
 
+With `--carveouts C,...` the matmuls, `independent` and `halves` variants run again with every matmul through
+cuBLASLt told to use all but C multiprocessors (torch's SM carve-out, cuBLASLt's SM count target), the usual
+attention grid taking the C left free and whatever the matmuls leave between kernels.
+
 Prints the table and writes it as JSON with the copy rate measured in the same run.
 """
 
@@ -83,6 +87,23 @@ def o_and_mlp(step: Step, layer: Layer, part: slice) -> None:
     torch.mm(step.gu[part, :INTERMEDIATE], layer.down.t(), out=step.x[part])
 
 
+def carved(fn: Callable[[], None], carveout: int) -> Callable[[], None]:
+    """`fn` with its matmuls through cuBLASLt on all but `carveout` multiprocessors (both read at each call, so a
+    graph captured inside keeps them)."""
+
+    def run():
+        backend = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            fn()
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library(backend)
+
+    return run
+
+
 def graph_seconds(fn: Callable[[], None], replays: int = 5) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -112,10 +133,16 @@ def copy_rate() -> float:
 
 
 def variants(
-    step: Step, layers: list[Layer], backend: TritonPagedAttention, programs: int = 0, launch: dict | None = None
+    step: Step,
+    layers: list[Layer],
+    backend: TritonPagedAttention,
+    programs: int = 0,
+    launch: dict | None = None,
+    carveout: int = 0,
 ) -> dict[str, Callable[[], None]]:
     """Every variant; with `programs` only those with attention, the decode kernel on a grid of that many
-    (`launch`: its tiles, warps and stages instead of the default's)."""
+    (`launch`: its tiles, warps and stages instead of the default's); with `carveout` those with matmuls, the
+    matmuls kept off that many multiprocessors."""
     rows, half = step.rows, step.rows // 2
     whole, first, second = slice(0, rows), slice(0, half), slice(half, rows)
     plan = {}
@@ -191,6 +218,14 @@ def variants(
             f"attention on {programs}, {shape}": attention_only,
             f"independent, attention on {programs}, {shape}": independent,
         }
+    if carveout:
+        return {
+            f"matmuls, {carveout} SMs carved out": carved(matmuls_only, carveout),
+            f"serial, {carveout} carved out": carved(serial, carveout),
+            f"independent, {carveout} carved out": carved(independent, carveout),
+            f"halves, {carveout} carved out": carved(halves(0), carveout),
+            f"halves, matmuls first, {carveout} carved out": carved(halves(-1), carveout),
+        }
     if programs:
         return {
             f"attention on {programs}": attention_only,
@@ -220,6 +255,7 @@ def main() -> None:
         default="",
         help="comma-separated BLOCK_NxWARPSxSTAGES[p] tried on each persistent grid (p: block table read ahead)",
     )
+    parser.add_argument("--carveouts", default="", help="comma-separated SM counts kept free of the matmuls")
     parser.add_argument("--out")
     args = parser.parse_args()
     backend = TritonPagedAttention()
@@ -235,6 +271,8 @@ def main() -> None:
                 block_n, warps, stages = (int(v) for v in shape.rstrip("p").split("x"))
                 launch = dict(block_n=block_n, num_warps=warps, num_stages=stages, prefetch_table=shape.endswith("p"))
                 runs |= variants(step, layers, backend, programs, launch)
+        for carveout in (int(c) for c in args.carveouts.split(",") if c):
+            runs |= variants(step, layers, backend, carveout=carveout)
         times = {name: graph_seconds(fn) / args.layers for name, fn in runs.items()}
         kv_bytes = 2 * rows * args.context * KV_HEADS * HEAD_DIM * 2
         print(f"{rows} rows x {args.context} tokens of context, per layer (KV {kv_bytes / 1e6:.0f} MB):")
