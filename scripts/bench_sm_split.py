@@ -6,11 +6,11 @@ then run beside the step's matmuls on the rest? Llama-3.1-8B's shapes, CUDA gree
         [--launches 64x4x4,32x4x2,...] [--out sm-split.json]
 
 For each count A in `--sms`: the attention alone in a green context of A SMs (the usual launch and each of
-`--launches`, BLOCK_NxWARPSxSTAGES, p: the block table read ahead; a program per (sequence,
-KV head)), the matmuls alone in one of the other SMs, and both at once, each in its own, with no
-dependency between them (the best a step whose halves overlap could do). Launched eagerly (a green context's
-stream, then timed with events on the usual stream around them; `--graph`: a CUDA graph of that); times per
-layer, with the attention's read rate.
+`--launches`, BLOCK_NxWARPSxSTAGES[p][h], p: the block table read ahead, h: the grid's first dimension the KV
+heads; a program per (sequence, KV head)), the matmuls alone in one of the other SMs, and both at once, each in
+its own, with no dependency between them (the best a step whose halves overlap could do). Launched eagerly (a
+green context's stream, then timed with events on the usual stream around them; `--graph`: a CUDA graph of
+that); times per layer, with the attention's read rate.
 """
 
 from __future__ import annotations
@@ -85,13 +85,14 @@ def main() -> None:
     base = backend.decode_launch_config(args.rows, KV_HEADS, step.x.device)
     configs = {"usual": base}
     for shape in (s for s in args.launches.split(",") if s):
-        block_n, warps, stages = (int(v) for v in shape.rstrip("p").split("x"))
+        block_n, warps, stages = (int(v) for v in shape.rstrip("ph").split("x"))
         configs[shape] = dataclasses.replace(
             base,
             block_n=block_n,
             num_warps=warps,
             num_stages=stages,
-            prefetch_table=shape.endswith("p"),
+            prefetch_table="p" in shape.split("x")[-1],
+            heads_first="h" in shape.split("x")[-1],
         )
     kv_bytes = 2 * args.rows * args.context * KV_HEADS * 128 * 2
 

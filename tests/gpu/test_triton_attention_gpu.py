@@ -53,6 +53,15 @@ def test_bf16_decode_on_a_persistent_grid_matches_the_grid_of_a_program_per_head
     assert relative_error(out, reference(*step, scale=128**-0.5)) < 1e-2
 
 
+def test_bf16_decode_on_a_grid_of_heads_first_matches_the_usual_grid():
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = (1024 - torch.randint(0, 300, (96,), generator=gen)).tolist()
+    step = random_step([1] * 96, seq_lens, 16, dtype=torch.bfloat16, **LLAMA_8B)
+    heads_first = dataclasses.replace(DEFAULT_DECODE_CONFIG, heads_first=True)
+    out = TritonPagedAttention(1, heads_first).forward(*step, scale=128**-0.5)
+    assert torch.equal(out, TritonPagedAttention(1, DEFAULT_DECODE_CONFIG).forward(*step, scale=128**-0.5))
+
+
 @pytest.mark.parametrize("block_size", [16, 1, 256])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (16, 8, 64), (8, 8, 128)])
 def test_bf16_mixed_prefill_and_decode_batch_matches_reference(block_size, num_heads, num_kv_heads, head_dim):

@@ -82,6 +82,15 @@ def test_a_persistent_grid_takes_every_sequence_and_head_in_turn(programs):
     check_against_reference(step, TritonPagedAttention(1, config))
 
 
+def test_a_grid_of_heads_first_gives_the_same_output():
+    # The grid's dimensions swapped (a sequence's KV heads side by side): every (sequence, head) pair once.
+    step = random_step([1] * 5, [1, 17, 64, 65, 130], 16, 2, seed=6)
+    heads_first = dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, heads_first=True)
+    out = TritonPagedAttention(1, heads_first).forward(*step, scale=0.3)
+    assert torch.equal(out, TritonPagedAttention(1).forward(*step, scale=0.3))
+    check_against_reference(step, TritonPagedAttention(1, heads_first))
+
+
 def test_decode_with_more_splits_than_context_tiles_matches_reference():
     # 8 splits over at most 3 tiles of 64 tokens: most split programs exit at once and the reduce
     # must ignore the partials they never wrote.
