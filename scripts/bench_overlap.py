@@ -33,6 +33,7 @@ import json
 from collections.abc import Callable
 
 import torch
+from bench_lib.hardware import measure_copy_bandwidth
 
 from batchjob.engine.native.triton_attention import TritonPagedAttention
 from batchjob.engine.native.triton_decode import paged_decode_attention
@@ -126,10 +127,9 @@ def graph_seconds(fn: Callable[[], None], replays: int = 5) -> float:
 
 
 def copy_rate() -> float:
-    src = torch.empty(1 << 31, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    seconds = graph_seconds(lambda: dst.copy_(src))
-    return 2 * src.numel() / seconds
+    """Bytes read and written per second by a device-to-device copy, as the roofline measures it (eagerly: a
+    copy replayed from a CUDA graph moved 2.7 TB/s on an H200 against 4.3 TB/s)."""
+    return measure_copy_bandwidth(gib=2.0)
 
 
 def variants(
