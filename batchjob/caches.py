@@ -14,6 +14,8 @@
 - `package-distributions/`: which distribution provides each importable package, as transformers asks the
   standard library on import (listing every installed file), kept per state of `sys.path`
   (`transformers_import.py`).
+- `pycache/`: compiled Python of an environment that cannot keep its own beside its sources (installed without
+  bytecode where PYTHONDONTWRITEBYTECODE is set or the folders are read-only; `startup.keep_bytecode`).
 """
 
 from __future__ import annotations

@@ -151,3 +151,84 @@ def test_a_package_without_bytecode_that_python_may_not_write_is_reported_with_i
     subprocess.run([sys.executable, *fix[1:]], check=True)
     assert compiled_afresh(module) is None
     assert compiled_afresh(sys) is None  # a built-in module has no sources to compile
+
+
+KEEP_AND_IMPORT = """
+import importlib._bootstrap_external as external, json, os, subprocess, sys
+compiled = []
+to_code = external.SourceLoader.source_to_code
+external.SourceLoader.source_to_code = lambda self, data, path, *a, **k: compiled.append(path) or to_code(
+    self, data, path, *a, **k)
+from batchjob.startup import keep_bytecode
+prefix = keep_bytecode("uncompiled_pkg")
+import uncompiled_pkg.inner
+child = subprocess.run([sys.executable, "-c", "import sys; print(sys.pycache_prefix, sys.dont_write_bytecode)"],
+                       capture_output=True, text=True, check=True).stdout.split()
+mine = [os.path.basename(p) for p in compiled if os.path.basename(os.path.dirname(p)) == "uncompiled_pkg"]
+print(json.dumps({"prefix": prefix and str(prefix), "compiled": mine,
+                  "cached": uncompiled_pkg.inner.__spec__.cached, "child": child}))
+"""
+
+
+def _uncompiled_package(site: Path) -> Path:
+    package = site / "uncompiled_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    (package / "inner.py").write_text("from uncompiled_pkg import VALUE\nDOUBLE = 2 * VALUE\n")
+    return package
+
+
+def test_a_job_keeps_bytecode_in_its_cache_where_the_environment_cannot(tmp_path: Path) -> None:
+    # An environment without bytecode whose Python may not write it (PYTHONDONTWRITEBYTECODE): the first
+    # process compiles into the cache, its children inherit the place, the next process compiles nothing.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    package = _uncompiled_package(tmp_path / "site")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPYCACHEPREFIX"}
+    env |= {
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "BATCHJOB_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)]),
+    }
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", KEEP_AND_IMPORT], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.splitlines()[-1])
+
+    first, later = run(), run()
+    prefix = str(tmp_path / "cache" / "pycache")
+    assert first["prefix"] == prefix and first["child"] == [prefix, "False"]
+    assert first["compiled"] == ["__init__.py", "inner.py"]
+    assert first["cached"].startswith(prefix) and Path(first["cached"]).is_file()
+    assert not (package / "__pycache__").exists()  # nothing written beside the sources
+    assert later["prefix"] == prefix and later["compiled"] == []
+
+
+def test_an_environment_that_keeps_its_own_bytecode_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import compileall
+    import sys
+
+    from batchjob.startup import keep_bytecode
+
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    _uncompiled_package(tmp_path / "site")
+    # Python may write it beside the sources: the first import will.
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert keep_bytecode("uncompiled_pkg") is None
+    # The user chose where bytecode goes.
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "theirs"))
+    assert keep_bytecode("uncompiled_pkg") is None
+    # Compiled beside the sources (as pip installs), writing not allowed: read from there as before.
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    assert compileall.compile_dir(str(tmp_path / "site"), quiet=1)
+    assert keep_bytecode("uncompiled_pkg") is None
+    assert keep_bytecode("a_package_not_installed") is None
+    assert not (tmp_path / "cache").exists() and sys.pycache_prefix is None
