@@ -132,9 +132,11 @@ def keep_bytecode(package: str = "torch") -> Path | None:
     (`import torch` 4.9 s against 2.0 s with its bytecode, on a 16-core GPU host). Python can keep bytecode in a
     tree of its own (`sys.pycache_prefix`), which leaves the environment as it is: that is used here when
     `package` (the test of the environment) has no bytecode beside it and Python may not write it there, and
-    the user chose no prefix. Python then reads bytecode only from the prefix, so an environment that has its
-    own is left alone. The processes started from here (data-parallel ranks, Slurm tasks, the engine's ranks)
-    inherit the prefix and may write to it: they read and write only there, never beside the sources."""
+    the user chose no prefix (with a prefix Python reads bytecode only from there, so an environment that has
+    its own keeps using it). The prefix mirrors the sources' absolute paths, and each file is written whole
+    (a temporary file, then a rename), so jobs on nodes sharing the cache share it safely. The processes started
+    from here (data-parallel ranks, Slurm tasks, the engine's ranks) inherit the prefix and may write to it: they
+    read and write only there, never beside the sources."""
     if sys.pycache_prefix is not None:
         return None
     spec = importlib.util.find_spec(package)
