@@ -141,7 +141,7 @@ def keep_bytecode(package: str = "torch") -> Path | None:
         return None
     spec = importlib.util.find_spec(package)
     source = spec.origin if spec is not None else None
-    if not source or not source.endswith(".py") or os.path.exists(importlib.util.cache_from_source(source)):
+    if not source or _has_bytecode(source):
         return None
     if not sys.dont_write_bytecode and os.access(os.path.dirname(source), os.W_OK):
         return None  # the first job writes it beside the sources
@@ -162,11 +162,11 @@ def keep_bytecode(package: str = "torch") -> Path | None:
 def compiled_afresh(module: ModuleType) -> str | None:
     """Why every job compiles `module`'s package from its sources (it has no bytecode beside them or under the
     bytecode prefix, and Python may not write it: `keep_bytecode` could not help), with the fix; None when its
-    bytecode is there. Installers such as uv leave packages without
-    bytecode, and container images often set PYTHONDONTWRITEBYTECODE: torch's 2,141 modules then cost every job
-    about 3 s more (import torch took 4.9 s against 2.0 s with its bytecode, on a 16-core GPU host)."""
+    bytecode is there. Installers such as uv leave packages without bytecode, and container images often set
+    PYTHONDONTWRITEBYTECODE: torch's 2,141 modules then cost every job about 3 s more (import torch took 4.9 s
+    against 2.0 s with its bytecode, on a 16-core GPU host)."""
     source = getattr(module, "__file__", None) or ""
-    if not source.endswith(".py") or os.path.exists(importlib.util.cache_from_source(source)):
+    if _has_bytecode(source):
         return None
     why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "its folder is not writable"
     packages = os.path.dirname(os.path.dirname(source)) if source.endswith("__init__.py") else os.path.dirname(source)
@@ -174,3 +174,9 @@ def compiled_afresh(module: ModuleType) -> str | None:
         f"{module.__name__} has no compiled bytecode and {why}, so every job compiles it afresh (seconds of "
         f"start-up); compile the environment once: python -m compileall -q -j 0 {packages}"
     )
+
+
+def _has_bytecode(source: str) -> bool:
+    """Whether Python finds compiled bytecode for the module at `source` (beside it, or under the bytecode
+    prefix when one is set); anything but a `.py` source counts as compiled."""
+    return not source.endswith(".py") or os.path.exists(importlib.util.cache_from_source(source))

@@ -17,25 +17,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
 
 import torch
-from bench_overlap import KV_HEADS, Layer, Step, attention, copy_rate, o_and_mlp, qkv_proj
+from bench_overlap import HEAD_DIM, KV_HEADS, Layer, Step, attention, copy_rate, o_and_mlp, qkv_proj
 
 from batchjob.engine.native.triton_attention import TritonPagedAttention
 
-GRAPH = False
 
-
-def timed(launch: Callable[[list[torch.cuda.Stream]], None], streams: list[torch.cuda.Stream], repeats: int = 5):
+def timed(
+    launch: Callable[[list[torch.cuda.Stream]], None],
+    streams: list[torch.cuda.Stream],
+    graph: bool = False,
+    repeats: int = 5,
+) -> float:
     """Seconds per call of `launch(streams)`, each stream starting after the usual stream and the usual stream
-    waiting for all of them (with GRAPH, of a CUDA graph of that)."""
+    waiting for all of them (`graph`: of a CUDA graph of that)."""
     main = torch.cuda.current_stream()
-    if GRAPH:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
             capture = torch.cuda.current_stream()
             streams = [capture if s == main else s for s in streams]
             for s in streams:
@@ -43,7 +47,7 @@ def timed(launch: Callable[[list[torch.cuda.Stream]], None], streams: list[torch
             launch(streams)
             for s in streams:
                 capture.wait_stream(s)
-        launch, streams = (lambda _: graph.replay()), [main]  # noqa: E731
+        launch, streams = (lambda _: captured.replay()), [main]  # noqa: E731
     best = float("inf")
     for _ in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -73,8 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     from torch.cuda.green_contexts import GreenContext
 
-    global GRAPH
-    GRAPH = args.graph
+    timed_as_asked = functools.partial(timed, graph=args.graph)
     backend = TritonPagedAttention()
     total_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"copy_bytes_per_s": copy_rate(), "device": torch.cuda.get_device_name(), "sms": total_sms, "cases": []}
@@ -94,7 +97,7 @@ def main() -> None:
             prefetch_table="p" in shape.split("x")[-1],
             heads_first="h" in shape.split("x")[-1],
         )
-    kv_bytes = 2 * args.rows * args.context * KV_HEADS * 128 * 2
+    kv_bytes = 2 * args.rows * args.context * KV_HEADS * HEAD_DIM * 2
 
     def attend_all(config):
         def run(streams):
@@ -124,10 +127,10 @@ def main() -> None:
     torch.cuda.synchronize()
     usual = [torch.cuda.current_stream()]
     two = [torch.cuda.Stream(), torch.cuda.Stream()]
-    results["independent"] = timed(both(base), two) / args.layers
+    results["independent"] = timed_as_asked(both(base), two) / args.layers
     print(f"  attention and matmuls on two usual streams: {results['independent'] * 1e6:.1f} us a layer")
-    whole_gpu = {name: timed(attend_all(c), usual) / args.layers for name, c in configs.items()}
-    mm_whole = timed(matmuls_all, usual) / args.layers
+    whole_gpu = {name: timed_as_asked(attend_all(c), usual) / args.layers for name, c in configs.items()}
+    mm_whole = timed_as_asked(matmuls_all, usual) / args.layers
     print(f"{args.rows} rows x {args.context} tokens, per layer (KV {kv_bytes / 1e6:.0f} MB), all {total_sms} SMs:")
     print(f"  matmuls {mm_whole * 1e6:.1f} us")
     for name, seconds in whole_gpu.items():
@@ -146,11 +149,11 @@ def main() -> None:
             continue
         case = {"sms": sms, "attention": {}, "both": {}}
         try:
-            case["matmuls"] = timed(matmuls_all, [mm_stream]) / args.layers
+            case["matmuls"] = timed_as_asked(matmuls_all, [mm_stream]) / args.layers
             print(f"  {sms} SMs for attention, {total_sms - sms} for matmuls: matmuls {case['matmuls'] * 1e6:.1f} us")
             for name, config in configs.items():
-                alone = timed(attend_all(config), [att_stream]) / args.layers
-                together = timed(both(config), [att_stream, mm_stream]) / args.layers
+                alone = timed_as_asked(attend_all(config), [att_stream]) / args.layers
+                together = timed_as_asked(both(config), [att_stream, mm_stream]) / args.layers
                 case["attention"][name], case["both"][name] = alone, together
                 serial = whole_gpu["usual"] + mm_whole
                 print(
