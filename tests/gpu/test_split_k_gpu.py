@@ -65,7 +65,7 @@ def test_a_bf16_model_with_split_projections_gives_the_logits_of_one_without(tmp
         tmp_path / "mid", hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2
     )
     model, spec = load_model(model_dir, "bfloat16", "cuda", TritonPagedAttention())
-    assert all(layer.self_attn.partial_sums and layer.mlp.partial_sums for layer in model.layers)
+    assert all(layer.self_attn.fused_add and layer.mlp.fused_add for layer in model.layers)
     calls = []
     products = split_k.partial_products
     monkeypatch.setattr(split_k, "partial_products", lambda *a: calls.append(a[2]) or products(*a))

@@ -342,10 +342,42 @@ def test_only_projections_feeding_a_fused_add_and_norm_may_split_k(arch, split, 
     ours, spec = load_model(model_dir, "bfloat16", "cpu", TorchPagedAttention())
     layer = ours.layers[0]
     attention = spec.norm_placement == "pre" and not spec.o_bias
-    assert layer.self_attn.partial_sums == attention
-    assert getattr(layer.mlp, "partial_sums", False) == split
+    assert layer.self_attn.fused_add == attention
+    assert getattr(layer.mlp, "fused_add", False) == split
     # Greedy logits may stay in the model's dtype, except soft-capped ones.
     hidden = torch.randn(3, spec.hidden_size, dtype=torch.bfloat16)
     with torch.no_grad():
         raw = ours.compute_logits(hidden, float32=False)
     assert raw.dtype == (torch.float32 if spec.final_softcap > 0 else torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_half_precision_projections_add_their_product_into_the_residual_in_the_matmul(dtype, tmp_path, monkeypatch):
+    # A bf16 o_proj / down_proj feeding the fused add + norm writes residual + product in one matmul, and the
+    # norm reads only the sum: the same logits up to one rounding fewer. float32 models keep transformers'
+    # order (the product rounded, then added), so they take the plain path.
+    from batchjob.engine.native import split_k
+    from batchjob.engine.native.kv_cache import allocate_kv_cache
+
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    ours, spec = load_model(model_dir, dtype, "cpu", TorchPagedAttention())
+    n = 24
+    prompt = torch.tensor(random_prompts([n], spec.vocab_size)[0])
+    added = []
+    fused = split_k.adds_into_residual
+
+    def logits(fuse: bool) -> torch.Tensor:
+        monkeypatch.setattr(split_k, "adds_into_residual", lambda w: added.append(fuse) or (fuse and fused(w)))
+        caches = allocate_kv_cache(spec, 8, 4, torch.device("cpu"))
+        meta = make_metadata([n], [n], [list(range(1, 7))], 4)
+        with torch.no_grad():
+            return ours.compute_logits(ours(prompt, torch.arange(n), meta, caches)).double()
+
+    into_residual, plain = logits(True), logits(False)
+    assert added.count(True) == added.count(False) == 2 * spec.num_layers  # o_proj and down_proj of each layer
+    if dtype == "float32":
+        assert torch.equal(into_residual, plain)
+        return
+    assert not torch.equal(into_residual, plain)
+    assert ((into_residual - plain).norm() / plain.norm()).item() < 1e-2
+    assert (into_residual.argmax(-1) == plain.argmax(-1)).float().mean().item() > 0.9

@@ -1,4 +1,5 @@
-"""Split-K matmuls whose partial sums the next RMSNorm adds up, for the projections that feed a residual add.
+"""The projections that feed a residual add (o_proj, down_proj): split-K matmuls whose partial sums the next
+RMSNorm adds up, or matmuls that add their product into the residual themselves.
 
 A decode step's o_proj and down_proj have few rows and a long K. BLAS either splits K across thread blocks and
 then runs a second kernel that adds the partial sums (`splitKreduce_kernel`, about 2 us, up to two a layer), or
@@ -23,6 +24,12 @@ Which projections split, into how many parts and at which step sizes is measured
 Between 17 and 64 rows the 8B's plain matmuls go to cuBLASLt (blas.py), whose kernels for those shapes need no
 reduce; the split does not pay there. Shapes not in the table are not split. Only bf16/fp16 models split:
 float32 ones are compared with transformers, whose matmuls sum in cuBLAS's order.
+
+Where a bf16/fp16 projection is not split, its matmul adds the residual in its epilogue (`addmm_` into the
+residual): the residual add + RMSNorm that followed read the product and the residual and wrote the sum and the
+normed rows, 4 x hidden x 2 bytes a row; the norm alone now reads the sum and writes the normed rows, half that,
+while the matmul reads the residual once more. The sum is rounded once (transformers rounds the product, then the
+sum); float32 models keep transformers' order.
 """
 
 from __future__ import annotations
@@ -62,8 +69,24 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch
     return torch.bmm(a, b, out_dtype=torch.float32)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, partial_sums: bool) -> torch.Tensor:
-    """`layer(x)`, or with `partial_sums` and a split worth making, its float32 partial sums [parts, rows, N]
-    (the caller's next step must be `rms_norm` with a residual, which adds them up)."""
-    parts = splits_for(layer.weight, x.shape[0]) if partial_sums else 1
-    return layer(x) if parts == 1 else partial_products(x, layer.weight, parts)
+def adds_into_residual(weight: torch.Tensor) -> bool:
+    """Whether a projection feeding a residual add writes its product straight into the residual (bf16/fp16:
+    see `linear`). float32 models keep transformers' order: the product rounded, then added."""
+    return weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`layer(x)`, for a projection whose output the next step adds to `residual` (None: it does not, or the
+    caller adds it itself). Then, where a split pays, its float32 partial sums [parts, rows, N]; otherwise, for a
+    bf16/fp16 projection without bias, `residual` itself with the product added in place: the matmul's epilogue
+    reads the residual and writes the sum, one rounding, and the norm that follows reads only the sum (half the
+    bytes of an add fused into the norm). The caller's next step must be `rms_norm` with that residual, which
+    adds partial sums up and takes `residual` itself as already added."""
+    if residual is None:
+        return layer(x)
+    parts = splits_for(layer.weight, x.shape[0])
+    if parts > 1:
+        return partial_products(x, layer.weight, parts)
+    if layer.bias is None and adds_into_residual(layer.weight):
+        return residual.addmm_(x, layer.weight.t())
+    return layer(x)

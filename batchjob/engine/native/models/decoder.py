@@ -45,6 +45,19 @@ def sharded_rms_norm(norm: RMSNorm, x: torch.Tensor, tp: TensorParallel) -> torc
     return norm.weight * h.to(x.dtype)
 
 
+def add_then_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); without a norm, the sum twice. `x` may be split-K partial sums, or
+    `residual` itself when a projection already added its product into it (split_k.linear)."""
+    if residual is None or x is residual:
+        return (x if norm is None else norm(x)), x
+    if norm is None:
+        total = x + residual
+        return total, total
+    return norm(x, residual)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int, attn: PagedAttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
@@ -62,7 +75,7 @@ class Attention(nn.Module):
         self.window = spec.layers[layer].window
         self.softcap = spec.attn_softcap
         self.attn = attn
-        self.partial_sums = False  # the layer sets it where a fused add + norm takes split-K partial sums
+        self.fused_add = False  # the layer sets it where a fused add + norm follows (split_k.linear)
 
     def forward(
         self,
@@ -70,6 +83,7 @@ class Attention(nn.Module):
         rope: RopeStep | None,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -91,7 +105,7 @@ class Attention(nn.Module):
         out = self.attn.forward(
             q, k, v, *kv_cache, meta, self.scale, window=self.window, softcap=self.softcap, kv_stored=stored
         )
-        return split_k.linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.partial_sums)
+        return split_k.linear(out.reshape(num_tokens, self.q_size), self.o_proj, residual if self.fused_add else None)
 
 
 class MLP(nn.Module):
@@ -100,10 +114,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.activation = spec.activation
-        self.partial_sums = False  # the layer sets it where a fused add + norm takes split-K partial sums
+        self.fused_add = False  # the layer sets it where a fused add + norm follows (split_k.linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return split_k.linear(act_and_mul(self.gate_up_proj(x), self.activation), self.down_proj, self.partial_sums)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        h = act_and_mul(self.gate_up_proj(x), self.activation)
+        return split_k.linear(h, self.down_proj, residual if self.fused_add else None)
 
 
 class DecoderLayer(nn.Module):
@@ -124,11 +139,12 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size) if after else None
         # The attention's and the MLP's outputs go straight into a fused residual add + norm (this layer's
         # second, the next layer's first or the final one) only with norms before the sublayers and one rank:
-        # there they may be split-K partial sums, which that norm adds up (split_k.py).
+        # there they may be split-K partial sums, which that norm adds up, or the residual with the product
+        # already added by the matmul (split_k.py).
         fused_add = spec.norm_placement == "pre" and not tp.active
-        self.self_attn.partial_sums = fused_add and not spec.o_bias
+        self.self_attn.fused_add = fused_add and not spec.o_bias
         if isinstance(self.mlp, MLP):
-            self.mlp.partial_sums = fused_add and not spec.mlp_bias
+            self.mlp.fused_add = fused_add and not spec.mlp_bias
 
     def forward(
         self,
@@ -140,27 +156,15 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`x + residual` is this layer's input (residual None: x alone); returns the pair for the next layer,
         so each residual add is fused into the norm that follows it where there is one."""
-        h, residual = self._add_then_norm(x, residual, self.input_layernorm)
-        h = self.tp.all_reduce(self.self_attn(h, rope, meta, kv_cache))
+        h, residual = add_then_norm(x, residual, self.input_layernorm)
+        h = self.tp.all_reduce(self.self_attn(h, rope, meta, kv_cache, residual))
         if self.post_attention_layernorm is not None:
             h = self.post_attention_layernorm(h)
-        h, residual = self._add_then_norm(h, residual, self.pre_feedforward_layernorm)
-        h = self.tp.all_reduce(self.mlp(h))
+        h, residual = add_then_norm(h, residual, self.pre_feedforward_layernorm)
+        h = self.tp.all_reduce(self.mlp(h, residual) if isinstance(self.mlp, MLP) else self.mlp(h))
         if self.post_feedforward_layernorm is not None:
             h = self.post_feedforward_layernorm(h)
         return h, residual
-
-    @staticmethod
-    def _add_then_norm(
-        x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); without a norm, the sum twice."""
-        if residual is None:
-            return (x if norm is None else norm(x)), x
-        if norm is None:
-            total = x + residual
-            return total, total
-        return norm(x, residual)
 
 
 class CausalLM(nn.Module):
@@ -227,7 +231,7 @@ class CausalLM(nn.Module):
         for i in self._run:
             index = self.rope_index[i]
             x, residual = self.layers[i](x, residual, None if index is None else ropes[index], meta, kv_caches[i])
-        return self.norm(x, residual)[0]
+        return add_then_norm(x, residual, self.norm)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.active:
