@@ -351,15 +351,19 @@ def test_only_projections_feeding_a_fused_add_and_norm_may_split_k(arch, split, 
     assert raw.dtype == (torch.float32 if spec.final_softcap > 0 else torch.bfloat16)
 
 
+@pytest.mark.parametrize(("arch", "per_layer"), [("llama", 2), ("mixtral", 1)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_half_precision_projections_add_their_product_into_the_residual_in_the_matmul(dtype, tmp_path, monkeypatch):
+def test_half_precision_projections_add_their_product_into_the_residual_in_the_matmul(
+    dtype, arch, per_layer, tmp_path, monkeypatch
+):
     # A bf16 o_proj / down_proj feeding the fused add + norm writes residual + product in one matmul, and the
     # norm reads only the sum: the same logits up to one rounding fewer. float32 models keep transformers'
-    # order (the product rounded, then added), so they take the plain path.
+    # order (the product rounded, then added), so they take the plain path. A mixture of experts adds its own
+    # output: only its o_proj does.
     from batchjob.engine.native import split_k
     from batchjob.engine.native.kv_cache import allocate_kv_cache
 
-    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch)
     ours, spec = load_model(model_dir, dtype, "cpu", TorchPagedAttention())
     n = 24
     prompt = torch.tensor(random_prompts([n], spec.vocab_size)[0])
@@ -374,7 +378,7 @@ def test_half_precision_projections_add_their_product_into_the_residual_in_the_m
             return ours.compute_logits(ours(prompt, torch.arange(n), meta, caches)).double()
 
     into_residual, plain = logits(True), logits(False)
-    assert added.count(True) == added.count(False) == 2 * spec.num_layers  # o_proj and down_proj of each layer
+    assert added.count(True) == added.count(False) == per_layer * spec.num_layers
     if dtype == "float32":
         assert torch.equal(into_residual, plain)
         return
