@@ -115,13 +115,26 @@ def paged_step(query_lens: list[int], seq_lens: list[int]):
     return q, k, v, k_cache, v_cache, meta
 
 
-def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int, layers: int = 1) -> dict:
-    """Decode of `num_seqs` sequences at `context` tokens. With `layers` > 1 every timed call runs the kernel
-    over that many distinct caches one after another, as a decode step's layers do, and reports the time per
-    layer: a single cache of a few tens of MB stays partly in L2 from one call to the next, a step's do not."""
-    steps = [paged_step([1] * num_seqs, [context] * num_seqs) for _ in range(layers)]
+def decode_contexts(num_seqs: int, context: str) -> list[int]:
+    """A case's context lengths: `context` tokens each, or for `LO-HI` drawn uniformly from that range (seeded),
+    as a long run's batch holds sequences at every length."""
+    if "-" not in context:
+        return [int(context)] * num_seqs
+    low, high = (int(n) for n in context.split("-"))
+    return torch.randint(low, high + 1, (num_seqs,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def decode_bench(num_seqs: int, context: str, sweep: bool, iters: int, layers: int = 1) -> dict:
+    """Decode of `num_seqs` sequences at `context` tokens (`decode_contexts`). With `layers` > 1 every timed call
+    runs the kernel over that many distinct caches one after another, as a decode step's layers do, and reports
+    the time per layer: a single cache of a few tens of MB stays partly in L2 from one call to the next, a
+    step's do not. The programs take the sequences in batch order and, as the engine launches them, longest
+    context first."""
+    contexts = decode_contexts(num_seqs, context)
+    steps = [paged_step([1] * num_seqs, contexts) for _ in range(layers)]
     q, k, v, k_cache, v_cache, meta = steps[0]
-    kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
+    kv_bytes = 2 * sum(contexts) * KV_HEADS * HEAD_DIM * k_cache.element_size()
     scale = HEAD_DIM**-0.5
     backend = TritonPagedAttention()
     splits = backend.decode_splits(num_seqs, KV_HEADS, DEVICE)
@@ -129,12 +142,12 @@ def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int, layers: i
     out = torch.empty_like(q)
     calls = max(1, iters // layers)
 
-    def attend(num_splits: int = splits, config: DecodeConfig = default):
+    def attend(num_splits: int = splits, config: DecodeConfig = default, order: torch.Tensor | None = None):
         def run():
             for q, _, _, k_cache, v_cache, meta in steps:
                 paged_decode_attention(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, num_splits, out,
-                    config,
+                    config, order=order,
                 )  # fmt: skip
 
         return run
@@ -142,21 +155,26 @@ def decode_bench(num_seqs: int, context: int, sweep: bool, iters: int, layers: i
     def per_layer(timer):
         return lambda fn, n: timer(fn, n) / layers
 
-    dense_q = q.view(num_seqs, 1, HEADS, HEAD_DIM).transpose(1, 2)
-    dense_k = torch.randn(num_seqs, KV_HEADS, context, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    dense_v = torch.randn_like(dense_k)
-    sdpa = lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=scale, enable_gqa=True)
     rows = {
         f"triton decode, {splits} splits (eager)": per_layer(time_call)(attend(), calls),
         f"triton decode, {splits} splits (graph)": per_layer(time_graph)(attend(), calls),
+        f"triton decode, {splits} splits, longest first (graph)": per_layer(time_graph)(
+            attend(order=longest_first), calls
+        ),
         "triton store + decode (graph)": time_graph(
             lambda: backend.forward(q, k, v, k_cache, v_cache, meta, scale), iters
         ),
-        "sdpa dense, gqa (eager)": time_call(sdpa, iters),
     }
+    if len(set(contexts)) == 1:  # dense K/V of one length: the same bytes as the paged case
+        dense_q = q.view(num_seqs, 1, HEADS, HEAD_DIM).transpose(1, 2)
+        dense_k = torch.randn(num_seqs, KV_HEADS, contexts[0], HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        dense_v = torch.randn_like(dense_k)
+        sdpa = lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=scale, enable_gqa=True)
+        rows["sdpa dense, gqa (eager)"] = time_call(sdpa, iters)
     result = {
         "num_seqs": num_seqs,
         "context": context,
+        "contexts": contexts,
         "kv_bytes": kv_bytes,
         "default_splits": splits,
         "layers": layers,
@@ -301,7 +319,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every launch config and split count")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument(
-        "--decode", default="64x1024,32x1152,32x640", help="decode cases, SEQSxCONTEXT separated by commas"
+        "--decode",
+        default="64x1024,32x1152,32x640",
+        help="decode cases, SEQSxCONTEXT separated by commas (CONTEXT LO-HI: lengths drawn uniformly from that range)",
     )
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill, mixed-step and store cases")
     parser.add_argument("--cases", default="decode,prefill,mixed,store", help="kinds of case to run")
@@ -316,8 +336,8 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bandwidth(20)}
     print(f"{results['device']}: device-to-device copy {results['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     kinds = {"decode"} if args.decode_only else set(args.cases.split(","))
-    cases = [tuple(int(n) for n in case.split("x")) for case in args.decode.split(",")] if "decode" in kinds else []
-    results["decode"] = [decode_bench(b, s, args.sweep, args.iters, args.layers) for b, s in cases]
+    cases = [case.split("x") for case in args.decode.split(",")] if "decode" in kinds else []
+    results["decode"] = [decode_bench(int(b), s, args.sweep, args.iters, args.layers) for b, s in cases]
     for case in results["decode"]:
         title = f"decode {case['num_seqs']} seqs x {case['context']} ctx, KV {case['kv_bytes'] / 1e6:.0f} MB a layer"
         print_table(title, case["rows"], "bytes_per_s", "TB/s", 1e12)

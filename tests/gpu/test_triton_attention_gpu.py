@@ -62,6 +62,18 @@ def test_bf16_decode_on_a_grid_of_heads_first_matches_the_usual_grid():
     assert torch.equal(out, TritonPagedAttention(1, DEFAULT_DECODE_CONFIG).forward(*step, scale=128**-0.5))
 
 
+def test_bf16_decode_taking_the_longest_sequences_first_writes_what_batch_order_writes():
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = torch.randint(128, 3073, (300,), generator=gen).tolist()
+    step = random_step([1] * 300, seq_lens, 16, dtype=torch.bfloat16, **LLAMA_8B)
+    meta = step[-1]
+    longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
+    ordered = step[:-1] + (dataclasses.replace(meta, decode_order=longest_first),)
+    assert TritonPagedAttention().decode_splits(300, 8, DEVICE) == 1
+    out = TritonPagedAttention().forward(*ordered, scale=128**-0.5)
+    assert torch.equal(out, TritonPagedAttention().forward(*step, scale=128**-0.5))
+
+
 @pytest.mark.parametrize("block_size", [16, 1, 256])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (16, 8, 64), (8, 8, 128)])
 def test_bf16_mixed_prefill_and_decode_batch_matches_reference(block_size, num_heads, num_kv_heads, head_dim):

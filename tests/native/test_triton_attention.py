@@ -182,6 +182,32 @@ def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(spli
     torch.testing.assert_close(decoded, TritonPagedAttention().forward(*step, 0.3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        triton_decode.DEFAULT_DECODE_CONFIG,
+        triton_decode.FEW_PROGRAMS_DECODE_CONFIG,
+        dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, heads_first=False),
+        dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, programs=3),
+    ],
+)
+def test_programs_taking_the_longest_sequences_first_write_what_batch_order_writes(config):
+    # Each sequence's rows come from the same arithmetic whichever program takes it: bit-equal, a mixed step's
+    # chunk (skipped by the decode kernel) included.
+    q, k, v, k_cache, v_cache, meta = random_step([1, 1, 6, 1, 1], [4, 70, 30, 9, 41], 16, 2, seed=11)
+    triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    tables = (meta.block_tables, meta.seq_lens, meta.cu_query_lens)
+    in_batch_order = torch.full_like(q, float("nan"))
+    triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, 1, in_batch_order, config)
+    longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
+    assert longest_first.tolist() == [1, 4, 2, 3, 0]
+    for order in (longest_first, longest_first.flip(0)):
+        out = torch.full_like(q, float("nan"))
+        triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, 1, out, config, order=order)
+        assert torch.equal(out.nan_to_num(7.0), in_batch_order.nan_to_num(7.0))
+    assert in_batch_order[[0, 1, 8, 9]].isfinite().all() and in_batch_order[2:8].isnan().all()
+
+
 def _pad_like_a_mixed_graph(step, tokens: int, seqs: int):
     """`step` padded as io_slot.py pads a mixed graph's step: a one-token sequence in the scratch block per
     padding token while sequences last, zero-length sequences after that, and tokens past the last sequence's

@@ -32,6 +32,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T], flat cache slot where each new token's K/V goes
     max_query_len: int  # host-side bounds, for the CPU path and kernel choice; never needed on device
     max_seq_len: int
+    # int32 [B], the sequences longest context first: a decode kernel's programs start the longest first, so
+    # the GPU does not end a layer waiting on a few long sequences started last. None: in batch order.
+    decode_order: torch.Tensor | None = None
 
 
 class PagedAttentionBackend(Protocol):
@@ -87,6 +90,9 @@ def make_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        decode_order=torch.tensor(
+            sorted(range(len(seq_lens)), key=lambda b: -seq_lens[b]), dtype=torch.int32, device=device
+        ),
     )
 
 

@@ -62,6 +62,7 @@ def prepare_dummy(slot: IOSlot, prev: IOSlot, shape: StepShape, max_model_len: i
     seqs = torch.arange(shape.seqs + 1, dtype=torch.int32, device=slot.dev_meta.device)
     meta.cu_query_lens.copy_(seqs.clamp(max=shape.tokens))
     meta.seq_lens.copy_((seqs[:-1] < shape.tokens).to(torch.int32))
+    meta.decode_order.copy_(seqs[:-1])
     ints["mask_rows"].fill_(-1)
     params.top_p.fill_(1.0)
     prev.dev_tokens.zero_()

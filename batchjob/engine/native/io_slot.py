@@ -72,7 +72,7 @@ class StepShape:
         return self._int_layout()[0]
 
     def meta_fields(self) -> dict[str, tuple[int, int]]:
-        """The int32 buffer the attention kernels read: cu_query_lens [B + 1], seq_lens [B]."""
+        """The int32 buffer the attention kernels read: cu_query_lens [B + 1], seq_lens [B], decode_order [B]."""
         return self._meta_layout()[0]
 
     def float_fields(self) -> dict[str, tuple[int, int]]:
@@ -96,7 +96,7 @@ class StepShape:
         return _layout(fields, 8)
 
     def _meta_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
-        return _layout([("cu_query_lens", self.seqs + 1), ("seq_lens", self.seqs)], 4)
+        return _layout([("cu_query_lens", self.seqs + 1), ("seq_lens", self.seqs), ("decode_order", self.seqs)], 4)
 
     def _float_layout(self) -> tuple[dict[str, tuple[int, int]], int]:
         return _layout([(name, self.rows) for name in FLOAT_ROW_FIELDS], 4)
@@ -206,6 +206,8 @@ class IOSlot:
         meta["cu_query_lens"][n + 1 :] = t + np.minimum(padding_seqs, shape.tokens - t)
         meta["seq_lens"][:n] = starts + counts
         meta["seq_lens"][n:] = padding_seqs <= shape.tokens - t
+        # Longest context first (a chunk's sequence too: its decode program exits at once, wherever it sits).
+        meta["decode_order"][:] = np.argsort(-meta["seq_lens"], kind="stable")
 
         temperature, top_p, min_p = _views(self.host_float.numpy(), shape.float_fields()).values()
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
@@ -248,6 +250,7 @@ class IOSlot:
             slot_mapping=ints["slot_mapping"],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            decode_order=meta_views["decode_order"],
         )
         return ints, meta, self.sampling_tensors(shape)
 

@@ -196,7 +196,7 @@ class TritonPagedAttention:
         num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
         num_splits = self.decode_splits(num_seqs, num_kv_heads, q.device)
         config = self.decode_launch_config(num_seqs, num_kv_heads, q.device, window)
-        paged_decode_attention(*paged, num_splits, out, config, window=window, softcap=softcap)
+        paged_decode_attention(*paged, num_splits, out, config, window=window, softcap=softcap, order=meta.decode_order)
         if meta.max_query_len == 1:
             return out
         return paged_prefill_attention(

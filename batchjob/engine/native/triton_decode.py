@@ -164,9 +164,17 @@ def _decode_one(
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
+@triton.jit
+def _nth_sequence(order_ptr, nth, ORDERED: tl.constexpr):
+    """The sequence a kernel's `nth` program (or item) takes: the nth of the order given, else the nth."""
+    if ORDERED:
+        return tl.load(order_ptr + nth)
+    return nth
+
+
 @triton.jit(
     do_not_specialize=["stride_bt", "num_items"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr", "order_ptr"],
 )
 def _decode_one_split_kernel(
     q_ptr,
@@ -175,6 +183,7 @@ def _decode_one_split_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     cu_query_lens_ptr,
+    order_ptr,
     out_ptr,
     score_scale,
     softcap_log2,
@@ -201,22 +210,24 @@ def _decode_one_split_kernel(
     PREFETCH_TABLE: tl.constexpr,
     PERSISTENT: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     """One split per (sequence, KV head): a program each, or with PERSISTENT a fixed grid whose programs take
     the `num_items` (sequence, KV head) pairs in turn, so the kernel holds only as many multiprocessors as it
-    has programs."""
+    has programs. With ORDERED the programs take the sequences in the order `order_ptr` lists them."""
     if PERSISTENT:
         for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
             _decode_one(
-                item // NUM_KV_HEADS, item % NUM_KV_HEADS, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                seq_lens_ptr, cu_query_lens_ptr, out_ptr, score_scale, softcap_log2, stride_qt, stride_qh,
-                stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, PREFETCH_TABLE,
+                _nth_sequence(order_ptr, item // NUM_KV_HEADS, ORDERED), item % NUM_KV_HEADS, q_ptr, k_cache_ptr,
+                v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_query_lens_ptr, out_ptr, score_scale, softcap_log2,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, stride_bt, GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION,
+                PREFETCH_TABLE,
             )  # fmt: skip
     else:
-        seq, kv_head = (tl.program_id(1), tl.program_id(0)) if HEADS_FIRST else (tl.program_id(0), tl.program_id(1))
+        nth, kv_head = (tl.program_id(1), tl.program_id(0)) if HEADS_FIRST else (tl.program_id(0), tl.program_id(1))
         _decode_one(
-            seq, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+            _nth_sequence(order_ptr, nth, ORDERED), kv_head, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
             seq_lens_ptr, cu_query_lens_ptr, out_ptr, score_scale, softcap_log2, stride_qt, stride_qh,
             stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, PREFETCH_TABLE,
@@ -254,9 +265,12 @@ def paged_decode_attention(
     config: DecodeConfig = DEFAULT_DECODE_CONFIG,
     window: int = 0,
     softcap: float = 0.0,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over the paged cache; writes `out` [B, Hq, D] and returns it. Sequences of
     another query count (a mixed step's chunks) are skipped: their rows of `out` are left as they were.
+    `order` (int32 [B], a permutation of the sequences) is the order a one-split launch's programs take them in
+    (`AttentionMetadata.decode_order`: the longest context first).
 
     `q` is [B, Hq, D] (row `cu_query_lens[b]` belongs to sequence b); caches are
     [num_blocks, block_size, Hkv, D]. `window` > 0 limits each query to its last `window` keys and
@@ -280,10 +294,11 @@ def paged_decode_attention(
         grid = (num_kv_heads, num_seqs) if config.heads_first else (num_seqs, num_kv_heads)
         grid = (config.programs,) if config.programs else grid
         _decode_one_split_kernel[grid](
-            q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out, score_scale, softcap_log2,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            block_tables.stride(0), items, NUM_KV_HEADS=num_kv_heads, **launch, BLOCK_N=block_n,
-            PREFETCH_TABLE=config.prefetch_table, PERSISTENT=config.programs > 0, HEADS_FIRST=config.heads_first,
+            q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, seq_lens if order is None else order, out,
+            score_scale, softcap_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+            *v_cache.stride()[:3], block_tables.stride(0), items, NUM_KV_HEADS=num_kv_heads, **launch,
+            BLOCK_N=block_n, PREFETCH_TABLE=config.prefetch_table, PERSISTENT=config.programs > 0,
+            HEADS_FIRST=config.heads_first, ORDERED=order is not None,
         )  # fmt: skip
         return out
     split_decode_attention(
