@@ -83,7 +83,8 @@ def copy_bandwidth(iters: int) -> float:
 
 
 def paged_step(query_lens: list[int], seq_lens: list[int]):
-    """A paged cache with each sequence's blocks scattered at random, and the step's q/k/v and metadata."""
+    """A paged cache with each sequence's blocks scattered at random, and the step's q/k/v and metadata (the
+    decode kernel's order longest context first, as the engine's IO slot writes it)."""
     blocks_per_seq = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
     order = torch.randperm(num_blocks - 1) + 1
@@ -107,6 +108,7 @@ def paged_step(query_lens: list[int], seq_lens: list[int]):
         slot_mapping=torch.cat(slots).to(DEVICE),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        decode_order=torch.argsort(torch.tensor(seq_lens), descending=True, stable=True).to(DEVICE, torch.int32),
     )
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
@@ -133,7 +135,7 @@ def decode_bench(num_seqs: int, context: str, sweep: bool, iters: int, layers: i
     contexts = decode_contexts(num_seqs, context)
     steps = [paged_step([1] * num_seqs, contexts) for _ in range(layers)]
     q, k, v, k_cache, v_cache, meta = steps[0]
-    longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
+    longest_first = meta.decode_order
     kv_bytes = 2 * sum(contexts) * KV_HEADS * HEAD_DIM * k_cache.element_size()
     scale = HEAD_DIM**-0.5
     backend = TritonPagedAttention()
@@ -306,7 +308,7 @@ def store_bench(num_tokens: int, iters: int) -> dict:
 def print_table(title: str, rows: dict, rate_key: str, unit: str, divisor: float) -> None:
     print(f"\n{title}")
     for name, row in rows.items():
-        print(f"  {name:<42} {row['seconds'] * 1e6:10.1f} us  {row[rate_key] / divisor:8.2f} {unit}")
+        print(f"  {name:<50} {row['seconds'] * 1e6:10.1f} us  {row[rate_key] / divisor:8.2f} {unit}")
 
 
 def best_of(sweep: list[dict]) -> dict:
