@@ -3,17 +3,18 @@
     python scripts/bench_attention.py results/attention.json [--sweep] [--iters 100] [--decode 32x640,64x1024]
         [--decode-only | --cases prefill,mixed] [--layers 32]
 
-Decode: time per call (eager and replayed from a CUDA graph) and effective bandwidth = KV bytes read / time,
-next to SDPA on the same K/V laid out densely, and to a device-to-device copy measured in the same run.
+Decode: time per call (eager and replayed from a CUDA graph, its programs taking the sequences in batch order and
+longest context first) and effective bandwidth = KV bytes read / time, next to SDPA on the same K/V laid out
+densely (cases of one context length), and to a device-to-device copy measured in the same run.
 Prefill: time and TFLOP/s of the varlen kernel vs dense causal SDPA. Mixed step (decodes beside fresh prompts):
 the varlen kernel over the whole step and over each part, the decode kernel over the decodes, and both kernels
 as the engine runs them, with a sweep of the varlen launch configs on each part. Store: Triton kernel vs
 index_copy_.
 `--sweep` also times every launch config and split count (and prints the best of each split count), to pick the
-defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context),
-`--decode-only` skips the others (`--cases` names the kinds to run), and `--layers N` times each decode call
-over N distinct caches in turn (a step's layers: one cache of a few tens of MB stays partly in L2 between
-calls). Prints a table and writes everything as JSON to the path given.
+defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context, or x
+LO-HI for contexts drawn uniformly from that range), `--decode-only` skips the others (`--cases` names the kinds to
+run), and `--layers N` times each decode call over N distinct caches in turn (a step's layers: one cache of a few
+tens of MB stays partly in L2 between calls). Prints a table and writes everything as JSON to the path given.
 """
 
 from __future__ import annotations
