@@ -8,8 +8,8 @@ fresh process, cold and warm.
 
 For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random
 bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system on
-identical requests (EOS ignored), each run a fresh Python process: "cold" with empty compile caches (a
-user's first job, a fresh node), then "warm" with the caches the cold run filled (a second job). The parent
+identical requests (EOS ignored), each run a fresh Python process: "cold" with empty compile and start-up caches
+(a user's first job, a fresh node), then "warm" with the caches the cold run filled (a second job). The parent
 process never touches the GPU. Writes OUT/bench.json and OUT/bench.png and prints a table; OUT/runs.jsonl gets
 each run's result (engine statistics included) the moment it finishes. Exits 1 if any
 run failed (after writing everything else).
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from bench_lib.hardware import HardwareRates
-from bench_lib.isolation import ChildFailed, kernel_cache_env, run_child
+from bench_lib.isolation import ChildFailed, run_cache_env, run_child
 from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, text_tokens, tiny_model_dir
 from bench_lib.options import engine_options
 from bench_lib.report import AGAINST, WorkloadReport, plot, result_from_json, table, write_json
@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--runs",
         default="cold,warm",
-        help="cold (empty compile caches), warm (the caches the cold run filled; without a cold run in this "
-        "command, the usual ones), or both",
+        help="cold (empty compile and start-up caches), warm (the caches the cold run filled; without a cold run "
+        "in this command, the usual ones), or both",
     )
     parser.add_argument(
         "--repeat",
@@ -239,7 +239,7 @@ def run_workload(
                 label = run_label(run, repeat)
                 if args.profile:
                     task["profile"] = str(args.out / f"profile-{spec.name}-{name}-{label.replace(' ', '-')}.txt")
-                env = kernel_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
+                env = run_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
                 try:
                     timeout_s = args.time_limit_s + CHILD_STARTUP_S
                     result = result_from_json(run_child(task, env, timeout_s=timeout_s, repo=repo))

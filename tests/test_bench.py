@@ -53,9 +53,16 @@ def test_tiny_run_measures_each_system_cold_and_warm_in_fresh_processes_on_ident
             assert result["tok_per_s"] > 0, name
             assert result["output_tokens"] == workload["output_tokens"] == 8 * 16, name
             assert not result["cut"], name
-        # The warm run reuses the kernel cache its cold run started empty, and no other system's.
+        # The warm run reuses the kernel and start-up caches its cold run started empty, and no other system's.
         assert runs["cold"]["kernel_cache"] == runs["warm"]["kernel_cache"]
+        assert runs["cold"]["startup_cache"] == runs["warm"]["startup_cache"]
     assert systems["native"]["cold"]["kernel_cache"] != systems["hf_batch_sync"]["cold"]["kernel_cache"]
+    assert systems["native"]["cold"]["startup_cache"] != systems["hf_batch_sync"]["cold"]["startup_cache"]
+    # Both in the system's own directory, not the user's caches: nothing a first system reads is there for the next.
+    for name, runs in systems.items():
+        cold = runs["cold"]
+        assert Path(cold["startup_cache"]).parent == Path(cold["kernel_cache"]).parent, name
+        assert Path(cold["startup_cache"]).parent.name.startswith(f"bench-caches-tiny-{name}-"), name
     # The native loop's host work a step, from its statistics; transformers reports none.
     native = systems["native"]["cold"]
     stats = native["engine_stats"]

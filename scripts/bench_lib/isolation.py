@@ -9,8 +9,9 @@ The parent (scripts/bench.py) never touches the GPU: it writes a task as JSON, s
 - `system`: run one system on one workload (requests drawn in the child, from the same seed) and return its
   `SystemResult`.
 
-`kernel_cache_env` gives a run its compile caches: "cold" runs point Triton's (and torch's) at an empty
-directory, "warm" runs reuse the directory the cold run of the same system just filled.
+`run_cache_env` gives a run its caches: "cold" runs point the compile caches (Triton's, torch's, the CUDA
+driver's) and batchjob's start-up caches (`$BATCHJOB_CACHE`: model specs, tokenizer classes, the package listing,
+kept bytecode) at an empty directory, "warm" runs reuse the directory the cold run of the same system just filled.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ class ChildFailed(RuntimeError):
     pass
 
 
-def kernel_cache_env(directory: Path) -> dict[str, str]:
-    """Compile caches inside `directory`: Triton's kernels, torch inductor's, and the CUDA driver's JIT."""
+def run_cache_env(directory: Path) -> dict[str, str]:
+    """Every cache a run fills, inside `directory`: Triton's kernels, torch inductor's, the CUDA driver's JIT, and
+    batchjob's start-up caches. Sharing the last between systems made a command's first cold run read each model's
+    config through transformers and the others find it read (6-7 s of the first run's start-up on a GPU node)."""
     return {
         "TRITON_CACHE_DIR": str(directory / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
         "CUDA_CACHE_PATH": str(directory / "cuda"),
+        "BATCHJOB_CACHE": str(directory / "batchjob"),
     }
 
 
@@ -106,9 +110,12 @@ def _system(task: dict[str, Any]) -> dict[str, Any]:
     # The native engine's package sets TRITON_CACHE_DIR on import when the environment did not.
     kernel_cache = os.environ.get("TRITON_CACHE_DIR")
     import batchjob
+    from batchjob.caches import cache_root
 
     source = str(Path(batchjob.__file__).resolve().parents[1])
-    result = dataclasses.replace(result, run=task["run"], kernel_cache=kernel_cache, engine_source=source)
+    result = dataclasses.replace(
+        result, run=task["run"], kernel_cache=kernel_cache, startup_cache=str(cache_root()), engine_source=source
+    )
     return dataclasses.asdict(result)
 
 

@@ -52,8 +52,9 @@ class SystemResult:
     busy_timeline: tuple[tuple[float, float], ...] | None = field(default=None, repr=False)
     engine_stats: dict[str, float] = field(default_factory=dict)  # whatever else the engine's stats() said
     note: str = ""
-    run: str = "warm"  # "cold": a fresh process with empty kernel caches; "warm": a fresh process, caches filled
+    run: str = "warm"  # "cold": a fresh process with empty caches; "warm": a fresh process, caches filled
     kernel_cache: str | None = None  # the Triton cache directory the run used
+    startup_cache: str | None = None  # the `$BATCHJOB_CACHE` it used (model specs, tokenizer classes, ...)
     engine_source: str | None = None  # the checkout whose `batchjob` the run imported
     repeat: int = 0  # which of the command's `--repeat` rounds (0: the first)
 
