@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from batchjob.engine.native.attention import AttentionMetadata
+from batchjob.engine.native.attention import AttentionMetadata, longest_first
 from batchjob.engine.native.triton_attention import TritonPagedAttention, store_kv
 from batchjob.engine.native.triton_decode import DecodeConfig, paged_decode_attention
 from batchjob.engine.native.triton_prefill import DEFAULT_PREFILL_CONFIG, PrefillConfig, paged_prefill_attention
@@ -109,7 +109,7 @@ def paged_step(query_lens: list[int], seq_lens: list[int]):
         slot_mapping=torch.cat(slots).to(DEVICE),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        decode_order=torch.argsort(torch.tensor(seq_lens), descending=True, stable=True).to(DEVICE, torch.int32),
+        decode_order=torch.from_numpy(longest_first(seq_lens)).to(DEVICE, torch.int32),
     )
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
@@ -136,7 +136,7 @@ def decode_bench(num_seqs: int, context: str, sweep: bool, iters: int, layers: i
     contexts = decode_contexts(num_seqs, context)
     steps = [paged_step([1] * num_seqs, contexts) for _ in range(layers)]
     q, k, v, k_cache, v_cache, meta = steps[0]
-    longest_first = meta.decode_order
+    by_length = meta.decode_order
     kv_bytes = 2 * sum(contexts) * KV_HEADS * HEAD_DIM * k_cache.element_size()
     scale = HEAD_DIM**-0.5
     backend = TritonPagedAttention()
@@ -161,9 +161,7 @@ def decode_bench(num_seqs: int, context: str, sweep: bool, iters: int, layers: i
     rows = {
         f"triton decode, {splits} splits (eager)": per_layer(time_call)(attend(), calls),
         f"triton decode, {splits} splits (graph)": per_layer(time_graph)(attend(), calls),
-        f"triton decode, {splits} splits, longest first (graph)": per_layer(time_graph)(
-            attend(order=longest_first), calls
-        ),
+        f"triton decode, {splits} splits, longest first (graph)": per_layer(time_graph)(attend(order=by_length), calls),
         "triton store + decode (graph)": time_graph(
             lambda: backend.forward(q, k, v, k_cache, v_cache, meta, scale), iters
         ),

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +59,11 @@ class PagedAttentionBackend(Protocol):
         ...
 
 
+def longest_first(seq_lens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The sequences' indices by context length, longest first, ties in batch order: `decode_order`."""
+    return np.argsort(-np.asarray(seq_lens), kind="stable")
+
+
 def make_metadata(
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
@@ -90,9 +96,7 @@ def make_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        decode_order=torch.tensor(
-            sorted(range(len(seq_lens)), key=lambda b: -seq_lens[b]), dtype=torch.int32, device=device
-        ),
+        decode_order=torch.tensor(longest_first(seq_lens), dtype=torch.int32, device=device),
     )
 
 

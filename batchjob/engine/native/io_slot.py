@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchjob.engine.native.attention import AttentionMetadata
+from batchjob.engine.native.attention import AttentionMetadata, longest_first
 from batchjob.engine.native.sampler import SamplingTensors
 from batchjob.engine.native.scheduler import StepPlan
 
@@ -207,7 +207,7 @@ class IOSlot:
         meta["seq_lens"][:n] = starts + counts
         meta["seq_lens"][n:] = padding_seqs <= shape.tokens - t
         # Longest context first (a chunk's sequence too: its decode program exits at once, wherever it sits).
-        meta["decode_order"][:] = np.argsort(-meta["seq_lens"], kind="stable")
+        meta["decode_order"][:] = longest_first(meta["seq_lens"])
 
         temperature, top_p, min_p = _views(self.host_float.numpy(), shape.float_fields()).values()
         temperature[:rows], top_p[:rows], min_p[:rows] = sampler_rows[:, 1], sampler_rows[:, 2], sampler_rows[:, 3]
