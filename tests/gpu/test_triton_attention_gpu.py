@@ -67,11 +67,13 @@ def test_bf16_decode_taking_the_longest_sequences_first_writes_what_batch_order_
     seq_lens = torch.randint(128, 3073, (300,), generator=gen).tolist()
     step = random_step([1] * 300, seq_lens, 16, dtype=torch.bfloat16, **LLAMA_8B)
     meta = step[-1]
+    # The step's metadata lists its sequences longest first, as the engine's does; the same step in batch order:
     longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
-    ordered = step[:-1] + (dataclasses.replace(meta, decode_order=longest_first),)
+    assert torch.equal(meta.decode_order, longest_first)
+    in_batch_order = step[:-1] + (dataclasses.replace(meta, decode_order=None),)
     assert TritonPagedAttention().decode_splits(300, 8, DEVICE) == 1
-    out = TritonPagedAttention().forward(*ordered, scale=128**-0.5)
-    assert torch.equal(out, TritonPagedAttention().forward(*step, scale=128**-0.5))
+    out = TritonPagedAttention().forward(*step, scale=128**-0.5)
+    assert torch.equal(out, TritonPagedAttention().forward(*in_batch_order, scale=128**-0.5))
 
 
 @pytest.mark.parametrize("block_size", [16, 1, 256])
