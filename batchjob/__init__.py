@@ -12,10 +12,10 @@ __all__ = ["LLM", "JobIncomplete", "SamplingParams", "run"]
 
 # Imported on first use: `python -m batchjob` and the IO layer should not pay for torch or Hydra here.
 _EXPORTS = {
-    "LLM": "batchjob.llm",
+    "LLM": "batchjob.api.llm",
     "SamplingParams": "batchjob.engine.api",
-    "JobIncomplete": "batchjob.api",
-    "run": "batchjob.api",
+    "JobIncomplete": "batchjob.api.job",
+    "run": "batchjob.api.job",
 }
 
 

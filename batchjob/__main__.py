@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from batchjob.startup import StartupClock, keep_bytecode
+from batchjob.job.startup import StartupClock, keep_bytecode
 
 # Start-up is reported from here (interpreter start is ~0.05 s earlier): imports and config count too.
 _STARTUP = StartupClock()
@@ -21,10 +21,10 @@ keep_bytecode()
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from batchjob.config_help import register_help_resolver  # noqa: E402
+from batchjob.cluster.slurm import register_resolvers  # noqa: E402
+from batchjob.config.help import register_help_resolver  # noqa: E402
 from batchjob.errors import EXIT_USAGE, ConfigError  # noqa: E402
-from batchjob.run_files import register_sweep_dir_resolver  # noqa: E402
-from batchjob.slurm import register_resolvers  # noqa: E402
+from batchjob.job.run_files import register_sweep_dir_resolver  # noqa: E402
 
 _STARTUP.lap("imports_s")
 
@@ -42,8 +42,8 @@ register_help_resolver()
 
 @hydra.main(config_path="pkg://batchjob.conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from batchjob.config import data_parallel, load_settings
-    from batchjob.job import run_job
+    from batchjob.config.settings import data_parallel, load_settings
+    from batchjob.job.run import run_job
 
     # Composition is over: errors of the job itself get Hydra's usual report, and children (engine.
     # data_parallel, submitit) inherit the user's setting, not cli's.
@@ -56,8 +56,8 @@ def main(cfg: DictConfig) -> None:
         if processes > 1:
             from hydra.core.hydra_config import HydraConfig
 
-            from batchjob.launch import run_data_parallel
-            from batchjob.run_files import save_run_config
+            from batchjob.cluster.data_parallel import run_data_parallel
+            from batchjob.job.run_files import save_run_config
 
             # Checked once here, so a bad config is one message, not one per child.
             settings = load_settings(cfg)
@@ -82,7 +82,7 @@ def cli() -> None:
     override it cannot parse) as one line and exit status 2, like batchjob's own config errors."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
-    from batchjob.config_keys import composition_error
+    from batchjob.config.keys import composition_error
 
     if _USERS_FULL_ERROR == "1":  # the user asked for Hydra's full traces
         main()

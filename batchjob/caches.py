@@ -1,6 +1,6 @@
 """Where batchjob keeps what later runs reuse: `$BATCHJOB_CACHE`, else `~/.cache/batchjob`.
 
-- `tiny-<arch>/`: the tiny random models of `batchjob.tiny_model` (the default job's model);
+- `tiny-<arch>/`: the tiny random models of `batchjob.job.tiny_model` (the default job's model);
 - `bench/`: the benchmark scripts' random-weight models;
 - `triton/`: the native engine's compiled Triton kernels. A first run on a fresh machine compiles them
   (seconds to a minute); later runs load them. On a cluster, point `BATCHJOB_CACHE` at storage every node

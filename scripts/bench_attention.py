@@ -11,7 +11,7 @@ the varlen kernel over the whole step and over each part, the decode kernel over
 as the engine runs them, with a sweep of the varlen launch configs on each part. Store: Triton kernel vs
 index_copy_.
 `--sweep` also times every launch config and split count (and prints the best of each split count), to pick the
-defaults in triton_decode.py and triton_prefill.py. `--decode` names the decode cases (sequences x context, or x
+defaults in decode_attention.py and prefill_attention.py. `--decode` names the decode cases (sequences x context, or x
 LO-HI for contexts drawn uniformly from that range), `--decode-only` skips the others (`--cases` names the kinds to
 run), and `--layers N` times each decode call over N distinct caches in turn (a step's layers: one cache of a few
 tens of MB stays partly in L2 between calls). Prints a table and writes everything as JSON to the path given.
@@ -31,10 +31,14 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from batchjob.engine.native.attention import AttentionMetadata, longest_first
-from batchjob.engine.native.triton_attention import TritonPagedAttention, store_kv
-from batchjob.engine.native.triton_decode import DecodeConfig, paged_decode_attention
-from batchjob.engine.native.triton_prefill import DEFAULT_PREFILL_CONFIG, PrefillConfig, paged_prefill_attention
+from batchjob.engine.native.kernels.decode_attention import DecodeConfig, paged_decode_attention
+from batchjob.engine.native.kernels.prefill_attention import (
+    DEFAULT_PREFILL_CONFIG,
+    PrefillConfig,
+    paged_prefill_attention,
+)
+from batchjob.engine.native.layers.attention import AttentionMetadata, longest_first
+from batchjob.engine.native.layers.triton_attention import TritonPagedAttention, store_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16  # Llama-3.1-8B attention
 DEVICE = torch.device("cuda")

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib.hardware import graph_ms, measure_copy_bandwidth  # noqa: E402
 
-from batchjob.engine.native import split_k, triton_ops  # noqa: E402
+from batchjob.engine.native.kernels import fused_ops  # noqa: E402
+from batchjob.engine.native.layers import split_k  # noqa: E402
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -87,7 +88,7 @@ def bench_split(n: int, k: int, rows: int, splits: list[int]) -> dict[str, float
 
     def run(parts: int, weight: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, weight) if parts == 1 else split_k.partial_products(x, weight, parts)
-        return triton_ops.rms_norm(h, norm_weight, 1e-5, res)[0]
+        return fused_ops.rms_norm(h, norm_weight, 1e-5, res)[0]
 
     result: dict[str, float] = {}
     reference = run(1, weights[0], residual.clone())

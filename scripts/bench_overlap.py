@@ -35,8 +35,8 @@ from collections.abc import Callable
 import torch
 from bench_lib.hardware import measure_copy_bandwidth
 
-from batchjob.engine.native.triton_attention import TritonPagedAttention
-from batchjob.engine.native.triton_decode import paged_decode_attention
+from batchjob.engine.native.kernels.decode_attention import paged_decode_attention
+from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK = 4096, 32, 8, 128, 14336, 16
 DTYPE, DEVICE = torch.bfloat16, torch.device("cuda")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from bench_overlap import HEAD_DIM, KV_HEADS, Layer, Step, attention, copy_rate, o_and_mlp, qkv_proj
 
-from batchjob.engine.native.triton_attention import TritonPagedAttention
+from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
 
 def timed(

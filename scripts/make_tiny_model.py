@@ -5,7 +5,7 @@ python scripts/make_tiny_model.py OUT_DIR [--arch ARCH] [--seed 0]    # ARCH: se
 
 import argparse
 
-from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
+from batchjob.job.tiny_model import ARCHITECTURES, make_tiny_model
 
 
 def main() -> None:

@@ -34,13 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib.hardware import graph_ms, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 from bench_lib.models import _config  # noqa: E402
 
-from batchjob.engine.native import blas, split_k  # noqa: E402
-from batchjob.engine.native.attention import make_metadata  # noqa: E402
-from batchjob.engine.native.kv_cache import allocate_kv_cache  # noqa: E402
-from batchjob.engine.native.loader import read_model_spec  # noqa: E402
+from batchjob.engine.native.layers import split_k  # noqa: E402
+from batchjob.engine.native.layers.attention import make_metadata  # noqa: E402
+from batchjob.engine.native.layers.triton_attention import TritonPagedAttention  # noqa: E402
+from batchjob.engine.native.loading.model_loader import read_model_spec  # noqa: E402
 from batchjob.engine.native.models import CausalLM  # noqa: E402
-from batchjob.engine.native.sampler import greedy_tokens  # noqa: E402
-from batchjob.engine.native.triton_attention import TritonPagedAttention  # noqa: E402
+from batchjob.engine.native.runtime import blas  # noqa: E402
+from batchjob.engine.native.runtime.kv_cache import allocate_kv_cache  # noqa: E402
+from batchjob.engine.native.sampling.sampler import greedy_tokens  # noqa: E402
 
 
 def main() -> None:

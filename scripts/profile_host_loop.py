@@ -37,13 +37,19 @@ import numpy as np
 import torch
 
 from batchjob.engine import Request, SamplingParams
-from batchjob.engine.native.block_manager import KVBlockManager
-from batchjob.engine.native.io_slot import IOSlot, SlotLimits
-from batchjob.engine.native.model_runner import StepHandle, StepResult
 from batchjob.engine.native.output import OutputProcessor
-from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
-from batchjob.engine.native.sequence import RequestGroup, Sequence
-from batchjob.engine.native.step_layout import GRAPH_MODES, GraphBuckets, decode_buckets, layout_step, mixed_buckets
+from batchjob.engine.native.runtime.io_slot import IOSlot, SlotLimits
+from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
+from batchjob.engine.native.runtime.step_layout import (
+    GRAPH_MODES,
+    GraphBuckets,
+    decode_buckets,
+    layout_step,
+    mixed_buckets,
+)
+from batchjob.engine.native.scheduling.block_manager import KVBlockManager
+from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 BLOCK = 16
 VOCAB = 128_256

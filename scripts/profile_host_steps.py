@@ -10,10 +10,10 @@ which cProfile does not see) and the loop thread's biggest single functions.
 `--constrain-every 2` puts every other request under the schema (the rest unconstrained, as the benchmark's
 half-constrained batches), 0 none; parts are then per step.
 
-The layers are tiny (`batchjob.tiny_model`), so the forward is cheap next to the vocabulary-wide work: the output head,
-the sampler and the grammar's masks. On a CPU the forward and sampler run in the loop's thread, so wall time says
-little about a GPU run; the per-part host times are what this measures. `--tokenizer cl100k` needs tiktoken and
-its cached encoding (bench_lib/bpe.py).
+The layers are tiny (`batchjob.job.tiny_model`), so the forward is cheap next to the vocabulary-wide work: the
+output head, the sampler and the grammar's masks. On a CPU the forward and sampler run in the loop's thread, so
+wall time says little about a GPU run; the per-part host times are what this measures. `--tokenizer cl100k` needs
+tiktoken and its cached encoding (bench_lib/bpe.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def tiny_model(cache: Path, tokenizer_name: str) -> Path:
     from bench_lib.bpe import bpe_tokenizer, cl100k_tokenizer
     from transformers import AutoTokenizer
 
-    from batchjob.tiny_model import make_tiny_model
+    from batchjob.job.tiny_model import make_tiny_model
 
     if tokenizer_name in ("bpe", "cl100k"):
         out = cache / f"host-steps-{tokenizer_name}"

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib.hardware import graph_ms  # noqa: E402
 
-from batchjob.engine.native import triton_race  # noqa: E402
-from batchjob.engine.native.sampler import SamplerMode, SamplingTensors, noise_keys, sample  # noqa: E402
-from batchjob.engine.native.triton_filter import filter_thresholds  # noqa: E402
+from batchjob.engine.native.kernels import sampling_race  # noqa: E402
+from batchjob.engine.native.kernels.sampling_filter import filter_thresholds  # noqa: E402
+from batchjob.engine.native.sampling.sampler import SamplerMode, SamplingTensors, noise_keys, sample  # noqa: E402
 
 
 def main() -> None:
@@ -79,7 +79,7 @@ def main() -> None:
     settled = {}
     for name, (p, mode) in runs.items():
         if mode.filtering:
-            _, state = triton_race.settle(logits, p.temperature, keys, (p.top_k, p.top_p, p.min_p))
+            _, state = sampling_race.settle(logits, p.temperature, keys, (p.top_k, p.top_p, p.min_p))
             settled[name] = (state == 0).float().mean().item()
             print(f"{settled[name]:8.1%} of rows settled by the race's checks: {name}")
     result["settled_share"] = settled

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib.workloads import WORKLOADS, draw_requests  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams  # noqa: E402
-from batchjob.engine.native.block_manager import KVBlockManager  # noqa: E402
-from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from batchjob.engine.native.sequence import RequestGroup, Sequence  # noqa: E402
+from batchjob.engine.native.scheduling.block_manager import KVBlockManager  # noqa: E402
+from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence  # noqa: E402
 
 BLOCK = 16
 

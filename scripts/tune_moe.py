@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from bench_lib.moe_timing import ExpertShape, close, make_problem, precompile, time_launches, torch_alignment
 
-from batchjob.engine.native.moe_configs import GemmTile, MoEConfig
+from batchjob.engine.native.kernels.moe_configs import GemmTile, MoEConfig
 
 T = GemmTile
 # Candidates by regime (rows per expert, T*K/E). Decode streams each touched expert's weights once: the tiles
@@ -75,7 +75,7 @@ def candidates(tokens: int, shape: ExpertShape, gated: bool, block_m: int, tiny:
 def sweep_projection(problem, shape, w, alignments, block_m, gated, tiles) -> list[dict]:
     """Check and time each tile of one projection; a tile the GPU cannot run or that computes wrong is kept
     out of the choice and reported."""
-    from batchjob.engine.native.triton_moe import grouped_gemm
+    from batchjob.engine.native.kernels.fused_moe import grouped_gemm
 
     a = problem.hidden if gated else problem.gated_input
     want = problem.gated_ref if gated else problem.down_ref
@@ -109,9 +109,9 @@ def router(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def tune_tokens(tokens: int, shape: ExpertShape, w13, w2, routings: int, tiny: bool) -> dict:
-    from batchjob.engine.native.moe_configs import default_config
-    from batchjob.engine.native.triton_moe import fused_moe, sum_choices
-    from batchjob.engine.native.triton_moe_align import moe_align_block_size
+    from batchjob.engine.native.kernels.fused_moe import fused_moe, sum_choices
+    from batchjob.engine.native.kernels.moe_align import moe_align_block_size
+    from batchjob.engine.native.kernels.moe_configs import default_config
 
     device = w13.device
     problem = make_problem(tokens, shape, w13, w2, routings, device)
@@ -214,7 +214,7 @@ def main() -> int:
         args.tokens, args.experts, args.inter, args.hidden, args.top_k, args.routings = "1,5", 4, 32, 64, 2, 2
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are first imported, below
-    from batchjob.engine.native.moe_configs import TABLE_PATH, MoEConfigTable, device_name, shape_key
+    from batchjob.engine.native.kernels.moe_configs import TABLE_PATH, MoEConfigTable, device_name, shape_key
 
     started = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from batchjob.engine.native.attention import AttentionMetadata, make_metadata
+from batchjob.engine.native.layers.attention import AttentionMetadata, make_metadata
 
 
 def forget_outside_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int) -> None:

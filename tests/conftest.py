@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
         # Before any worker starts: jobs without a model.path, on every worker, load the default model, and
         # two of them must not both find it missing and create it at once.
-        from batchjob.tiny_model import default_tiny_model
+        from batchjob.job.tiny_model import default_tiny_model
 
         default_tiny_model()
 

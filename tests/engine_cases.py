@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchjob.engine import Request, SamplingParams
-from batchjob.tiny_model import ARCHITECTURES
+from batchjob.job.tiny_model import ARCHITECTURES
 
 EOS = 2  # the tiny models' <|end|>
 

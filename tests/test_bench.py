@@ -257,7 +257,7 @@ def test_tiny_run_with_dummy_weights_runs_the_native_engine_and_transformers_fro
 def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_its_70b_spec(bench_lib, tmp_path):
     from bench_lib.models import config_model_dir
 
-    from batchjob.engine.native.loader import read_model_spec
+    from batchjob.engine.native.loading.model_loader import read_model_spec
 
     model_dir = config_model_dir(bench_lib.workloads.WORKLOADS["W7"].architecture, tmp_path)
     spec = read_model_spec(model_dir, "bfloat16")
@@ -359,7 +359,7 @@ def test_mixed_padding_counts_the_tokens_each_step_pads_to_its_bucket(monkeypatc
 
     from mixed_padding import padding
 
-    from batchjob.engine.native import scheduler
+    from batchjob.engine.native.scheduling import scheduler
 
     requests = SimpleNamespace(prompt_lengths=np.array([100, 100, 100]), output_lengths=np.array([8, 8, 8]))
     # Three prompts of 100 tokens. Cutting them to 256 keeps over a quarter of the 300: 256 tokens, then the 44

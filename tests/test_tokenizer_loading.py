@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from batchjob.tiny_model import make_tiny_model
-from batchjob.transformers_import import KIND, load_tokenizer
+from batchjob.engine.transformers_import import KIND, load_tokenizer
+from batchjob.job.tiny_model import make_tiny_model
 
 TEXTS = ["Hello world", "  leading spaces and ünïcödé ✓", '{"a": [1, 2]}\n\ttab']
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -69,7 +69,7 @@ def test_a_kept_choice_imports_no_auto_classes(entries: Path, tmp_path: Path) ->
     load_tokenizer(model)
     probe = (
         "import sys\n"
-        "from batchjob.transformers_import import load_tokenizer\n"
+        "from batchjob.engine.transformers_import import load_tokenizer\n"
         f"tok = load_tokenizer({str(model)!r})\n"
         "print(type(tok).__name__, 'transformers.models.auto.tokenization_auto' in sys.modules, "
         "'transformers.generation' in sys.modules)\n"
@@ -119,7 +119,7 @@ def test_the_distributions_mapping_is_kept_until_a_distribution_is_installed(
 ) -> None:
     from importlib import metadata
 
-    from batchjob import transformers_import
+    from batchjob.engine import transformers_import
 
     monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
     site = tmp_path / "site"

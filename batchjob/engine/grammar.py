@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchjob.engine.api import Constraint
 from batchjob.engine.grammar_vocab import vocabulary_index
-from batchjob.transformers_import import load_tokenizer
+from batchjob.engine.transformers_import import load_tokenizer
 
 if TYPE_CHECKING:
     import torch

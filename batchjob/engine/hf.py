@@ -23,9 +23,9 @@ import torch
 from batchjob.engine.api import Completion, Request, Sample, SamplingParams
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.hf_sampling import RowState, choose_tokens, constraint_mask
+from batchjob.engine.transformers_import import from_transformers
 from batchjob.engine.weight_files import check_weight_files
 from batchjob.errors import did_you_mean
-from batchjob.transformers_import import from_transformers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTION_DEFAULTS: dict[str, Any] = {

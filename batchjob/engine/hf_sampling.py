@@ -18,7 +18,7 @@ import torch
 
 from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
 from batchjob.engine.grammar import GrammarCompiler, Matcher
-from batchjob.engine.native.token_mask import TokenMask
+from batchjob.engine.native.sampling.token_mask import TokenMask
 
 # Stop strings are searched in the decoded tail; this many extra tokens covers multi-token characters.
 STOP_TAIL_SLACK = 8

@@ -18,7 +18,7 @@ PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
 EOS = "<eos>"
 # Ids the prompts avoid: pad, bos and unk first, eos last (see `draw_requests`).
 BENCH_SPECIAL_IDS = 3
-TINY_SPECIAL_IDS = 6  # batchjob.tiny_model puts its six special tokens first
+TINY_SPECIAL_IDS = 6  # batchjob.job.tiny_model puts its six special tokens first
 
 
 def word_level_tokenizer(vocab_size: int):
@@ -131,8 +131,8 @@ def _causal_lm_class(model_type: str) -> str:
 
 
 def tiny_model_dir(cache_dir: Path) -> Path:
-    """The tiny llama of `batchjob.tiny_model`, cached like the big ones."""
-    from batchjob.tiny_model import make_tiny_model
+    """The tiny llama of `batchjob.job.tiny_model`, cached like the big ones."""
+    from batchjob.job.tiny_model import make_tiny_model
 
     out_dir = Path(cache_dir) / "tiny-llama"
     if not (out_dir / "config.json").exists():

@@ -124,8 +124,8 @@ def torch_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 def _compile_jobs(shape: ExpertShape, jobs: list[tuple]) -> list[str]:
     """Run each (gated, block_m, tile) once on a two-expert problem of the real row sizes, filling Triton's disk
     cache; the specialisations (divisibility of sizes and strides) are those of the full problem."""
-    from batchjob.engine.native.triton_moe import grouped_gemm
-    from batchjob.engine.native.triton_moe_align import moe_align_block_size
+    from batchjob.engine.native.kernels.fused_moe import grouped_gemm
+    from batchjob.engine.native.kernels.moe_align import moe_align_block_size
 
     device = torch.device("cuda")
     tokens, experts = 4, 2

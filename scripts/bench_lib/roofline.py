@@ -88,7 +88,7 @@ def model_shape(architecture: dict[str, Any]) -> ModelShape:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from batchjob.engine.native.attention import TorchPagedAttention
+    from batchjob.engine.native.layers.attention import TorchPagedAttention
     from batchjob.engine.native.models import CausalLM
     from batchjob.engine.native.models.registry import ARCHITECTURES, spec_from_config
 

@@ -146,7 +146,7 @@ def workload(name: str, greedy: bool = False) -> WorkloadSpec:
     return replace(spec, temperature=0.0, top_p=1.0) if greedy else spec
 
 
-# `--tiny`: the CPU smoke run, on the tiny llama of `batchjob.tiny_model`.
+# `--tiny`: the CPU smoke run, on the tiny llama of `batchjob.job.tiny_model`.
 TINY_WORKLOAD = WorkloadSpec("tiny", "tiny smoke", "tiny-llama", 8, (8, 24), (16, 16))
 
 

@@ -24,8 +24,8 @@ from bench_lib.roofline import model_shape  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES, WORKLOADS, draw_requests  # noqa: E402
 from simulate_admission import replay  # noqa: E402
 
-from batchjob.engine.native import scheduler  # noqa: E402
-from batchjob.engine.native.step_layout import mixed_buckets  # noqa: E402
+from batchjob.engine.native.runtime.step_layout import mixed_buckets  # noqa: E402
+from batchjob.engine.native.scheduling import scheduler  # noqa: E402
 
 
 def padding(requests, buckets: tuple[int, ...], kv_blocks: int, max_num_seqs: int, max_tokens: int) -> dict:

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from batchjob.engine.api import Constraint
 from batchjob.engine.grammar import GrammarCompiler, GrammarError, bitmask_words, grammar_text
 from batchjob.engine.grammar_vocab import STRING_SLICE_LENGTHS, string_slices
-from batchjob.tiny_model import default_tiny_model
+from batchjob.job.tiny_model import default_tiny_model
 
 
 @pytest.fixture(scope="module")

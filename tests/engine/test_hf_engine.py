@@ -9,7 +9,7 @@ import torch
 from engine_cases import assert_each_request_as_alone, per_request_settings
 
 from batchjob.engine import Completion, Request, SamplingParams, check_engine_options, create_engine
-from batchjob.tiny_model import default_tiny_model
+from batchjob.job.tiny_model import default_tiny_model
 
 PROMPTS = ["Hello world", "Tell me a story about a dragon", "x", "What is 2+2?", "Write a haiku about rain"]
 

@@ -10,7 +10,7 @@ import torch
 from structured_cases import CHOICES, CODE_REGEX, PET_SCHEMA, check_stop_rows, matches_code, valid_json
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.tiny_model import default_tiny_model
+from batchjob.job.tiny_model import default_tiny_model
 
 
 @pytest.fixture(scope="module")

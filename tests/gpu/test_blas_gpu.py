@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from batchjob.engine.native import blas  # noqa: E402
+from batchjob.engine.native.runtime import blas  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")

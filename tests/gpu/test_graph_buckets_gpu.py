@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.engine.native import graphs  # noqa: E402
-from batchjob.engine.native.step_layout import decode_buckets, fastest_buckets  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.engine.native.runtime import graphs  # noqa: E402
+from batchjob.engine.native.runtime.step_layout import decode_buckets, fastest_buckets  # noqa: E402
+from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 OPTIONS = {"dtype": "float32", "max_num_seqs": 64, "num_kv_blocks": 512}

@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from batchjob.engine.native.host_gate import HostGates  # noqa: E402
+from batchjob.engine.native.runtime.host_gate import HostGates  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from engine_cases import hf_greedy, mixed_requests  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

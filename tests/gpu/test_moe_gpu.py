@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     # Importing the kernels here, uninterpreted, would leave them unusable for the CPU interpreter tests.
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from batchjob.engine.native.triton_moe import fused_moe  # noqa: E402
+from batchjob.engine.native.kernels.fused_moe import fused_moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -110,7 +110,7 @@ def test_alignment_equals_the_torch_stable_sort(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
     from bench_lib.moe_timing import torch_alignment
 
-    from batchjob.engine.native.triton_moe_align import moe_align_block_size
+    from batchjob.engine.native.kernels.moe_align import moe_align_block_size
 
     for num_tokens, block_m in [(1, 16), (256, 16), (256, 32), (3000, 64), (8192, 128)]:
         _, ids = routing(num_tokens, seed=num_tokens)
@@ -122,7 +122,7 @@ def test_alignment_equals_the_torch_stable_sort(monkeypatch):
 
 
 def test_every_tuned_config_for_this_gpu_computes_the_reference(experts):
-    from batchjob.engine.native.moe_configs import device_name, package_table, shape_key
+    from batchjob.engine.native.kernels.moe_configs import device_name, package_table, shape_key
 
     key = shape_key(E, INTER, H, K, torch.bfloat16)
     tuned = package_table().entries.get(device_name(DEVICE), {}).get(key, {})

@@ -25,8 +25,8 @@ from engine_cases import (  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.engine.native.step_layout import decode_buckets  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.engine.native.runtime.step_layout import decode_buckets  # noqa: E402
+from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -113,10 +113,10 @@ MID_OVERRIDES = {
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "olmo2"])
 def test_bf16_logits_match_transformers_within_bf16_tolerance(tmp_path, arch):
-    from batchjob.engine.native.attention import make_metadata
-    from batchjob.engine.native.kv_cache import allocate_kv_cache
-    from batchjob.engine.native.loader import load_model
-    from batchjob.engine.native.triton_attention import TritonPagedAttention
+    from batchjob.engine.native.layers.attention import make_metadata
+    from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
+    from batchjob.engine.native.loading.model_loader import load_model
+    from batchjob.engine.native.runtime.kv_cache import allocate_kv_cache
 
     model_dir = make_tiny_model(tmp_path / "mid", arch=arch, **MID, **MID_OVERRIDES.get(arch, {}))
     ours, spec = load_model(model_dir, "bfloat16", "cuda", TritonPagedAttention())
@@ -151,9 +151,9 @@ def test_bf16_logits_match_transformers_within_bf16_tolerance(tmp_path, arch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
-    from batchjob.engine.native import triton_ops
-    from batchjob.engine.native.layers import RMSNorm
-    from batchjob.engine.native.rope import RopeSpec, RotaryEmbedding, apply_rotary
+    from batchjob.engine.native.kernels import fused_ops
+    from batchjob.engine.native.layers.elementwise import RMSNorm
+    from batchjob.engine.native.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     x = torch.randn(37, 4096, device="cuda", dtype=dtype)
@@ -175,7 +175,7 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
 
     gate_up = torch.randn(37, 2 * 1000, device="cuda", dtype=dtype)
     gate, up = gate_up.cpu().chunk(2, dim=-1)
-    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up).cpu(), torch.nn.functional.silu(gate) * up, **tol)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up).cpu(), torch.nn.functional.silu(gate) * up, **tol)
 
     rope = RotaryEmbedding(RopeSpec(rope_type="default", theta=10000.0), 128, 512).to("cuda", dtype)
     qkv = torch.randn(37, 12 * 128, device="cuda", dtype=dtype)
@@ -183,7 +183,7 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     q = qkv[:, : 8 * 128].view(37, 8, 128)
     cos, sin = rope(positions)
     want = apply_rotary(q.clone().float(), cos.float(), sin.float())
-    triton_ops.rotary_(q, positions, rope.cos_sin)
+    fused_ops.rotary_(q, positions, rope.cos_sin)
     torch.testing.assert_close(q.float(), want, **tol)
 
     partial = RotaryEmbedding(RopeSpec(rope_type="default", theta=10000.0), 96, 512).to("cuda", dtype)
@@ -214,12 +214,12 @@ def test_fused_kernels_equal_the_torch_ops_they_replace(dtype):
     slots = torch.randperm(8 * 16, device="cuda")[:37]
     slots[3] = -1
     want_q, want_k = q.clone(), k.clone()
-    triton_ops.rotary_qk_(want_q, want_k, positions, rope.cos_sin)
+    fused_ops.rotary_qk_(want_q, want_k, positions, rope.cos_sin)
     want_kc, want_vc = torch.zeros(2, 8, 16, 2, 128, device="cuda", dtype=dtype)
     keep = slots >= 0
     want_kc.view(-1, 2, 128)[slots[keep]], want_vc.view(-1, 2, 128)[slots[keep]] = want_k[keep], v[keep]
     got_kc, got_vc = torch.zeros(2, 8, 16, 2, 128, device="cuda", dtype=dtype)
-    triton_ops.rotary_qk_(q, k, positions, rope.cos_sin, None, (v, got_kc, got_vc, slots))
+    fused_ops.rotary_qk_(q, k, positions, rope.cos_sin, None, (v, got_kc, got_vc, slots))
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(got_kc, want_kc) and torch.equal(got_vc, want_vc)
 
@@ -276,9 +276,9 @@ def test_weights_read_in_many_chunks_onto_the_gpu_equal_the_checkpoint(tmp_path,
     """Pinned buffers refilled while earlier copies out of them may still run: every chunk must land intact."""
     from safetensors.torch import load_file
 
-    from batchjob.engine.native import weight_stream
-    from batchjob.engine.native.attention import TorchPagedAttention
-    from batchjob.engine.native.loader import load_model
+    from batchjob.engine.native.layers.attention import TorchPagedAttention
+    from batchjob.engine.native.loading import weight_stream
+    from batchjob.engine.native.loading.model_loader import load_model
 
     model_dir = make_tiny_model(tmp_path / "m", arch="qwen3_moe")
     monkeypatch.setattr(weight_stream, "CHUNK_BYTES", 4096)

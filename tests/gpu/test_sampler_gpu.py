@@ -14,8 +14,12 @@ if not torch.cuda.is_available():
     # Importing the kernels here, uninterpreted, would leave them unusable for the CPU interpreter tests.
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from batchjob.engine.native import triton_filter, triton_race, triton_sampling  # noqa: E402
-from batchjob.engine.native.sampler import (  # noqa: E402
+from batchjob.engine.native.kernels import (
+    sampling_draw,  # noqa: E402
+    sampling_filter,  # noqa: E402
+    sampling_race,  # noqa: E402
+)
+from batchjob.engine.native.sampling.sampler import (  # noqa: E402
     RowFilter,
     SamplerMode,
     SamplingTensors,
@@ -84,7 +88,7 @@ def test_search_keeps_exactly_the_sorted_filters_tokens():
     params = params_for(FILTERS)
     logits = random_logits(len(FILTERS), seed=1)
     scaled = scaled_logits(logits, params.temperature)
-    threshold, row_max = triton_filter.filter_thresholds(
+    threshold, row_max = sampling_filter.filter_thresholds(
         logits, params.temperature, params.top_k, params.top_p, params.min_p
     )
     searched = RowFilter(threshold, row_max, params.min_p).keep(scaled)
@@ -130,9 +134,9 @@ def test_race_draws_the_exact_searchs_and_the_float64_references_tokens():
     logits[-1] = 0.5  # all tokens equal
     keys = noise_keys(params.seeds, params.positions)
     filters = (params.top_k, params.top_p, params.min_p)
-    got = triton_race.sample_tokens(logits, params.temperature, keys, filters)
-    _, state = triton_race.settle(logits, params.temperature, keys, filters)
-    exact = triton_race.sample_tokens(logits, params.temperature, keys, filters, rounds=0)
+    got = sampling_race.sample_tokens(logits, params.temperature, keys, filters)
+    _, state = sampling_race.settle(logits, params.temperature, keys, filters)
+    exact = sampling_race.sample_tokens(logits, params.temperature, keys, filters, rounds=0)
     # The checks and the search sum the probabilities in different orders: a boundary token may differ.
     differ = (got != exact).nonzero().flatten().tolist()
     assert len(differ) <= 2, f"rows {differ} differ from the exact search"
@@ -172,7 +176,7 @@ def test_exact_draw_picks_the_torch_paths_token():
     logits = random_logits(len(FILTERS), seed=2)
     keep = sorted_row_filter(scaled_logits(logits, params.temperature), params)
     filters = (keep.threshold, keep.row_max, keep.min_p)
-    got = triton_sampling.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
+    got = sampling_draw.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
     want = draw(logits.cpu(), on_cpu(params), on_cpu(keep))
     differ = (got.cpu() != want).nonzero().flatten().tolist()
     assert len(differ) <= len(FILTERS) // 50, f"rows {differ} picked other tokens"
@@ -217,7 +221,7 @@ def test_sampler_step_times_at_256_rows(monkeypatch):
     }
     ms = {name: graph_ms(lambda p=p, m=m: sample(logits, p, m), reps=50) for name, (p, m) in modes.items()}
     ms["the exact search alone, every row"] = graph_ms(
-        lambda: triton_filter.filter_thresholds(logits, top_p.temperature, top_p.top_k, top_p.top_p, top_p.min_p),
+        lambda: sampling_filter.filter_thresholds(logits, top_p.temperature, top_p.top_k, top_p.top_p, top_p.min_p),
         reps=20,
     )
     ms["a full sort (what filtering used to start with)"] = graph_ms(lambda: logits.sort(dim=-1), reps=20)
@@ -236,9 +240,9 @@ def test_greedy_tokens_are_torch_argmax_and_faster_than_it(dtype, monkeypatch):
     logits = torch.randn(512, VOCAB, device=DEVICE, generator=gen).to(dtype)
     logits[1, 7] = logits[1, VOCAB - 1] = 99.0  # a tie across chunks: the first wins
     logits[2] = 0.5
-    assert torch.equal(triton_race.greedy_tokens(logits), logits.argmax(dim=-1))
+    assert torch.equal(sampling_race.greedy_tokens(logits), logits.argmax(dim=-1))
     rows = logits[:32]
-    ours = graph_ms(lambda: triton_race.greedy_tokens(rows), reps=50)
+    ours = graph_ms(lambda: sampling_race.greedy_tokens(rows), reps=50)
     torchs = graph_ms(lambda: rows.float().argmax(dim=-1), reps=50)
     print(f"32 rows, {dtype}: greedy_tokens {ours * 1e3:.1f} us, float() + argmax {torchs * 1e3:.1f} us")
     assert ours < torchs

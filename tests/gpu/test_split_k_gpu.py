@@ -11,8 +11,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from batchjob.engine.native import split_k, triton_ops  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.engine.native.kernels import fused_ops  # noqa: E402
+from batchjob.engine.native.layers import split_k  # noqa: E402
+from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -48,7 +49,7 @@ def test_the_norm_adds_the_partial_sums_and_rounds_them_as_the_plain_matmul_is_r
     want_h = weight * h.bfloat16()
 
     fused_residual = residual.clone()
-    got_h, got_sum = triton_ops.rms_norm(parts, weight, 1e-5, fused_residual)
+    got_h, got_sum = fused_ops.rms_norm(parts, weight, 1e-5, fused_residual)
 
     torch.testing.assert_close(got_sum, total, atol=0, rtol=0)
     torch.testing.assert_close(fused_residual, total, atol=0, rtol=0)
@@ -56,10 +57,10 @@ def test_the_norm_adds_the_partial_sums_and_rounds_them_as_the_plain_matmul_is_r
 
 
 def test_a_bf16_model_with_split_projections_gives_the_logits_of_one_without(tmp_path, monkeypatch):
-    from batchjob.engine.native.attention import make_metadata
-    from batchjob.engine.native.kv_cache import allocate_kv_cache
-    from batchjob.engine.native.loader import load_model
-    from batchjob.engine.native.triton_attention import TritonPagedAttention
+    from batchjob.engine.native.layers.attention import make_metadata
+    from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
+    from batchjob.engine.native.loading.model_loader import load_model
+    from batchjob.engine.native.runtime.kv_cache import allocate_kv_cache
 
     model_dir = make_tiny_model(
         tmp_path / "mid", hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2

@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
 from startup_probe import FIRST_RUN_ONLY, TOKENIZER_MODULE, modules_a_job_imports  # noqa: E402
 
 from batchjob.caches import cache_root  # noqa: E402
-from batchjob.startup import CRITICAL_PHASES  # noqa: E402
-from batchjob.tiny_model import default_tiny_model  # noqa: E402
+from batchjob.job.startup import CRITICAL_PHASES  # noqa: E402
+from batchjob.job.tiny_model import default_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -49,8 +49,8 @@ def test_a_float32_checkpoint_under_dtype_auto_runs_in_bfloat16_on_the_gpu(
     engine.dtype=auto the model runs in bfloat16 there, and the load says so; an explicit float32 stays."""
     from transformers import LlamaConfig
 
-    from batchjob.engine.native.attention import TorchPagedAttention
-    from batchjob.engine.native.loader import load_model
+    from batchjob.engine.native.layers.attention import TorchPagedAttention
+    from batchjob.engine.native.loading.model_loader import load_model
 
     config = LlamaConfig(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

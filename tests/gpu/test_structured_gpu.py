@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
 from structured_cases import CHOICES, PET_SCHEMA, POINT_SCHEMA, valid_json  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.engine.native.token_mask import torch_apply_token_bitmask_  # noqa: E402
-from batchjob.engine.native.triton_mask import apply_token_bitmask  # noqa: E402
-from batchjob.engine.native.triton_race import greedy_tokens  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.engine.native.kernels.sampling_race import greedy_tokens  # noqa: E402
+from batchjob.engine.native.kernels.token_mask import apply_token_bitmask  # noqa: E402
+from batchjob.engine.native.sampling.token_mask import torch_apply_token_bitmask_  # noqa: E402
+from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

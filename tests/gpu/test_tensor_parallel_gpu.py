@@ -17,7 +17,7 @@ if torch.cuda.device_count() < 2:
 from engine_cases import CASES, mixed_requests, with_stops  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TP_CASES = {**CASES, "llama_one_kv_head": ("llama", {"num_key_value_heads": 1})}

@@ -16,9 +16,9 @@ import functools  # noqa: E402
 from attention_cases import random_paged_step  # noqa: E402
 from attention_cases import reference_attention as reference  # noqa: E402
 
-from batchjob.engine.native.attention import AttentionMetadata  # noqa: E402
-from batchjob.engine.native.triton_attention import TritonPagedAttention, store_kv  # noqa: E402
-from batchjob.engine.native.triton_decode import DEFAULT_DECODE_CONFIG  # noqa: E402
+from batchjob.engine.native.kernels.decode_attention import DEFAULT_DECODE_CONFIG  # noqa: E402
+from batchjob.engine.native.layers.attention import AttentionMetadata  # noqa: E402
+from batchjob.engine.native.layers.triton_attention import TritonPagedAttention, store_kv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")

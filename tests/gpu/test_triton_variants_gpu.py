@@ -18,16 +18,21 @@ if not torch.cuda.is_available():
 
 from attention_cases import packed_metadata, random_paged_step  # noqa: E402
 
-from batchjob.engine.native import triton_attention, triton_decode, triton_decode_split, triton_prefill  # noqa: E402
+from batchjob.engine.native.kernels import (
+    decode_attention,  # noqa: E402
+    prefill_attention,  # noqa: E402
+    split_decode_attention,  # noqa: E402
+)
+from batchjob.engine.native.layers import triton_attention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 KERNELS = {
     "store": triton_attention._store_kv_kernel,
-    "decode": triton_decode_split._decode_split_kernel,
-    "one_split": triton_decode._decode_one_split_kernel,
-    "reduce": triton_decode_split._decode_reduce_kernel,
-    "prefill": triton_prefill._prefill_kernel,
+    "decode": split_decode_attention._decode_split_kernel,
+    "one_split": decode_attention._decode_one_split_kernel,
+    "reduce": split_decode_attention._decode_reduce_kernel,
+    "prefill": prefill_attention._prefill_kernel,
 }
 KINDS = [(0, 0.0), (256, 0.0), (0, 30.0), (256, 30.0)]  # (window, softcap) of each layer kind
 # Variants one dtype and head layout may compile over all four kinds: the store knows no kind, the reduce

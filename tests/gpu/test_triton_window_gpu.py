@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 from attention_cases import forget_outside_windows, random_paged_step, reference_attention  # noqa: E402
 
-from batchjob.engine.native.attention import make_metadata  # noqa: E402
-from batchjob.engine.native.triton_attention import TritonPagedAttention  # noqa: E402
+from batchjob.engine.native.layers.attention import make_metadata  # noqa: E402
+from batchjob.engine.native.layers.triton_attention import TritonPagedAttention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 from structured_cases import CODE_REGEX  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import pytest
 from s3_server import s3_endpoint, s3_output_dir  # noqa: F401  (fixtures)
 from small_tmpfs import small_tmpfs  # noqa: F401  (a fixture)
 
-from batchjob.tiny_model import default_tiny_model
+from batchjob.job.tiny_model import default_tiny_model
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,10 +18,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from batchjob.cluster.slurm import register_resolvers
 from batchjob.io.layout import BOOKKEEPING_SUFFIX, REPORT_NAME
-from batchjob.job import run_job
-from batchjob.slurm import register_resolvers
-from batchjob.tiny_model import SAMPLE_PROMPTS
+from batchjob.job.run import run_job
+from batchjob.job.tiny_model import SAMPLE_PROMPTS
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = Path(importlib.import_module("batchjob.conf").__file__).resolve().parent

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from jobtools import REPO, bookkeeping, cli_env, read_output, read_report, run_cli
 
-from batchjob.tiny_model import SAMPLE_PROMPTS
+from batchjob.job.tiny_model import SAMPLE_PROMPTS
 
 
 def test_default_job_runs_end_to_end_and_marks_the_shard_complete(tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from jobtools import CONF_DIR, REPO, bookkeeping, cli_env, job_config, read_output, read_report, write_prompts
 
-from batchjob.job import run_job
-from batchjob.slurm import register_resolvers
-from batchjob.tiny_model import train_tokenizer
+from batchjob.cluster.slurm import register_resolvers
+from batchjob.job.run import run_job
+from batchjob.job.tiny_model import train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_a_job_auto_ran_natively_resumes_under_an_explicit_engine_native(tmp_pat
 def test_split_step_graphs_are_captured_only_for_jobs_whose_rows_can_carry_a_constraint(
     tmp_path: Path, overrides: tuple[str, ...], captured: bool
 ) -> None:
-    from batchjob.config import load_settings
+    from batchjob.config.settings import load_settings
 
     cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
     assert load_settings(cfg).engine_options["graph_constrained"] is captured
@@ -146,7 +146,7 @@ def test_split_step_graphs_are_captured_only_for_jobs_whose_rows_can_carry_a_con
 def test_a_job_whose_rows_all_sample_alike_captures_graphs_of_that_sampler_mode_only(
     tmp_path: Path, overrides: tuple[str, ...], captured: str
 ) -> None:
-    from batchjob.config import load_settings
+    from batchjob.config.settings import load_settings
 
     cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
     assert load_settings(cfg).engine_options["graph_sampling"] == captured
@@ -167,7 +167,7 @@ def test_a_job_whose_rows_all_sample_alike_captures_graphs_of_that_sampler_mode_
 def test_a_job_of_a_few_rows_runs_no_more_sequences_than_it_has(
     tmp_path: Path, overrides: tuple[str, ...], seqs: int
 ) -> None:
-    from batchjob.config import load_settings
+    from batchjob.config.settings import load_settings
 
     cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
     assert load_settings(cfg).engine_options["max_num_seqs"] == seqs

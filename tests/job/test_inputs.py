@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from jobtools import bookkeeping, read_output, read_report, run_cli, run_in_process, write_prompts, write_table
 from transformers import AutoTokenizer
 
-from batchjob.tiny_model import SAMPLE_PROMPTS
+from batchjob.job.tiny_model import SAMPLE_PROMPTS
 
 
 def test_parquet_directory_input_reads_every_file(tmp_path: Path) -> None:

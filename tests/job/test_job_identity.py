@@ -19,8 +19,8 @@ from jobtools import (
 )
 
 from batchjob.io import InputSpec
+from batchjob.job.tiny_model import default_tiny_model
 from batchjob.status import job_status
-from batchjob.tiny_model import default_tiny_model
 
 
 def snapshot(out: Path) -> dict[str, bytes]:

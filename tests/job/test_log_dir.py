@@ -6,8 +6,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from jobtools import CONF_DIR
 
-from batchjob.run_files import register_sweep_dir_resolver, run_folder
-from batchjob.slurm import register_resolvers
+from batchjob.cluster.slurm import register_resolvers
+from batchjob.job.run_files import register_sweep_dir_resolver, run_folder
 
 
 def sweep_dir(*overrides: str) -> str:

@@ -11,7 +11,7 @@ import time
 
 from jobtools import REPO, cli_env
 
-from batchjob.progress import Progress
+from batchjob.job.progress import Progress
 
 
 def test_without_a_terminal_progress_is_logged_with_rate_and_eta(caplog) -> None:

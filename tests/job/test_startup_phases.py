@@ -21,8 +21,8 @@ from jobtools import (
 )
 from startup_probe import FIRST_RUN_ONLY, TOKENIZER_MODULE, modules_a_job_imports
 
-from batchjob.startup import CRITICAL_PHASES, StartupClock
-from batchjob.tiny_model import default_tiny_model
+from batchjob.job.startup import CRITICAL_PHASES, StartupClock
+from batchjob.job.tiny_model import default_tiny_model
 
 
 def test_phases_beside_the_engine_add_nothing_to_the_total() -> None:
@@ -135,7 +135,7 @@ def test_a_package_without_bytecode_that_python_may_not_write_is_reported_with_i
     import subprocess
     import sys
 
-    from batchjob.startup import compiled_afresh
+    from batchjob.job.startup import compiled_afresh
 
     package = tmp_path / "site" / "uncompiled_pkg"
     package.mkdir(parents=True)
@@ -159,7 +159,7 @@ compiled = []
 to_code = external.SourceLoader.source_to_code
 external.SourceLoader.source_to_code = lambda self, data, path, *a, **k: compiled.append(path) or to_code(
     self, data, path, *a, **k)
-from batchjob.startup import keep_bytecode
+from batchjob.job.startup import keep_bytecode
 prefix = keep_bytecode("uncompiled_pkg")
 import uncompiled_pkg.inner
 child = subprocess.run([sys.executable, "-c", "import sys; print(sys.pycache_prefix, sys.dont_write_bytecode)"],
@@ -214,7 +214,7 @@ def test_an_environment_that_keeps_its_own_bytecode_is_left_alone(
     import compileall
     import sys
 
-    from batchjob.startup import keep_bytecode
+    from batchjob.job.startup import keep_bytecode
 
     monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from jobtools import REPO, cli_env, read_output, write_prompts
 
+from batchjob.cluster.data_parallel import plan_children
 from batchjob.errors import ConfigError
-from batchjob.job import EXIT_RESUMABLE, EXIT_USAGE
-from batchjob.launch import plan_children
+from batchjob.job.run import EXIT_RESUMABLE, EXIT_USAGE
 
 ROWS = 48
 TP_JOB = (
@@ -37,7 +37,7 @@ def command(*overrides: str) -> list[str]:
 
 
 def rank_pids(job_pid: int) -> list[int]:
-    """The tensor-parallel rank processes the job started (its children running tp_rank)."""
+    """The tensor-parallel rank processes the job started (its children running rank_process)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -47,7 +47,7 @@ def rank_pids(job_pid: int) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if parent == job_pid and b"tp_rank" in cmdline:
+        if parent == job_pid and b"rank_process" in cmdline:
             pids.append(int(proc.name))
     return sorted(pids)
 

@@ -17,18 +17,18 @@ from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from batchjob.engine.native import (  # noqa: E402
+    attention_tile,
+    decode_attention,
+    prefill_attention,
+    split_decode_attention,
     triton_attention,
-    triton_attention_tile,
-    triton_decode,
-    triton_decode_split,
-    triton_prefill,
 )
-from batchjob.engine.native.attention import dense_reference_attention, make_metadata  # noqa: E402
+from batchjob.engine.native.layers.attention import dense_reference_attention, make_metadata  # noqa: E402
 
-if not isinstance(triton_decode._decode_one_split_kernel, InterpretedFunction):
+if not isinstance(decode_attention._decode_one_split_kernel, InterpretedFunction):
     # Another test module imported the kernels before the interpreter was switched on; on a CPU-only
     # machine compiled kernels cannot run at all, so rebuild them interpreted (helpers first).
-    for module in (triton_attention_tile, triton_decode_split, triton_decode, triton_prefill, triton_attention):
+    for module in (attention_tile, split_decode_attention, decode_attention, prefill_attention, triton_attention):
         importlib.reload(module)
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.engine.native.admission import AdmissionQueue
-from batchjob.tiny_model import make_tiny_model
+from batchjob.engine.native.scheduling.admission import AdmissionQueue
+from batchjob.job.tiny_model import make_tiny_model
 
 
 def _requests(prompts: list[tuple[int, ...]]) -> list[Request]:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from batchjob.engine import Request, SamplingParams
-from batchjob.engine.native.block_manager import KVBlockManager
-from batchjob.engine.native.scheduler import RESERVE, SPARE, Scheduler, SchedulerConfig
-from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.engine.native.scheduling.block_manager import KVBlockManager
+from batchjob.engine.native.scheduling.scheduler import RESERVE, SPARE, Scheduler, SchedulerConfig
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 

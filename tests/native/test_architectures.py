@@ -13,16 +13,16 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from batchjob.engine.native.attention import TorchPagedAttention
-from batchjob.engine.native.checkpoint import checkpoint_slot
-from batchjob.engine.native.loader import (
+from batchjob.engine.native.layers.attention import TorchPagedAttention
+from batchjob.engine.native.layers.rope import rope_table
+from batchjob.engine.native.loading.checkpoint import checkpoint_slot
+from batchjob.engine.native.loading.model_loader import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
     load_model,
     read_model_spec,
 )
-from batchjob.engine.native.rope import rope_table
-from batchjob.tiny_model import TINY_CONFIGS, make_tiny_model
+from batchjob.job.tiny_model import TINY_CONFIGS, make_tiny_model
 
 SMALL = dict(
     vocab_size=128,

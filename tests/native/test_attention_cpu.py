@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from batchjob.engine.native.attention import (
+from batchjob.engine.native.layers.attention import (
     TorchPagedAttention,
     dense_reference_attention,
     make_metadata,

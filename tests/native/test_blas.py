@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchjob.engine.native import blas
+from batchjob.engine.native.runtime import blas
 
 
 @pytest.mark.parametrize("rows", [1, 17, 32, 64, 65])

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from batchjob.engine.native.block_manager import KVBlockManager
+from batchjob.engine.native.scheduling.block_manager import KVBlockManager
 
 BLOCK = 4
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from batchjob.engine import create_engine
-from batchjob.engine.native import device_start
-from batchjob.tiny_model import make_tiny_model
+from batchjob.engine.native.runtime import device_start
+from batchjob.job.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import torch
 from engine_cases import mixed_requests
 
 from batchjob.engine import create_engine
-from batchjob.engine.native.dummy_weights import STD
-from batchjob.engine.native.layers import RMSNorm
-from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
+from batchjob.engine.native.layers.elementwise import RMSNorm
+from batchjob.engine.native.loading.dummy_weights import STD
+from batchjob.job.tiny_model import ARCHITECTURES, make_tiny_model
 
 OPTIONS = {
     "dtype": "float32",

@@ -13,7 +13,7 @@ from engine_cases import with_stops as _with_stops
 from transformers import AutoModelForCausalLM
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.tiny_model import make_tiny_model
+from batchjob.job.tiny_model import make_tiny_model
 
 
 def _run(model_dir, requests, engine: str = "native", **options) -> dict:
@@ -96,7 +96,7 @@ def test_shared_prompt_prefix_is_computed_once_and_output_unchanged(llama_case):
 def test_prefix_hash_collisions_never_change_output(llama_case, monkeypatch):
     model_dir, _, _ = llama_case
     # Every prompt block hashes alike: only the kept token ids can tell the cached blocks apart.
-    monkeypatch.setattr("batchjob.engine.native.sequence.block_hash", lambda previous, tokens: 0)
+    monkeypatch.setattr("batchjob.engine.native.scheduling.sequence.block_hash", lambda previous, tokens: 0)
     reqs = [Request(i, tuple(range(10 + 40 * i, 50 + 40 * i)), SamplingParams(max_new_tokens=4)) for i in range(3)]
     got, _ = _run(model_dir, reqs, max_num_seqs=1)
     assert {i: c.token_ids for i, c in got.items()} == _hf_greedy(model_dir, reqs)

@@ -17,12 +17,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from batchjob.engine.native import triton_ops  # noqa: E402
-from batchjob.engine.native.layers import RMSNorm  # noqa: E402
-from batchjob.engine.native.rope import RopeSpec, RotaryEmbedding, apply_rotary  # noqa: E402
+from batchjob.engine.native.kernels import fused_ops  # noqa: E402
+from batchjob.engine.native.layers.elementwise import RMSNorm  # noqa: E402
+from batchjob.engine.native.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary  # noqa: E402
 
-if not isinstance(triton_ops._rms_norm_kernel, InterpretedFunction):
-    triton_ops = importlib.reload(triton_ops)  # imported compiled by another module: CPU needs interpreted
+if not isinstance(fused_ops._rms_norm_kernel, InterpretedFunction):
+    fused_ops = importlib.reload(fused_ops)  # imported compiled by another module: CPU needs interpreted
 
 
 @pytest.mark.parametrize("style", [{}, {"weight_fp32": True}, {"unit_offset": True}], ids=["llama", "olmo2", "gemma"])
@@ -34,7 +34,7 @@ def test_fused_norm_with_residual_equals_the_torch_norm(style):
     want_h, want_sum = norm(x, residual.clone())
 
     fused_residual = residual.clone()
-    got_h, got_sum = triton_ops.rms_norm(x, norm.weight, 1e-5, fused_residual, norm.weight_fp32, norm.offset)
+    got_h, got_sum = fused_ops.rms_norm(x, norm.weight, 1e-5, fused_residual, norm.weight_fp32, norm.offset)
 
     torch.testing.assert_close(got_sum, want_sum)
     torch.testing.assert_close(fused_residual, want_sum)  # the sum is written back in place
@@ -56,7 +56,7 @@ def test_fused_norm_adds_up_split_k_partial_sums_as_the_matmul_would(splits):
     want_h, want_sum = norm(x @ weight.T, residual.clone())
 
     fused_residual = residual.clone()
-    got_h, got_sum = triton_ops.rms_norm(parts, norm.weight, 1e-5, fused_residual)
+    got_h, got_sum = fused_ops.rms_norm(parts, norm.weight, 1e-5, fused_residual)
 
     assert got_h.dtype == torch.bfloat16
     torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)
@@ -76,7 +76,7 @@ def test_fused_rotary_turns_only_the_leading_channels_of_each_head():
     want = torch.cat((apply_rotary(x[..., :12], cos, sin), x[..., 12:]), dim=-1)
 
     got = x.clone()
-    triton_ops.rotary_(got[..., :12], positions, rotary.cos_sin)
+    fused_ops.rotary_(got[..., :12], positions, rotary.cos_sin)
 
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -104,7 +104,7 @@ def test_fused_head_norms_and_rotary_on_q_and_k_equal_the_torch_path(style):
     fused = qkv.clone()
     got_q, got_k, got_v = views(fused)
     norms = (q_norm.weight, k_norm.weight, 1e-6, q_norm.weight_fp32, q_norm.offset)
-    triton_ops.rotary_qk_(got_q, got_k, positions, rotary.cos_sin, norms)
+    fused_ops.rotary_qk_(got_q, got_k, positions, rotary.cos_sin, norms)
 
     torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
@@ -119,7 +119,7 @@ def test_one_rotary_call_turns_q_and_k_of_different_head_counts():
     cos, sin = rotary(positions)
 
     got_q, got_k = q.clone(), k.clone()
-    triton_ops.rotary_qk_(got_q[..., :12], got_k[..., :12], positions, rotary.cos_sin)
+    fused_ops.rotary_qk_(got_q[..., :12], got_k[..., :12], positions, rotary.cos_sin)
 
     for got, x in ((got_q, q), (got_k, k)):
         want = torch.cat((apply_rotary(x[..., :12], cos, sin), x[..., 12:]), dim=-1)
@@ -153,7 +153,7 @@ def test_rotary_kernel_stores_rotated_keys_and_values_where_store_kv_would(with_
 
     want_flat = qkv.clone()
     want_q, want_k, want_v = views(want_flat)
-    triton_ops.rotary_qk_(want_q, want_k, positions, rotary.cos_sin, norms)
+    fused_ops.rotary_qk_(want_q, want_k, positions, rotary.cos_sin, norms)
     want_kc, want_vc = caches()
     keep = slots >= 0
     want_kc.view(-1, kv_heads, dim)[slots[keep]] = want_k[keep]
@@ -162,7 +162,7 @@ def test_rotary_kernel_stores_rotated_keys_and_values_where_store_kv_would(with_
     got_flat = qkv.clone()
     got_q, got_k, got_v = views(got_flat)
     got_kc, got_vc = caches()
-    triton_ops.rotary_qk_(got_q, got_k, positions, rotary.cos_sin, norms, (got_v, got_kc, got_vc, slots))
+    fused_ops.rotary_qk_(got_q, got_k, positions, rotary.cos_sin, norms, (got_v, got_kc, got_vc, slots))
 
     assert torch.equal(got_flat, want_flat)  # q and k rotated in place as without the store, v untouched
     torch.testing.assert_close(got_kc, want_kc, equal_nan=True, atol=0, rtol=0)

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from batchjob.engine import Request, SamplingParams
-from batchjob.engine.native.io_slot import IOSlot, SlotLimits, StepShape
-from batchjob.engine.native.scheduler import StepPlan
-from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.engine.native.runtime.io_slot import IOSlot, SlotLimits, StepShape
+from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 
 def test_every_field_of_every_shape_is_16_byte_aligned_and_apart():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchjob.engine.native.kv_cache import no_room_for_kv_cache
+from batchjob.engine.native.runtime.kv_cache import no_room_for_kv_cache
 
 GIB = 2**30
 

@@ -12,11 +12,8 @@ import pytest
 from engine_cases import mixed_requests
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.engine.native.io_slot import StepShape
-from batchjob.engine.native.sampler import SamplerMode
-from batchjob.engine.native.scheduler import StepPlan
-from batchjob.engine.native.sequence import RequestGroup, Sequence
-from batchjob.engine.native.step_layout import (
+from batchjob.engine.native.runtime.io_slot import StepShape
+from batchjob.engine.native.runtime.step_layout import (
     FILTERING,
     GRAPH_MODES,
     GREEDY,
@@ -28,7 +25,10 @@ from batchjob.engine.native.step_layout import (
     mixed_buckets,
     sampler_mode,
 )
-from batchjob.tiny_model import make_tiny_model
+from batchjob.engine.native.sampling.sampler import SamplerMode
+from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
+from batchjob.job.tiny_model import make_tiny_model
 
 EVERY_MODE = frozenset(GRAPH_MODES)
 CAPTURED = GraphBuckets(

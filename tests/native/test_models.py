@@ -13,16 +13,16 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from batchjob.engine.native.attention import TorchPagedAttention, make_metadata
-from batchjob.engine.native.loader import (
+from batchjob.engine.native.layers.attention import TorchPagedAttention, make_metadata
+from batchjob.engine.native.layers.rope import rope_inv_freq
+from batchjob.engine.native.loading.model_loader import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
     device_dtype,
     load_model,
     read_model_spec,
 )
-from batchjob.engine.native.rope import rope_inv_freq
-from batchjob.tiny_model import ARCHITECTURES, make_tiny_model
+from batchjob.job.tiny_model import ARCHITECTURES, make_tiny_model
 
 ATOL = 1e-4
 
@@ -265,7 +265,7 @@ def test_a_hub_model_is_fetched_with_every_file_its_tokenizer_may_be_saved_as(tm
 
     import huggingface_hub
 
-    from batchjob.engine.native.loader import resolve_model_dir
+    from batchjob.engine.native.loading.model_loader import resolve_model_dir
 
     asked = {}
 
@@ -360,8 +360,8 @@ def test_half_precision_projections_add_their_product_into_the_residual_in_the_m
     # norm reads only the sum: the same logits up to one rounding fewer. float32 models keep transformers'
     # order (the product rounded, then added), so they take the plain path. A mixture of experts adds its own
     # output: only its o_proj does.
-    from batchjob.engine.native import split_k
-    from batchjob.engine.native.kv_cache import allocate_kv_cache
+    from batchjob.engine.native.layers import split_k
+    from batchjob.engine.native.runtime.kv_cache import allocate_kv_cache
 
     model_dir = make_tiny_model(tmp_path / arch, arch=arch)
     ours, spec = load_model(model_dir, dtype, "cpu", TorchPagedAttention())

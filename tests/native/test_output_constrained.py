@@ -9,11 +9,11 @@ from concurrent.futures import Future
 import numpy as np
 
 from batchjob.engine import Request, SamplingParams
-from batchjob.engine.native.block_manager import KVBlockManager
-from batchjob.engine.native.model_runner import StepHandle, StepResult
 from batchjob.engine.native.output import OutputProcessor
-from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
-from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
+from batchjob.engine.native.scheduling.block_manager import KVBlockManager
+from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 EOS = 2
 

@@ -22,8 +22,12 @@ import importlib  # noqa: E402
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from batchjob.engine.native import triton_filter, triton_race, triton_sampling  # noqa: E402
-from batchjob.engine.native.sampler import (  # noqa: E402
+from batchjob.engine.native.kernels import (
+    sampling_draw,  # noqa: E402
+    sampling_filter,  # noqa: E402
+    sampling_race,  # noqa: E402
+)
+from batchjob.engine.native.sampling.sampler import (  # noqa: E402
     RowFilter,
     SamplerMode,
     SamplingTensors,
@@ -35,10 +39,10 @@ from batchjob.engine.native.sampler import (  # noqa: E402
     torch_exponential_noise,
 )
 
-if not isinstance(triton_sampling._draw_kernel, InterpretedFunction):
-    # Imported compiled by another module: CPU needs them interpreted (triton_race imports the other two's).
-    triton_filter, triton_sampling = importlib.reload(triton_filter), importlib.reload(triton_sampling)
-    triton_race = importlib.reload(triton_race)
+if not isinstance(sampling_draw._draw_kernel, InterpretedFunction):
+    # Imported compiled by another module: CPU needs them interpreted (sampling_race imports the other two's).
+    sampling_filter, sampling_draw = importlib.reload(sampling_filter), importlib.reload(sampling_draw)
+    sampling_race = importlib.reload(sampling_race)
 
 VOCAB = 1500
 
@@ -93,8 +97,8 @@ def kept(keep: RowFilter, logits: torch.Tensor, params: SamplingTensors) -> torc
 
 
 def searched_filter(logits: torch.Tensor, params: SamplingTensors, copies: tuple[int, int] | None = None) -> RowFilter:
-    wide, narrow = copies or (triton_filter.WIDE, triton_filter.NARROW)
-    threshold, row_max = triton_filter.filter_thresholds(
+    wide, narrow = copies or (sampling_filter.WIDE, sampling_filter.NARROW)
+    threshold, row_max = sampling_filter.filter_thresholds(
         logits, params.temperature, params.top_k, params.top_p, params.min_p, wide=wide, narrow=narrow
     )
     return RowFilter(threshold, row_max, params.min_p)
@@ -155,7 +159,7 @@ def test_fused_draw_picks_the_torch_paths_token(filtered):
     keep = sorted_row_filter(scaled_logits(logits, params.temperature), params) if filtered else None
     want = draw(logits, params, keep)  # the torch path: noise from torch_exponential_noise
     filters = None if keep is None else (keep.threshold, keep.row_max, keep.min_p)
-    got = triton_sampling.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
+    got = sampling_draw.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
     assert got.dtype == torch.int64 and torch.equal(got, want)
     assert got[-1] == logits[-1].argmax()  # the greedy row
 
@@ -170,7 +174,7 @@ def test_fused_draw_after_a_grammar_mask_picks_the_torch_paths_allowed_token(fil
     keep = sorted_row_filter(scaled_logits(logits, params.temperature), params) if filtered else None
     want = draw(logits, params, keep)
     filters = None if keep is None else (keep.threshold, keep.row_max, keep.min_p)
-    got = triton_sampling.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
+    got = sampling_draw.draw(logits, params.temperature, noise_keys(params.seeds, params.positions), filters)
     assert torch.equal(got, want)
     assert allowed.gather(1, got[:, None]).all()
 
@@ -237,7 +241,7 @@ def equal_rows_logits(rows: int, seed: int) -> torch.Tensor:
 def race(logits: torch.Tensor, params: SamplingTensors, filtering: bool = True, **kwargs) -> torch.Tensor:
     filters = (params.top_k, params.top_p, params.min_p) if filtering else None
     keys = noise_keys(params.seeds, params.positions)
-    return triton_race.sample_tokens(logits, params.temperature, keys, filters, **kwargs)
+    return sampling_race.sample_tokens(logits, params.temperature, keys, filters, **kwargs)
 
 
 # A chunk of 512 splits the 1500 tokens over three programs per row, the last one partly past the vocabulary.
@@ -255,7 +259,7 @@ def test_most_rows_settle_at_the_races_winner_and_match_the_exact_search():
     logits = random_logits(len(RACE_FILTERS), seed=8)
     keys = noise_keys(params.seeds, params.positions)
     filters = (params.top_k, params.top_p, params.min_p)
-    tokens, state = triton_race.settle(logits, params.temperature, keys, filters, chunk=512)
+    tokens, state = sampling_race.settle(logits, params.temperature, keys, filters, chunk=512)
     settled = state == 0
     want = reference_tokens(logits, params)
     assert torch.equal(tokens[settled], want[settled])
@@ -277,8 +281,8 @@ def test_rejected_candidates_move_up_until_one_is_kept():
     params = params_for([(1.0, 0, 0.5, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 3, 1.0, 0.0), (1.0, 0, 1.0, 0.04)] * 2)
     keys = noise_keys(params.seeds, params.positions)
     filters = (params.top_k, params.top_p, params.min_p)
-    _, after_one = triton_race.settle(logits, params.temperature, keys, filters, chunk=512, rounds=1)
-    tokens, state = triton_race.settle(logits, params.temperature, keys, filters, chunk=512, rounds=6)
+    _, after_one = sampling_race.settle(logits, params.temperature, keys, filters, chunk=512, rounds=1)
+    tokens, state = sampling_race.settle(logits, params.temperature, keys, filters, chunk=512, rounds=6)
     assert (after_one == 1).any() and (state == 0).all()
     assert torch.equal(tokens, reference_tokens(logits, params))
 
@@ -310,7 +314,7 @@ def test_greedy_tokens_are_torch_argmax_in_the_models_own_dtype(dtype):
     logits[3] = 1.0
     logits[4, 19_998] = 60.0
     logits[5, :300] = float("-inf")
-    got = triton_race.greedy_tokens(logits, chunk=4096)
+    got = sampling_race.greedy_tokens(logits, chunk=4096)
     assert got.dtype == torch.int64
     assert got.tolist() == logits.argmax(dim=-1).tolist()
     assert got[1:5].tolist() == [100, 5_000, 0, 19_998]
@@ -322,7 +326,7 @@ def test_masked_greedy_tokens_read_the_bitmask_beside_the_logits(dtype):
     # plain argmax; the logits are not written. Rows allowing: every other token, one token in the last partial
     # chunk, one token tied with another allowed one (the first wins), none at all (the row's first token, as
     # torch.argmax of a row of -inf).
-    from batchjob.engine.native.token_mask import torch_apply_token_bitmask_
+    from batchjob.engine.native.sampling.token_mask import torch_apply_token_bitmask_
 
     gen = torch.Generator().manual_seed(11)
     vocab = 20_000
@@ -337,7 +341,7 @@ def test_masked_greedy_tokens_read_the_bitmask_beside_the_logits(dtype):
     bitmask[2, 9_000 // 32] = 1 << (9_000 % 32)
     rows = torch.tensor([0, -1, 1, 2, 4, -1])  # bitmask row 3 unused, row 4 allows nothing
     before = logits.clone()
-    got = triton_race.greedy_tokens(logits, (bitmask, rows), chunk=4096)
+    got = sampling_race.greedy_tokens(logits, (bitmask, rows), chunk=4096)
     assert torch.equal(logits, before)
     expected = torch_apply_token_bitmask_(logits.float().clone(), bitmask, rows).argmax(dim=-1)
     assert got.tolist() == expected.tolist()

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.engine.native.block_manager import KVBlockManager
-from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig
-from batchjob.engine.native.sequence import RequestGroup, Sequence
-from batchjob.tiny_model import default_tiny_model
+from batchjob.engine.native.scheduling.block_manager import KVBlockManager
+from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
+from batchjob.job.tiny_model import default_tiny_model
 
 BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
 BLOCK = 16

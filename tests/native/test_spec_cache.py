@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchjob.engine.native.loader import read_model_spec
+from batchjob.engine.native.loading.model_loader import read_model_spec
 from batchjob.engine.native.models.spec_cache import spec_from_json, spec_key, spec_to_json
-from batchjob.tiny_model import make_tiny_model
+from batchjob.job.tiny_model import make_tiny_model
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_job_reading_a_kept_spec_imports_no_transformers(cache: Path, tmp_path
     expected = read_model_spec(model, "auto", 128)
     probe = (
         "import sys, json\n"
-        "from batchjob.engine.native.loader import read_model_spec\n"
+        "from batchjob.engine.native.loading.model_loader import read_model_spec\n"
         "from batchjob.engine.native.models.spec_cache import spec_to_json\n"
         f"spec = read_model_spec({str(model)!r}, 'auto', 128)\n"
         "print(json.dumps({'transformers': 'transformers' in sys.modules, 'spec': spec_to_json(spec)}))\n"

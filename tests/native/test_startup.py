@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from batchjob.tiny_model import make_tiny_model
+from batchjob.job.tiny_model import make_tiny_model
 
 
 def test_creating_an_engine_does_not_import_torch_dynamo(tmp_path):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.engine.native.scheduler import StepPlan
-from batchjob.engine.native.sequence import Status
+from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.sequence import Status
 from batchjob.engine.native.step_masks import StepMasks
 
 

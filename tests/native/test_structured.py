@@ -12,7 +12,7 @@ import pytest
 from structured_cases import CHOICES, PET_SCHEMA, POINT_SCHEMA, check_stop_rows, matches_code, valid_json
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.tiny_model import default_tiny_model
+from batchjob.job.tiny_model import default_tiny_model
 
 PET = json.dumps(PET_SCHEMA)
 POINT = json.dumps(POINT_SCHEMA)
@@ -278,7 +278,7 @@ def test_an_engine_that_does_not_detokenize_loads_the_tokenizer_for_its_first_co
 def test_constrained_steps_padded_to_split_graph_shapes_generate_what_unpadded_steps_do(model_dir):
     """Jump-forward chunks make most constrained steps mixed: laid out for the split halves of mixed and decode
     graphs (run eagerly on the CPU at the graph's padded shape), they sample exactly the same tokens."""
-    from batchjob.engine.native.step_layout import GRAPH_MODES, GraphBuckets
+    from batchjob.engine.native.runtime.step_layout import GRAPH_MODES, GraphBuckets
 
     reqs = _mixed(0.9)
     expected, _ = _run(model_dir, reqs, max_num_seqs=16)

@@ -8,7 +8,7 @@ import pytest
 from engine_cases import CASES, mixed_requests, with_stops
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.tiny_model import make_tiny_model
+from batchjob.job.tiny_model import make_tiny_model
 
 BASE = dict(dtype="float32", num_kv_blocks=160, block_size=8, max_model_len=128)
 # Chunked prompts and preemptions: 29 usable blocks of 4 tokens, 24-token steps.

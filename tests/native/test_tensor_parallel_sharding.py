@@ -9,12 +9,12 @@ from collections import Counter
 import pytest
 import torch
 
-from batchjob.engine.native.attention import TorchPagedAttention
-from batchjob.engine.native.loader import read_model_spec
+from batchjob.engine.native.layers.attention import TorchPagedAttention
+from batchjob.engine.native.layers.parallel import TensorParallel
+from batchjob.engine.native.loading.model_loader import read_model_spec
+from batchjob.engine.native.loading.sharding import check_tensor_parallel, param_shard, rank_spec
 from batchjob.engine.native.models import CausalLM
-from batchjob.engine.native.parallel import TensorParallel
-from batchjob.engine.native.sharding import check_tensor_parallel, param_shard, rank_spec
-from batchjob.tiny_model import make_tiny_model
+from batchjob.job.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

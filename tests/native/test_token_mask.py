@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from batchjob.engine.native.sampler import SamplerMode, SamplingTensors, sample
-from batchjob.engine.native.token_mask import TokenMask, one_hot_bitmask_, torch_apply_token_bitmask_
+from batchjob.engine.native.sampling.sampler import SamplerMode, SamplingTensors, sample
+from batchjob.engine.native.sampling.token_mask import TokenMask, one_hot_bitmask_, torch_apply_token_bitmask_
 
 VOCAB = 1000  # not a multiple of 32 or of the kernel's block: partial last word and block
 
@@ -43,14 +43,14 @@ def test_triton_mask_kernel_equals_the_torch_mask():
     os.environ["TRITON_INTERPRET"] = "1"
     from triton.runtime.interpreter import InterpretedFunction
 
-    from batchjob.engine.native import triton_mask
+    from batchjob.engine.native.kernels import token_mask
 
-    if not isinstance(triton_mask._apply_token_bitmask_kernel, InterpretedFunction):
-        triton_mask = importlib.reload(triton_mask)
+    if not isinstance(token_mask._apply_token_bitmask_kernel, InterpretedFunction):
+        token_mask = importlib.reload(token_mask)
     logits, bitmask, rows = _case(1)
     want = torch_apply_token_bitmask_(logits.clone(), bitmask, rows)
     got = logits.clone()
-    triton_mask.apply_token_bitmask(got, bitmask, rows)
+    token_mask.apply_token_bitmask(got, bitmask, rows)
     assert torch.equal(got, want)
 
 

@@ -15,13 +15,13 @@ if torch.cuda.is_available():
 from interpreted_attention import (  # noqa: E402
     TritonPagedAttention,
     check_against_reference,
+    decode_attention,
+    prefill_attention,
     random_step,
     triton_attention,
-    triton_decode,
-    triton_prefill,
 )
 
-from batchjob.engine.native.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from batchjob.engine.native.layers.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 
 
 @pytest.mark.parametrize("block_size", [16, 1])
@@ -45,22 +45,22 @@ def test_decode_matches_dense_reference(group, block_size, splits):
 def test_one_split_once_every_multiprocessor_has_a_program_reading_the_block_table_ahead_below_two():
     # 132 multiprocessors (an H200), 8 KV heads: the launch follows the batch size alone.
     launch = {
-        seqs: (triton_decode.default_num_splits(seqs, 8, 132), triton_decode.default_config(seqs, 8, 132))
+        seqs: (decode_attention.default_num_splits(seqs, 8, 132), decode_attention.default_config(seqs, 8, 132))
         for seqs in (8, 16, 17, 32, 33, 64)
     }
-    assert launch[8] == (5, triton_decode.DEFAULT_DECODE_CONFIG)
-    assert launch[16] == (3, triton_decode.DEFAULT_DECODE_CONFIG)  # 128 programs: one split would idle 4 SMs
-    assert launch[17] == launch[32] == (1, triton_decode.FEW_PROGRAMS_DECODE_CONFIG)
-    assert launch[33] == launch[64] == (1, triton_decode.DEFAULT_DECODE_CONFIG)
+    assert launch[8] == (5, decode_attention.DEFAULT_DECODE_CONFIG)
+    assert launch[16] == (3, decode_attention.DEFAULT_DECODE_CONFIG)  # 128 programs: one split would idle 4 SMs
+    assert launch[17] == launch[32] == (1, decode_attention.FEW_PROGRAMS_DECODE_CONFIG)
+    assert launch[33] == launch[64] == (1, decode_attention.DEFAULT_DECODE_CONFIG)
 
 
 def test_sliding_layers_and_fixed_splits_keep_the_default_tiles():
     backend = TritonPagedAttention()
     device = torch.device("cpu")  # one SM: a batch of 1 sequence x 1 KV head is one program, below two an SM
-    assert backend.decode_launch_config(1, 1, device) == triton_decode.FEW_PROGRAMS_DECODE_CONFIG
-    assert backend.decode_launch_config(1, 1, device, window=256) == triton_decode.DEFAULT_DECODE_CONFIG
+    assert backend.decode_launch_config(1, 1, device) == decode_attention.FEW_PROGRAMS_DECODE_CONFIG
+    assert backend.decode_launch_config(1, 1, device, window=256) == decode_attention.DEFAULT_DECODE_CONFIG
     # A split count fixed above one runs the reduce too: the default tiles, no variant of its own.
-    assert TritonPagedAttention(3).decode_launch_config(1, 1, device) == triton_decode.DEFAULT_DECODE_CONFIG
+    assert TritonPagedAttention(3).decode_launch_config(1, 1, device) == decode_attention.DEFAULT_DECODE_CONFIG
 
 
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
@@ -68,7 +68,7 @@ def test_sliding_layers_and_fixed_splits_keep_the_default_tiles():
 def test_one_split_reading_the_block_table_a_tile_ahead_matches_reference(block_n, block_size, softcap):
     # Contexts ending inside a tile, on a tile's end and a token past it; cache blocks smaller and larger than a
     # tile; every unused cache slot holds NaN.
-    config = dataclasses.replace(triton_decode.FEW_PROGRAMS_DECODE_CONFIG, block_n=block_n)
+    config = dataclasses.replace(decode_attention.FEW_PROGRAMS_DECODE_CONFIG, block_n=block_n)
     step = random_step([1] * 5, [5, 64, 65, 130, 300], block_size, 2, seed=4)
     check_against_reference(step, TritonPagedAttention(1, config), softcap=softcap)
 
@@ -77,7 +77,7 @@ def test_one_split_reading_the_block_table_a_tile_ahead_matches_reference(block_
 def test_a_persistent_grid_takes_every_sequence_and_head_in_turn(programs):
     # 5 sequences x 2 KV heads = 10 pairs: one program takes all of them, 3 take 4, 3 and 3, 64 leave most
     # programs without one.
-    config = dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, programs=programs)
+    config = dataclasses.replace(decode_attention.DEFAULT_DECODE_CONFIG, programs=programs)
     step = random_step([1] * 5, [1, 17, 64, 65, 130], 16, 2, seed=5)
     check_against_reference(step, TritonPagedAttention(1, config))
 
@@ -85,7 +85,7 @@ def test_a_persistent_grid_takes_every_sequence_and_head_in_turn(programs):
 def test_a_grid_of_heads_first_gives_the_same_output():
     # The grid's dimensions swapped (a sequence's KV heads side by side): every (sequence, head) pair once.
     step = random_step([1] * 5, [1, 17, 64, 65, 130], 16, 2, seed=6)
-    heads_first = dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, heads_first=True)
+    heads_first = dataclasses.replace(decode_attention.DEFAULT_DECODE_CONFIG, heads_first=True)
     out = TritonPagedAttention(1, heads_first).forward(*step, scale=0.3)
     assert torch.equal(out, TritonPagedAttention(1).forward(*step, scale=0.3))
     check_against_reference(step, TritonPagedAttention(1, heads_first))
@@ -104,7 +104,7 @@ def test_decode_and_prefill_kernels_agree_on_a_decode_step():
     decoded = TritonPagedAttention(num_decode_splits=3).forward(q, k, v, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
 
-    prefilled = triton_prefill.paged_prefill_attention(
+    prefilled = prefill_attention.paged_prefill_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale, out
     )
 
@@ -126,9 +126,9 @@ def test_half_precision_inputs_give_outputs_in_their_dtype():
 @pytest.mark.parametrize(
     ("splits", "config"),
     [
-        (1, triton_decode.DEFAULT_DECODE_CONFIG),
-        (1, triton_decode.FEW_PROGRAMS_DECODE_CONFIG),
-        (4, triton_decode.DEFAULT_DECODE_CONFIG),
+        (1, decode_attention.DEFAULT_DECODE_CONFIG),
+        (1, decode_attention.FEW_PROGRAMS_DECODE_CONFIG),
+        (4, decode_attention.DEFAULT_DECODE_CONFIG),
     ],
 )
 def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits, config):
@@ -146,7 +146,7 @@ def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits, config
 
     triton_attention.store_kv(k, v, k_cache, v_cache, padded.slot_mapping)
     out = torch.full_like(q, float("nan"))  # whatever a graph's memory pool last held
-    triton_decode.paged_decode_attention(
+    decode_attention.paged_decode_attention(
         q, k_cache, v_cache, padded.block_tables, padded.seq_lens, padded.cu_query_lens, 0.25, splits, out, config
     )
 
@@ -157,10 +157,10 @@ def test_padding_sequence_of_length_zero_decodes_to_zeros_not_nan(splits, config
 @pytest.mark.parametrize(
     ("splits", "config"),
     [
-        (1, triton_decode.DEFAULT_DECODE_CONFIG),
-        (1, triton_decode.FEW_PROGRAMS_DECODE_CONFIG),
-        (1, dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, programs=3)),
-        (3, triton_decode.DEFAULT_DECODE_CONFIG),
+        (1, decode_attention.DEFAULT_DECODE_CONFIG),
+        (1, decode_attention.FEW_PROGRAMS_DECODE_CONFIG),
+        (1, dataclasses.replace(decode_attention.DEFAULT_DECODE_CONFIG, programs=3)),
+        (3, decode_attention.DEFAULT_DECODE_CONFIG),
     ],
 )
 def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(splits, config):
@@ -171,9 +171,9 @@ def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(spli
     one_token = torch.tensor([4, 11])
 
     decoded = torch.full_like(q, float("nan"))
-    triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, splits, decoded, config)
+    decode_attention.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, splits, decoded, config)
     chunked = torch.full_like(q, float("nan"))
-    triton_prefill.paged_prefill_attention(q, k_cache, v_cache, *tables, 0.3, chunked, skip_single=True)
+    prefill_attention.paged_prefill_attention(q, k_cache, v_cache, *tables, 0.3, chunked, skip_single=True)
 
     written = ~decoded.isnan().any(-1).any(-1)
     assert torch.equal(written.nonzero().flatten(), one_token)
@@ -185,10 +185,10 @@ def test_a_mixed_step_splits_its_rows_between_the_decode_and_varlen_kernels(spli
 @pytest.mark.parametrize(
     "config",
     [
-        triton_decode.DEFAULT_DECODE_CONFIG,
-        triton_decode.FEW_PROGRAMS_DECODE_CONFIG,
-        dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, heads_first=False),
-        dataclasses.replace(triton_decode.DEFAULT_DECODE_CONFIG, programs=3),
+        decode_attention.DEFAULT_DECODE_CONFIG,
+        decode_attention.FEW_PROGRAMS_DECODE_CONFIG,
+        dataclasses.replace(decode_attention.DEFAULT_DECODE_CONFIG, heads_first=False),
+        dataclasses.replace(decode_attention.DEFAULT_DECODE_CONFIG, programs=3),
     ],
 )
 def test_programs_taking_the_longest_sequences_first_write_what_batch_order_writes(config):
@@ -198,12 +198,12 @@ def test_programs_taking_the_longest_sequences_first_write_what_batch_order_writ
     triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     tables = (meta.block_tables, meta.seq_lens, meta.cu_query_lens)
     in_batch_order = torch.full_like(q, float("nan"))
-    triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, 1, in_batch_order, config)
+    decode_attention.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, 1, in_batch_order, config)
     longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
     assert longest_first.tolist() == [1, 4, 2, 3, 0]
     for order in (longest_first, longest_first.flip(0)):
         out = torch.full_like(q, float("nan"))
-        triton_decode.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, 1, out, config, order=order)
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, *tables, 0.3, 1, out, config, order=order)
         assert torch.equal(out.nan_to_num(7.0), in_batch_order.nan_to_num(7.0))
     assert in_batch_order[[0, 1, 8, 9]].isfinite().all() and in_batch_order[2:8].isnan().all()
 
@@ -278,8 +278,8 @@ def test_unsupported_head_dim_is_refused_with_the_fix():
 def test_small_tiles_match_reference_across_many_tiles_and_splits():
     backend = TritonPagedAttention(
         num_decode_splits=5,
-        decode_config=triton_decode.DecodeConfig(block_n=16),
-        prefill_config=triton_prefill.PrefillConfig(block_m=16, block_n=16),
+        decode_config=decode_attention.DecodeConfig(block_n=16),
+        prefill_config=prefill_attention.PrefillConfig(block_m=16, block_n=16),
     )
     check_against_reference(random_step([9, 1, 22], [41, 60, 22], 8, 4, seed=6), backend)
     check_against_reference(random_step([1, 1, 1], [41, 60, 99], 8, 4, seed=6), backend)

@@ -23,13 +23,17 @@ import importlib  # noqa: E402
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from batchjob.engine.native import moe_configs, triton_moe, triton_moe_align  # noqa: E402
-from batchjob.engine.native.moe_configs import GemmTile, MoEConfig, MoEConfigTable  # noqa: E402
+from batchjob.engine.native.kernels import (
+    fused_moe,  # noqa: E402
+    moe_align,  # noqa: E402
+    moe_configs,  # noqa: E402
+)
+from batchjob.engine.native.kernels.moe_configs import GemmTile, MoEConfig, MoEConfigTable  # noqa: E402
 
-if not isinstance(triton_moe._grouped_gemm_kernel, InterpretedFunction):
+if not isinstance(fused_moe._grouped_gemm_kernel, InterpretedFunction):
     # Imported compiled by another module: CPU needs interpreted, the alignment first as the GEMMs import it.
-    triton_moe_align = importlib.reload(triton_moe_align)
-    triton_moe = importlib.reload(triton_moe)
+    moe_align = importlib.reload(moe_align)
+    fused_moe = importlib.reload(fused_moe)
 
 E, K, H, INTER = 8, 2, 64, 32
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -68,7 +72,7 @@ def random_moe(num_tokens: int, dtype: torch.dtype = torch.float32):
 @pytest.mark.parametrize("num_tokens", [1, 5, 33])
 def test_fused_moe_equals_the_float64_reference(num_tokens):
     args = random_moe(num_tokens)
-    got = triton_moe.fused_moe(*args)
+    got = fused_moe.fused_moe(*args)
     assert got.shape == args[0].shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), reference_moe(*args), rtol=1e-5, atol=1e-5)
 
@@ -100,7 +104,7 @@ def test_every_tile_config_gives_the_same_result(config):
     # columns and padding rows, and depth tiles wider than the depth the masked loads; the last config's depth
     # tiles divide both projections' depths (the unmasked loads).
     args = random_moe(33)
-    got = triton_moe.fused_moe(*args, config=config)
+    got = fused_moe.fused_moe(*args, config=config)
     torch.testing.assert_close(got.double(), reference_moe(*args), rtol=1e-5, atol=1e-5)
 
 
@@ -108,14 +112,14 @@ def test_every_config_the_tuner_can_choose_computes_the_same_result():
     args = random_moe(9)
     want = reference_moe(*args)
     for config in tuner_candidates():
-        got = triton_moe.fused_moe(*args, config=config)
+        got = fused_moe.fused_moe(*args, config=config)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m, c=config: f"{c}: {m}")
 
 
 def test_half_precision_gives_outputs_in_its_dtype_within_its_rounding():
     # bf16 is checked on the GPU only: the interpreter's tl.dot multiplies bf16 bit patterns as integers.
     args = random_moe(5, torch.float16)
-    got = triton_moe.fused_moe(*args)
+    got = fused_moe.fused_moe(*args)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.double(), reference_moe(*args), rtol=1e-2, atol=1e-2)
 
@@ -124,7 +128,7 @@ def test_alignment_groups_pairs_by_expert_in_whole_blocks():
     gen = torch.Generator().manual_seed(0)
     _, ids = routing(33, gen)
     block_m = 16
-    sorted_pairs, block_experts, padded_rows = triton_moe_align.moe_align_block_size(ids, E, block_m)
+    sorted_pairs, block_experts, padded_rows = moe_align.moe_align_block_size(ids, E, block_m)
     pairs = ids.numel()
     counts = torch.bincount(ids.flatten(), minlength=E)
     end = int(padded_rows)
@@ -155,7 +159,7 @@ def stable_sort_alignment(ids: torch.Tensor, block_m: int) -> list[int]:
 def test_alignment_equals_a_stable_sort_by_expert(num_tokens):
     # 1100 tokens of top-2 are more pairs than one step of the kernel's loops takes.
     _, ids = routing(num_tokens, torch.Generator().manual_seed(num_tokens))
-    sorted_pairs, _, padded_rows = triton_moe_align.moe_align_block_size(ids, E, 16)
+    sorted_pairs, _, padded_rows = moe_align.moe_align_block_size(ids, E, 16)
     want = stable_sort_alignment(ids, 16)
     assert int(padded_rows) == len(want)
     assert sorted_pairs[: len(want)].tolist() == want

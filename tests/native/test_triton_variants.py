@@ -19,21 +19,21 @@ if torch.cuda.is_available():
 from attention_cases import packed_metadata  # noqa: E402
 from interpreted_attention import (  # noqa: E402
     TritonPagedAttention,
+    decode_attention,
+    prefill_attention,
     random_step,
+    split_decode_attention,
     triton_attention,
-    triton_decode,
-    triton_decode_split,
-    triton_prefill,
 )
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 KERNELS = {
     "store": triton_attention._store_kv_kernel,
-    "decode": triton_decode_split._decode_split_kernel,
-    "one_split": triton_decode._decode_one_split_kernel,
-    "reduce": triton_decode_split._decode_reduce_kernel,
-    "prefill": triton_prefill._prefill_kernel,
+    "decode": split_decode_attention._decode_split_kernel,
+    "one_split": decode_attention._decode_one_split_kernel,
+    "reduce": split_decode_attention._decode_reduce_kernel,
+    "prefill": prefill_attention._prefill_kernel,
 }
 # (query lens, seq lens, decode splits, buffer offset, block-table width). Triton specialises an integer
 # equal to 1 or divisible by 16 and a pointer aligned to 16 bytes: split counts 1, 16 and others, prefill

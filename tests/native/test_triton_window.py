@@ -14,15 +14,15 @@ from attention_cases import forget_outside_windows  # noqa: E402
 from interpreted_attention import (  # noqa: E402
     TritonPagedAttention,
     check_against_reference,
+    decode_attention,
+    prefill_attention,
     random_step,
-    triton_decode,
-    triton_prefill,
 )
 
 SMALL_TILES = TritonPagedAttention(
     num_decode_splits=3,
-    decode_config=triton_decode.DecodeConfig(block_n=16),
-    prefill_config=triton_prefill.PrefillConfig(block_m=16, block_n=16),
+    decode_config=decode_attention.DecodeConfig(block_n=16),
+    prefill_config=prefill_attention.PrefillConfig(block_m=16, block_n=16),
 )
 # A fresh 5-token prompt, a 7-token chunk continuing 30 cached tokens, decodes inside the batch and a
 # 40-token prompt: with 16-token tiles, windows of 6 and 20 start mid-tile, and prompt tiles lie wholly before
@@ -64,7 +64,7 @@ def test_decode_with_a_sliding_window_matches_the_reference(window):
 
 
 def test_decode_with_more_splits_than_in_window_tiles_matches_the_reference():
-    backend = TritonPagedAttention(num_decode_splits=8, decode_config=triton_decode.DecodeConfig(block_n=16))
+    backend = TritonPagedAttention(num_decode_splits=8, decode_config=decode_attention.DecodeConfig(block_n=16))
     step = windowed_step([1, 1, 1], [40, 100, 333], 20, seed=3)
     check_against_reference(step, backend, window=20)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from batchjob.engine.native import moe_configs
-from batchjob.engine.native.moe_configs import MoEConfigTable
+from batchjob.engine.native.kernels import moe_configs
+from batchjob.engine.native.kernels.moe_configs import MoEConfigTable
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_moe.py"
 

@@ -7,7 +7,7 @@ import pytest
 from engine_cases import mixed_requests
 
 from batchjob.engine import Request, SamplingParams, create_engine
-from batchjob.engine.native.warmup import (
+from batchjob.engine.native.runtime.warmup import (
     WarmupLimits,
     batch_sweep,
     largest_step,
@@ -15,7 +15,7 @@ from batchjob.engine.native.warmup import (
     warm_up,
     warmup_steps,
 )
-from batchjob.tiny_model import make_tiny_model
+from batchjob.job.tiny_model import make_tiny_model
 
 DEFAULTS = WarmupLimits(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096, max_top_logprobs=20)
 

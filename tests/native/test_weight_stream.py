@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchjob.engine.native import weight_stream
-from batchjob.engine.native.attention import TorchPagedAttention
-from batchjob.engine.native.loader import load_model
-from batchjob.engine.native.weight_stream import WeightReader, chunks, pieces, read_entries
-from batchjob.tiny_model import make_tiny_model
+from batchjob.engine.native.layers.attention import TorchPagedAttention
+from batchjob.engine.native.loading import weight_stream
+from batchjob.engine.native.loading.model_loader import load_model
+from batchjob.engine.native.loading.weight_stream import WeightReader, chunks, pieces, read_entries
+from batchjob.job.tiny_model import make_tiny_model
 
 
 def _write(path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 from slurm_cluster import ENGINES, JOB_OVERRIDES, REPO, cluster_answers, job_env
 
-from batchjob.tiny_model import make_tiny_model
+from batchjob.job.tiny_model import make_tiny_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -4,9 +4,9 @@ import signal
 
 import pytest
 
+from batchjob.cluster.data_parallel import ChildShard, child_command, plan_children
+from batchjob.cluster.slurm import SlurmShard, requeue_after_preemption, shard_from_env, slurm_task_id
 from batchjob.errors import ConfigError
-from batchjob.launch import ChildShard, child_command, plan_children
-from batchjob.slurm import SlurmShard, requeue_after_preemption, shard_from_env, slurm_task_id
 
 
 def array_env(task: int, lowest: int = 0, highest: int = 3, count: int = 4) -> dict[str, str]:

@@ -46,20 +46,20 @@ import torch
 
 from batchjob.engine.api import Completion, Request
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
-from batchjob.engine.native import parallel
-from batchjob.engine.native.admission import AdmissionQueue
-from batchjob.engine.native.block_manager import KVBlockManager
-from batchjob.engine.native.device_start import load_on_device, short_thread_switches, start_runner
-from batchjob.engine.native.model_runner import PreparedStep, StepHandle
+from batchjob.engine.native.layers import parallel
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
-from batchjob.engine.native.scheduler import Scheduler, SchedulerConfig, StepPlan
-from batchjob.engine.native.sequence import RequestGroup, Sequence
+from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
+from batchjob.engine.native.runtime.model_runner import PreparedStep, StepHandle
+from batchjob.engine.native.scheduling.admission import AdmissionQueue
+from batchjob.engine.native.scheduling.block_manager import KVBlockManager
+from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig, StepPlan
+from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 from batchjob.engine.native.step_masks import StepMasks
-from batchjob.transformers_import import load_tokenizer
+from batchjob.engine.transformers_import import load_tokenizer
 
 if TYPE_CHECKING:
-    from batchjob.engine.native.rank_group import RankGroup
+    from batchjob.engine.native.executor.rank_group import RankGroup
 
 log = logging.getLogger("batchjob.engine.native")
 
@@ -93,7 +93,7 @@ def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
     """The model's tokenizer, loading in a thread: about a second for a 128k vocabulary, spent while the weights
     load and the engine sizes its KV cache, captures graphs and warms up (the output processor is its first user).
     """
-    from batchjob.engine.native.loader import resolve_model_dir
+    from batchjob.engine.native.loading.model_loader import resolve_model_dir
 
     model_dir = resolve_model_dir(model_path, with_weights=False)
     pool = ThreadPoolExecutor(1, thread_name_prefix="batchjob-engine-tokenizer")
@@ -113,8 +113,8 @@ class NativeEngine:
         """The architecture the engine will run, from the model's config files alone. Raises
         `UnsupportedModelError` when the native engine cannot run the model, or `ValueError` when the options
         do not fit it (max_model_len beyond the model's)."""
-        from batchjob.engine.native.loader import read_model_spec
-        from batchjob.engine.native.sharding import check_tensor_parallel
+        from batchjob.engine.native.loading.model_loader import read_model_spec
+        from batchjob.engine.native.loading.sharding import check_tensor_parallel
 
         opts = NativeOptions.from_mapping(options)
         spec = read_model_spec(model_path, opts.dtype, opts.max_model_len)
@@ -152,8 +152,8 @@ class NativeEngine:
     def _start_ranks(self, model_path: str) -> None:
         """The job process of a tensor-parallel engine: the ranks (`rank_group.py`) hold the model and run the
         steps; this process runs the scheduler and turns tokens into completions, as a single-device engine."""
-        from batchjob.engine.native.loader import device_dtype, read_model_spec
-        from batchjob.engine.native.rank_group import RankGroup
+        from batchjob.engine.native.executor.rank_group import RankGroup
+        from batchjob.engine.native.loading.model_loader import device_dtype, read_model_spec
 
         opts = self.options
         started = time.perf_counter()

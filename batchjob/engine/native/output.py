@@ -17,9 +17,9 @@ from typing import Any
 from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion, Sample
 from batchjob.engine.grammar import GrammarCompiler
 from batchjob.engine.native.detokenizer import StopStringMatcher
-from batchjob.engine.native.model_runner import StepHandle, StepResult
-from batchjob.engine.native.scheduler import Scheduler, StepPlan
-from batchjob.engine.native.sequence import NOT_PLAIN, Sequence, Status
+from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
+from batchjob.engine.native.scheduling.scheduler import Scheduler, StepPlan
+from batchjob.engine.native.scheduling.sequence import NOT_PLAIN, Sequence, Status
 
 # How many sequences `process` applies between two calls of its `poll`: at about 1 us a sequence, a filled
 # bitmask waits some 30 us for the loop to see it.

@@ -37,15 +37,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import compress
 from typing import TYPE_CHECKING, Any
 
-from batchjob.engine.native.sequence import Status
-from batchjob.engine.native.token_mask import one_hot_bitmask_
+from batchjob.engine.native.sampling.token_mask import one_hot_bitmask_
+from batchjob.engine.native.scheduling.sequence import Status
 
 if TYPE_CHECKING:
     import torch
 
     from batchjob.engine.grammar import GrammarCompiler
-    from batchjob.engine.native.model_runner import StepHandle
-    from batchjob.engine.native.sequence import Sequence
+    from batchjob.engine.native.runtime.model_runner import StepHandle
+    from batchjob.engine.native.scheduling.sequence import Sequence
 
 # Worker threads for chunked fills: enough for the chunks of one step to overlap each other's waits.
 CHUNK_WORKERS = 8

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchjob.engine.native import split_k
-from batchjob.engine.native.attention import AttentionMetadata, PagedAttentionBackend
-from batchjob.engine.native.layers import RMSNorm, act_and_mul
+from batchjob.engine.native.layers import split_k
+from batchjob.engine.native.layers.attention import AttentionMetadata, PagedAttentionBackend
+from batchjob.engine.native.layers.elementwise import RMSNorm, act_and_mul
+from batchjob.engine.native.layers.parallel import SINGLE, TensorParallel, vocab_per_rank
+from batchjob.engine.native.layers.rope import RopeStep, RotaryEmbedding
 from batchjob.engine.native.models.moe import SparseMoE
 from batchjob.engine.native.models.spec import ModelSpec
-from batchjob.engine.native.parallel import SINGLE, TensorParallel, vocab_per_rank
-from batchjob.engine.native.rope import RopeStep, RotaryEmbedding
 
 
 def make_norm(spec: ModelSpec, size: int) -> RMSNorm:

@@ -1,7 +1,7 @@
 """A mixture-of-experts MLP: a linear router picks each token's top-k experts from a softmax, and the token's
 output is the routing-weighted sum of those experts' SwiGLU MLPs.
 
-Expert weights are stacked the way the fused kernel (`triton_moe.fused_moe`) reads them: `gate_up_proj`
+Expert weights are stacked the way the fused kernel (`fused_moe.fused_moe`) reads them: `gate_up_proj`
 [E, 2 * I, H] (each expert's gate rows, then its up rows) and `down_proj` [E, H, I]; the loader fills them
 from per-expert checkpoint tensors. On CUDA the fused Triton kernel runs (inside CUDA graphs too); the plain
 torch path below loops over the experts the step hit, which asks the host which ones they are: it is the CPU
@@ -20,12 +20,12 @@ from torch import nn
 
 from batchjob.engine.native.models.spec import ModelSpec
 
-FUSED_MOE_MODULE = "batchjob.engine.native.triton_moe"
+FUSED_MOE_MODULE = "batchjob.engine.native.kernels.fused_moe"
 
 
 @functools.cache
 def fused_moe_kernel() -> Callable | None:
-    """`triton_moe.fused_moe`, or None where that module is not part of this installation. An error inside
+    """`fused_moe.fused_moe`, or None where that module is not part of this installation. An error inside
     the module is not hidden: only its absence selects the torch path."""
     try:
         return importlib.import_module(FUSED_MOE_MODULE).fused_moe

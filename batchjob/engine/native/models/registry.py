@@ -26,7 +26,7 @@ from batchjob.engine.native.models.spec import (
     requested_spec,
 )
 from batchjob.engine.native.models.spec_cache import load_spec, spec_key, store_spec
-from batchjob.transformers_import import from_transformers
+from batchjob.engine.transformers_import import from_transformers
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch for arch in (*LLAMA_FAMILY, QWEN3_MOE, MIXTRAL, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from batchjob.engine.native.rope import ROPE_TYPES, RopeSpec
+from batchjob.engine.native.layers.rope import ROPE_TYPES, RopeSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NORM_PLACEMENTS = ("pre", "post", "sandwich")

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.caches import files_key, load_entry, store_entry
-from batchjob.engine.native import rope
+from batchjob.engine.native.layers import rope
+from batchjob.engine.native.layers.rope import RopeSpec
 from batchjob.engine.native.models.spec import DTYPES, LayerSpec, ModelSpec, MoESpec
-from batchjob.engine.native.rope import RopeSpec
-from batchjob.transformers_import import transformers_version
+from batchjob.engine.transformers_import import transformers_version
 
 log = logging.getLogger("batchjob.engine.native")
 

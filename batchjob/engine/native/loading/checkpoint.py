@@ -1,0 +1,193 @@
+"""Checkpoint tensors -> the model's parameters: which parameter (or slice of one) each safetensors tensor fills,
+and the copy itself.
+
+Checkpoint names map onto our parameters (`checkpoint_slot`): a family's renames, then q/k/v and gate/up into
+their rows of one fused projection, and per-expert weights into their entry of the stacked expert weights. A
+single device reads whole files in large chunks (`weight_stream.py`); a tensor-parallel rank reads only its slices
+of each tensor through `safe_open(...).get_slice`. Every shape is checked against the config's before a byte is
+copied, and a parameter that no tensor filled completely is an error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from batchjob.engine.native.layers.parallel import TensorParallel
+from batchjob.engine.native.loading.sharding import ParamShard
+from batchjob.engine.native.loading.weight_stream import Piece, WeightReader, read_entries
+from batchjob.engine.native.models import CausalLM
+from batchjob.engine.native.models.registry import ARCHITECTURES
+from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
+from batchjob.engine.weight_files import safetensors_paths
+
+_QKV = re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)")
+_GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.(weight|bias)")
+_EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor goes: parameter `name`, its `expert`-th entry (stacked experts), rows from
+    `row` on (fused q/k/v or gate/up)."""
+
+    name: str
+    expert: int | None = None
+    row: int | None = None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    files = safetensors_paths(model_dir)
+    if files:
+        return files
+    if any(model_dir.glob("pytorch_model*.bin")):
+        raise UnsupportedModelError(
+            f"{model_dir} holds only PyTorch pickle weights (pytorch_model*.bin); the native engine loads "
+            "safetensors only, since unpickling can run arbitrary code. Convert it once with "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) and use new_dir"
+        )
+    raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def checkpoint_slot(key: str, spec: ModelSpec) -> Slot | None:
+    """Checkpoint tensor name -> its `Slot` in our model, or None for tensors we do not need. The family's
+    renames come first (`Architecture.checkpoint_renames`), then the fused and stacked slots every family
+    shares."""
+    name = key.removeprefix("model.")
+    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and spec.tie_word_embeddings):
+        return None
+    for pattern, replacement in ARCHITECTURES[spec.architecture].checkpoint_renames:
+        name = re.sub(pattern, replacement, name)
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    if match := _QKV.fullmatch(name):
+        prefix, which, kind = match.groups()
+        return Slot(f"{prefix}.self_attn.qkv_proj.{kind}", row={"q": 0, "k": q_size, "v": q_size + kv_size}[which])
+    if match := _EXPERT.fullmatch(name):
+        prefix, expert, which = match.groups()
+        if which == "down":
+            return Slot(f"{prefix}.mlp.experts.down_proj", expert=int(expert))
+        row = 0 if which == "gate" else spec.moe.intermediate_size
+        return Slot(f"{prefix}.mlp.experts.gate_up_proj", expert=int(expert), row=row)
+    if match := _GATE_UP.fullmatch(name):
+        prefix, which, kind = match.groups()
+        return Slot(f"{prefix}.mlp.gate_up_proj.{kind}", row=0 if which == "gate" else spec.intermediate_size)
+    return Slot(name)
+
+
+def _expected_elements(param: torch.Tensor, shard: ParamShard | None) -> int:
+    if shard is None or shard.first_rank_only:
+        return param.numel()
+    return param.numel() // param.shape[shard.dim] * shard.covered()
+
+
+@torch.no_grad()
+def load_checkpoint(
+    model: CausalLM, spec: ModelSpec, model_dir: Path, shards: dict[str, ParamShard | None], tp: TensorParallel
+) -> None:
+    """Copy the checkpoint into `model` (this rank's shard of the model of `spec`). A single device reads whole
+    files (`weight_stream`); a tensor-parallel rank reads only its slices, through safetensors."""
+    files = safetensors_files(model_dir)
+    params = dict(model.named_parameters())
+    for name, shard in shards.items():
+        if shard is not None and shard.covered() < params[name].shape[shard.dim]:
+            params[name].zero_()  # vocabulary padding rows; a bias that another rank adds
+    loaded = dict.fromkeys(params, 0)
+    device = next(iter(params.values())).device
+    with WeightReader(device) as reader:
+        for file in files:
+            entries = None if tp.active else read_entries(file)
+            if entries is None:
+                _load_slices(file, spec, params, shards, tp, loaded)
+                continue
+            targets = {}
+            for entry in entries:
+                found = _target(file, entry.name, entry.shape, spec, params)
+                if found is not None:
+                    name, target = found
+                    _check_shape(file, entry.name, entry.shape, tuple(target.shape))
+                    targets[entry.name] = target
+                    loaded[name] += target.numel()
+
+            def put(piece: Piece, rows: torch.Tensor, targets=targets) -> None:
+                targets[piece.entry.name].narrow(0, piece.row, piece.rows).copy_(rows, non_blocking=True)
+
+            reader.read(file, [e for e in entries if e.name in targets], put)
+    missing = [name for name, param in params.items() if loaded[name] != _expected_elements(param, shards[name])]
+    if missing:
+        raise UnsupportedModelError(f"{model_dir}: weights missing or incomplete for {', '.join(missing)}")
+
+
+def _slot_target(
+    file: Path, key: str, spec: ModelSpec, params: dict[str, torch.Tensor]
+) -> tuple[Slot, torch.Tensor] | None:
+    """Checkpoint tensor `key`'s slot and the parameter (or its expert's entry) it goes into; None for a tensor the
+    model does not need."""
+    slot = checkpoint_slot(key, spec)
+    if slot is None:
+        return None
+    if slot.name not in params:
+        raise UnsupportedModelError(f"{file}: unexpected tensor {key} for {spec.architecture}; use engine=hf")
+    return slot, params[slot.name] if slot.expert is None else params[slot.name][slot.expert]
+
+
+def _target(
+    file: Path, key: str, shape: tuple[int, ...], spec: ModelSpec, params: dict[str, torch.Tensor]
+) -> tuple[str, torch.Tensor] | None:
+    """The parameter that checkpoint tensor `key` (of `shape`) goes into and the part of it: the whole parameter,
+    its expert's entry, or its rows of a fused one; None for a tensor the model does not need."""
+    found = _slot_target(file, key, spec, params)
+    if found is None:
+        return None
+    slot, target = found
+    if slot.row is not None:  # clipped to the parameter: a tensor too large then fails the shape check
+        target = target.narrow(0, slot.row, min(shape[0] if shape else 0, target.shape[0] - slot.row))
+    return slot.name, target
+
+
+def _load_slices(
+    file: Path,
+    spec: ModelSpec,
+    params: dict[str, torch.Tensor],
+    shards: dict[str, ParamShard | None],
+    tp: TensorParallel,
+    loaded: dict[str, int],
+) -> None:
+    """`file` through safetensors, each tensor or only this rank's slices of it."""
+    with safe_open(file, framework="pt", device="cpu") as checkpoint:
+        for key in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            found = _slot_target(file, key, spec, params)
+            if found is None:
+                continue
+            slot, target = found
+            name, shard = slot.name, shards[slot.name]
+            if shard is None:
+                tensor = checkpoint.get_tensor(key)
+                if slot.row is not None:
+                    target = target.narrow(0, slot.row, tensor.shape[0])
+                _check_shape(file, key, tuple(tensor.shape), tuple(target.shape))
+                target.copy_(tensor)
+                loaded[name] += tensor.numel()
+            elif shard.first_rank_only:
+                if tp.rank == 0:
+                    target.copy_(checkpoint.get_tensor(key))
+                loaded[name] += target.numel()
+            else:
+                shard = shard.entry() if slot.expert is not None else shard
+                source = checkpoint.get_slice(key)
+                shape = tuple(source.get_shape())
+                full = shard.full_shape(tuple(target.shape))
+                expected = full[: shard.dim] + shape[shard.dim : shard.dim + 1] + full[shard.dim + 1 :]
+                _check_shape(file, key, shape, expected)
+                loaded[name] += shard.copy_(target, source, slot.row or 0, shape[shard.dim])
+
+
+def _check_shape(file: Path, key: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise UnsupportedModelError(
+            f"{file}: tensor {key} has shape {shape}, but config.json implies {expected}; the config and "
+            "weights do not match"
+        )

@@ -1,0 +1,438 @@
+"""Runs steps on the device: two IO slots, three CUDA streams ordered by events, carry-over, CUDA graphs.
+
+A step goes H2D stream -> compute stream -> D2H stream. Ordering is by events only:
+
+- the H2D copy into slot s waits for the compute of the previous step that read slot s (`compute_done`);
+- compute waits for its own copy (`h2d_done`) and for the previous D2H out of slot s (`d2h_done`), since it
+  overwrites slot s's sampled-token buffer;
+- D2H waits for compute; the CPU blocks only on `d2h_done` of the step whose tokens it needs.
+
+Consecutive steps use alternate slots, so the CPU fills slot B while the GPU computes from slot A. The next
+step's carry-over reads the previous slot's sampled tokens on the compute stream, after the previous forward.
+On CPU the same code runs without streams or events (all work is synchronous there). Which steps replay a
+CUDA graph, and how they are padded to its shape: step_layout.py; the graphs themselves: graphs.py. A step
+laid out for a graph that was never captured (a CPU runner given buckets, in tests) runs the same work eagerly.
+
+Structured outputs split a step with constrained rows in two. `launch` enqueues the forward, which writes the
+logits to a shared buffer; the bitmask of a constrained row depends on the token the previous step sampled,
+which the host learns only after this launch (one step behind). `sample_masked` then fills the bitmask on the
+host, copies it on the H2D stream (`bitmask_done`), and enqueues the masked sampler and the D2H copy; compute
+waits for `bitmask_done`. The GPU runs the forward meanwhile, so it waits only if the host's masks take longer than a
+forward, and a step without constrained rows is launched whole, exactly as before. A CUDA stream can only wait
+for an event already recorded, which is why, without gates, the sampler is enqueued after the bitmask copy.
+
+With gates (`engine.gate_masked_sampler`, host_gate.py), the masked sampler is enqueued as soon as a worker
+thread starts filling the bitmask: on a fourth stream, a wait for a word in pinned host memory, then the bitmask
+copy (`bitmask_done`). The worker opens that gate (a store) when the bitmask is filled, so the GPU samples as
+soon as the masks exist and runs the next step's forward right after, which the engine enqueues without waiting
+for the masks: the sampler it carries tokens from is already ahead of it on the compute stream.
+A tensor-parallel engine never has constrained rows (the engine refuses them), so `launch_packed` launches whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from batchjob.engine.native.runtime import blas
+from batchjob.engine.native.runtime.busy_clock import BusyClock
+from batchjob.engine.native.runtime.graphs import StepGraphs
+from batchjob.engine.native.runtime.host_gate import Gate, HostGates
+from batchjob.engine.native.runtime.io_slot import IOSlot, SlotLimits, StepShape
+from batchjob.engine.native.runtime.step_layout import GraphBuckets, StepLayout, layout_step
+from batchjob.engine.native.sampling.sampler import SamplerMode, sample
+from batchjob.engine.native.sampling.token_mask import TokenMask
+from batchjob.engine.native.scheduling.scheduler import StepPlan
+
+if TYPE_CHECKING:
+    from batchjob.engine.native.runtime.packed_step import PackedStep
+
+
+@dataclass
+class StepHandle:
+    """A launched step. `masked_rows` constrained rows need a bitmask; until `sampled`, only its forward is
+    enqueued (`ModelRunner.sample_masked` enqueues the rest)."""
+
+    plan: StepPlan | None  # None on the ranks of a tensor-parallel engine (the job process has it)
+    slot: IOSlot | None  # None in the job process of a tensor-parallel engine
+    shape: StepShape
+    rows: int
+    mode: SamplerMode
+    masked_rows: int = 0
+    graph_layout: StepLayout | None = None  # the layout of the graph its forward replayed (None: eager)
+    sampled: bool = True  # False until its bitmask is filled and its masked sampler enqueued or let through
+    gate: Gate | None = None  # its masked sampler was enqueued as its masks began filling, behind this gate
+
+    @property
+    def graphed(self) -> bool:
+        return self.graph_layout is not None
+
+
+@dataclass
+class PreparedStep:
+    """A step written into its slot's host buffers (`fill_s` seconds), not yet enqueued."""
+
+    plan: StepPlan
+    slot: IOSlot
+    layout: StepLayout
+    masked_rows: int
+    fill_s: float
+
+
+@dataclass
+class StepResult:
+    tokens: np.ndarray
+    logprobs: np.ndarray | None
+    top_ids: np.ndarray | None
+    top_logprobs: np.ndarray | None
+
+
+class _SlotEvents:
+    def __init__(self) -> None:
+        self.h2d_done = torch.cuda.Event()
+        self.compute_done = torch.cuda.Event()
+        self.d2h_done = torch.cuda.Event()
+        self.bitmask_done = torch.cuda.Event()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        limits: SlotLimits,
+        device: torch.device,
+        max_model_len: int,
+        vocab_size: int,
+        debug_poison: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.max_model_len = max_model_len
+        self.debug_poison = debug_poison
+        self.cuda = device.type == "cuda"
+        self.slots = [IOSlot(i, limits, device) for i in range(2)]
+        # Where a split step's forward leaves its logits for its sampler, in the model's dtype (soft-capped ones in
+        # float32: the cap is computed there); a sampler that draws or returns log-probabilities converts them to
+        # float32 (`logits`) first, a greedy one takes the argmax of the model's own. One buffer of each serves
+        # both slots: nothing runs on the compute stream between a step's forward and its sampler.
+        self.logits = torch.zeros((limits.max_rows, vocab_size), dtype=torch.float32, device=device)
+        spec = model.spec
+        own = spec.dtype if spec.final_softcap <= 0 else torch.float32
+        self.split_logits = self.logits if own == torch.float32 else torch.zeros_like(self.logits, dtype=own)
+        self.step_index = 0
+        self.graphs = StepGraphs(self)
+        if self.cuda:
+            self.h2d, self.compute, self.d2h = (torch.cuda.Stream(device) for _ in range(3))
+            for slot in self.slots:
+                slot.events = _SlotEvents()
+        self.gates: HostGates | None = None  # see `use_gates`
+        self.bitmask_h2d: torch.cuda.Stream | None = None  # the gated bitmask copies' stream
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Step counters and the GPU-busy clock from zero (the warm-up's steps are not the run's)."""
+        self.prep_s = 0.0
+        self.fill_s = 0.0
+        self.sampler_launch_s = 0.0  # enqueuing the masked samplers of split steps
+        self.collect_wait_s = 0.0  # the loop waiting for a step's tokens
+        self.launch_s = [0.0, 0.0]  # graph steps, eager steps
+        self.steps = 0
+        self.graph_steps = 0  # replayed a graph (decode or mixed); the rest ran eagerly
+        self.mixed_graph_steps = 0
+        self.masked_steps = 0
+        self.gated_steps = 0  # split steps whose masked sampler waited on the GPU behind a gate
+        self.tokens_fed = 0
+        self.clock = BusyClock() if self.cuda else None
+
+    def _stream(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else nullcontext()
+
+    # ---- the work of one step (eager, or recorded into a graph) ----
+
+    def _logits(
+        self,
+        slot: IOSlot,
+        prev: IOSlot,
+        shape: StepShape,
+        max_query_len: int,
+        max_seq_len: int,
+        out: torch.Tensor | None = None,
+        float32: bool = True,
+    ) -> torch.Tensor:
+        ints, meta, _ = slot.device_views(shape, max_query_len, max_seq_len)
+        # Carry-over: tokens the previous step sampled (still unknown to the CPU) replace their placeholders.
+        input_ids = ints["input_ids"]
+        input_ids.add_(prev.dev_tokens[ints["carry_idx"]] * ints["carry_mask"])
+        with blas.for_rows(shape.tokens, self.device, self.model.spec.dtype):
+            hidden = self.model(input_ids, ints["positions"], meta, self.kv_caches)
+            return self.model.compute_logits(hidden[ints["logits_indices"]], out, float32)
+
+    def _sample(self, slot: IOSlot, shape: StepShape, mode: SamplerMode, logits: torch.Tensor, masked: bool) -> None:
+        mask = TokenMask(slot.dev_bitmask, slot.int_views(shape)["mask_rows"]) if masked else None
+        out = sample(logits, slot.sampling_tensors(shape), mode, mask)
+        slot.dev_tokens[: shape.rows].copy_(out.tokens)
+        if out.logprobs is not None:
+            slot.dev_logprobs[: shape.rows].copy_(out.logprobs)
+        if out.top_ids is not None:
+            k = out.top_ids.shape[1]
+            slot.dev_top_ids[: shape.rows, :k].copy_(out.top_ids)
+            slot.dev_top_logprobs[: shape.rows, :k].copy_(out.top_logprobs)
+
+    def run_step(
+        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int, mode: SamplerMode
+    ) -> None:
+        """A whole step: forward and sampler. A greedy step without log-probabilities takes the argmax of the
+        model's own logits (no float32 copy of them)."""
+        greedy = not mode.sampling and mode.logprobs is None
+        logits = self._logits(slot, prev, shape, max_query_len, max_seq_len, float32=not greedy)
+        self._sample(slot, shape, mode, logits, masked=False)
+
+    def run_forward(self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int) -> None:
+        """The first half of a split step: the forward, its logits left in `self.split_logits`."""
+        self._logits(slot, prev, shape, max_query_len, max_seq_len, out=self.split_logits[: shape.rows])
+
+    def run_masked_sampler(self, slot: IOSlot, shape: StepShape, mode: SamplerMode) -> None:
+        """The second half of a split step: the sampler, over `self.split_logits` under the step's bitmask."""
+        logits = self.split_logits[: shape.rows]
+        if (mode.sampling or mode.logprobs is not None) and logits.dtype != torch.float32:
+            logits = self.logits[: shape.rows].copy_(logits)
+        self._sample(slot, shape, mode, logits, masked=True)
+
+    # ---- launching, sampling and collecting steps ----
+
+    @property
+    def graph_buckets(self) -> GraphBuckets:
+        """The shapes of the captured graphs, which steps are padded to (the scheduler fills mixed ones)."""
+        return self.graphs.buckets
+
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Enqueue `plan`: the whole step, or for a step with constrained rows only its forward (then
+        `sample_masked`)."""
+        return self.launch_prepared(self.prepare(plan))
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Lay `plan` out and write it into the next slot's host buffers, enqueuing nothing yet: the engine
+        prepares a step while the bitmask of the step before it is still being computed."""
+        began = time.perf_counter()
+        layout = layout_step(plan, self.graphs.buckets)
+        slot = self._take_slot()
+        masked_rows = slot.fill(plan, layout.shape, self.block_size)
+        return PreparedStep(plan, slot, layout, masked_rows, time.perf_counter() - began)
+
+    def launch_prepared(self, prepared: PreparedStep) -> StepHandle:
+        """Enqueue a prepared step; every earlier step's sampler must be enqueued already (carry-over)."""
+        return self._enqueue(prepared.slot, prepared.layout, prepared.plan, prepared.fill_s, prepared.masked_rows)
+
+    def launch_packed(self, packed: PackedStep) -> StepHandle:
+        """Launch a step that another process laid out and filled (the job process of a tensor-parallel
+        engine, `rank_group.py`); its handle has no plan."""
+        began = time.perf_counter()
+        slot = self._take_slot()
+        packed.unpack_into(slot)
+        return self._enqueue(slot, packed.layout, None, time.perf_counter() - began)
+
+    def _take_slot(self) -> IOSlot:
+        slot = self.slots[self.step_index % 2]
+        self.step_index += 1
+        if self.cuda:
+            # The host buffers of this slot were last read by the copy two steps ago.
+            slot.events.h2d_done.synchronize()
+        if self.debug_poison:
+            if self.cuda:
+                slot.events.bitmask_done.synchronize()
+            slot.poison_host_inputs()
+        return slot
+
+    def _enqueue(
+        self, slot: IOSlot, layout: StepLayout, plan: StepPlan | None, fill_s: float, masked_rows: int = 0
+    ) -> StepHandle:
+        """H2D copy, forward and sampling, D2H copy of a step whose inputs are in `slot`'s host buffers; with
+        `masked_rows`, only the H2D copy and the forward (`sample_masked` enqueues the rest)."""
+        prev = self.slots[1 - slot.index]
+        shape, mode, rows = layout.shape, layout.mode, layout.rows
+        filled = time.perf_counter()
+        self.fill_s += fill_s
+        graph = self.graphs.for_step(slot.index, layout, split=masked_rows > 0)
+        graphed = layout if graph is not None else None
+        step = StepHandle(plan, slot, shape, rows, mode, masked_rows=masked_rows, graph_layout=graphed)
+
+        with self._stream(self.h2d if self.cuda else None):
+            if self.cuda:
+                self.h2d.wait_event(slot.events.compute_done)
+                if self.debug_poison:
+                    slot.dev_int.fill_(-7777)
+                    slot.dev_tables.fill_(-7777)
+            slot.copy_inputs(shape)
+            if self.cuda:
+                slot.events.h2d_done.record(self.h2d)
+        with self._stream(self.compute if self.cuda else None):
+            if self.cuda:
+                self.compute.wait_event(slot.events.h2d_done)
+                self.compute.wait_event(slot.events.d2h_done)
+                timing = self.clock.pair()
+                timing[0].record(self.compute)
+            if graph is not None:
+                graph.replay()
+            elif masked_rows:
+                self.run_forward(slot, prev, shape, layout.max_query_len, layout.max_seq_len)
+            else:
+                self.run_step(slot, prev, shape, layout.max_query_len, layout.max_seq_len, mode)
+            if self.cuda:
+                timing[1].record(self.compute)
+                if not masked_rows:
+                    slot.events.compute_done.record(self.compute)
+        if masked_rows:
+            step.sampled = False
+        else:
+            self._enqueue_d2h(step)
+        done = time.perf_counter()
+        self.prep_s += fill_s + done - filled
+        self.launch_s[0 if graph is not None else 1] += done - filled
+        self.steps += 1
+        self.graph_steps += graph is not None
+        self.mixed_graph_steps += graph is not None and layout.mixed
+        self.tokens_fed += layout.tokens
+        return step
+
+    def sample_masked(self, step: StepHandle, fill_bitmask: Callable[[torch.Tensor], None]) -> None:
+        """Enqueue the masked sampler of a split step: `fill_bitmask(rows)` writes its bitmask rows on the host
+        (the caller has applied every token they depend on), then copy, sample and copy the tokens out."""
+        fill_bitmask(self.bitmask_rows(step))
+        self.enqueue_masked_sampler(step)
+
+    def bitmask_rows(self, step: StepHandle) -> torch.Tensor:
+        """The host bitmask rows of a split step's constrained rows, free to be written (their slot's previous
+        copy has finished); `enqueue_masked_sampler` once they are."""
+        if self.cuda:
+            step.slot.events.bitmask_done.synchronize()
+        return step.slot.host_bitmask[: step.masked_rows]
+
+    def enqueue_masked_sampler(self, step: StepHandle) -> None:
+        """A split step's bitmask rows are filled: copy them, enqueue its masked sampler and the copy of its tokens
+        (or, enqueued already behind its gate, open it)."""
+        if step.gate is not None:
+            self.open_gate(step)
+        else:
+            began = time.perf_counter()
+            with self._stream(self.h2d if self.cuda else None):
+                step.slot.copy_bitmask(step.masked_rows)
+                if self.cuda:
+                    step.slot.events.bitmask_done.record(self.h2d)
+            self._enqueue_sampler(step)
+            self.sampler_launch_s += time.perf_counter() - began
+        step.sampled = True
+        self.masked_steps += 1
+
+    def use_gates(self) -> bool:
+        """Let `arm_gate` gate masked samplers from now on (host_gate.py); True if this device can. Only once every
+        kernel the run launches has been loaded (the warm-up ran), and only for masks that a thread other than
+        the one launching steps fills: that thread may block on a closed gate."""
+        if self.cuda and self.gates is None:
+            # A word per slot. The bitmask copies behind the gates get a stream of their own, so that the next
+            # step's input copy never queues behind a closed one.
+            self.gates = HostGates.create(len(self.slots), self.device)
+            if self.gates is not None:
+                self.bitmask_h2d = torch.cuda.Stream(self.device)
+        return self.gates is not None
+
+    def arm_gate(self, step: StepHandle) -> bool:
+        """Give a split step whose bitmask rows are about to be filled (`bitmask_rows` was called) a gate, before
+        its filler starts: the filler may open it before `enqueue_gated_sampler` enqueues it. False without
+        gates."""
+        if self.gates is None:
+            return False
+        step.gate = self.gates.arm(step.slot.index)
+        return True
+
+    def open_gate(self, step: StepHandle) -> None:
+        """Let a gated step's masked sampler run once its bitmask rows are filled; any thread may call it."""
+        if step.gate is not None:
+            self.gates.open(step.gate)
+
+    def enqueue_gated_sampler(self, step: StepHandle) -> None:
+        """The bitmask copy of an armed step behind its gate, then its masked sampler and the copy of its tokens,
+        while its bitmask rows may still be filling."""
+        began = time.perf_counter()
+        slot = step.slot
+        with torch.cuda.stream(self.bitmask_h2d):
+            # The device rows were last read by the slot's previous sampler.
+            self.bitmask_h2d.wait_event(slot.events.compute_done)
+            self.gates.wait(self.bitmask_h2d, step.gate)
+            slot.copy_bitmask(step.masked_rows)
+            slot.events.bitmask_done.record(self.bitmask_h2d)
+        self._enqueue_sampler(step)
+        self.gated_steps += 1
+        self.sampler_launch_s += time.perf_counter() - began
+
+    def _enqueue_sampler(self, step: StepHandle) -> None:
+        """The masked sampler of a split step, after its bitmask copy (`bitmask_done`), and the copy of its
+        tokens."""
+        slot, shape = step.slot, step.shape
+        with self._stream(self.compute if self.cuda else None):
+            if self.cuda:
+                self.compute.wait_event(slot.events.bitmask_done)
+                timing = self.clock.pair()
+                timing[0].record(self.compute)
+            if step.graphed:
+                self.graphs.masked_sampler(slot.index, step.graph_layout).replay()
+            else:
+                self.run_masked_sampler(slot, shape, step.mode)
+            if self.cuda:
+                timing[1].record(self.compute)
+                slot.events.compute_done.record(self.compute)
+        self._enqueue_d2h(step)
+
+    def _enqueue_d2h(self, step: StepHandle) -> None:
+        slot, rows = step.slot, step.rows
+        with self._stream(self.d2h if self.cuda else None):
+            if self.cuda:
+                self.d2h.wait_event(slot.events.compute_done)
+            slot.host_tokens[:rows].copy_(slot.dev_tokens[:rows], non_blocking=True)
+            if step.mode.logprobs is not None:
+                slot.host_logprobs[:rows].copy_(slot.dev_logprobs[:rows], non_blocking=True)
+                slot.host_top_ids[:rows].copy_(slot.dev_top_ids[:rows], non_blocking=True)
+                slot.host_top_logprobs[:rows].copy_(slot.dev_top_logprobs[:rows], non_blocking=True)
+            if self.cuda:
+                slot.events.d2h_done.record(self.d2h)
+
+    def collect(self, step: StepHandle) -> StepResult:
+        """Wait for `step`'s sampled tokens (only this step's: later ones keep running) and copy them out."""
+        if not step.sampled:
+            raise RuntimeError(
+                "collect() of a step whose constrained rows were never sampled: call sample_masked() first"
+            )
+        slot = step.slot
+        if self.cuda:
+            began = time.perf_counter()
+            slot.events.d2h_done.synchronize()
+            self.collect_wait_s += time.perf_counter() - began
+            self.clock.resolve()
+        rows = step.rows
+        tokens = slot.host_tokens[:rows].numpy().copy()
+        if step.mode.logprobs is None:
+            return StepResult(tokens, None, None, None)
+        k = step.mode.logprobs
+        return StepResult(
+            tokens,
+            slot.host_logprobs[:rows].numpy().copy(),
+            slot.host_top_ids[:rows, :k].numpy().copy() if k else None,
+            slot.host_top_logprobs[:rows, :k].numpy().copy() if k else None,
+        )
+
+    def finish(self) -> None:
+        if self.cuda:
+            if self.gates is not None:
+                # A run that stopped early may leave samplers behind closed gates (their tokens are dropped).
+                self.gates.open_all()
+            torch.cuda.synchronize(self.device)
+            self.clock.resolve(keep_last=0)
