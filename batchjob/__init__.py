@@ -6,7 +6,18 @@ process; `run(**config)` runs a whole job as `python -m batchjob` does and retur
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# An installed batchjob holds its config tree and prompt pipelines as the subpackages `batchjob.conf` and
+# `batchjob.pipelines` (pyproject.toml maps the repository's conf/ and pipelines/ there). Run from a source checkout
+# without installing (`PYTHONPATH=.`, or the repository root shadowing an installed batchjob), they sit beside
+# this package instead: the checkout's root joins the package's search path, so the same names import.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(__path__[0], "conf")) and os.path.isfile(
+    os.path.join(_CHECKOUT, "conf", "config.yaml")
+):
+    __path__.append(_CHECKOUT)
 
 __all__ = ["LLM", "JobIncomplete", "SamplingParams", "run"]
 

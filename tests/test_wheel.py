@@ -51,3 +51,44 @@ def test_the_built_wheel_runs_the_default_job_without_the_checkout(tmp_path):
     )
     assert job.returncode == 0, job.stderr[-2000:]
     assert pads.dataset(out).count_rows() == 20
+
+
+def _checkout_copy(dest: Path) -> Path:
+    """The repository's tracked files, as a fresh clone has them, in a folder no install points at."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in files.decode().split("\0"):
+        if name and (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes((REPO / name).read_bytes())
+    return dest
+
+
+def test_a_checkout_runs_without_installing_the_package(tmp_path):
+    checkout = _checkout_copy(tmp_path / "checkout")
+    # The copy comes first on the path, as `PYTHONPATH=. python -m batchjob` in a checkout puts it, ahead of any
+    # install of the package (editable or not).
+    env = {**os.environ, "PYTHONPATH": "."}
+    where = subprocess.run(
+        [sys.executable, "-c", "import batchjob.conf, batchjob.pipelines; print(batchjob.conf.__file__)"],
+        env=env,
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert where.stdout.startswith(str(checkout / "conf"))
+    shown = subprocess.run(
+        [sys.executable, "-m", "batchjob", "--help"], env=env, cwd=checkout, capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "sampling.max_new_tokens" in shown.stdout
+    out = tmp_path / "out"
+    job = subprocess.run(
+        [sys.executable, "-m", "batchjob", f"output.dir={out}", "sampling.max_new_tokens=2", "data.limit=20"],
+        env=env,
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    )
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert pads.dataset(out).count_rows() == 20

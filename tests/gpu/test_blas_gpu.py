@@ -44,7 +44,7 @@ def test_decode_steps_of_17_to_64_rows_of_half_precision_models_use_cublaslt(row
 
 def test_the_preference_leaves_no_note_on_stderr():
     code = (
-        "import torch; from batchjob.engine.native import blas\n"
+        "import torch; from batchjob.engine.native.runtime import blas\n"
         "with blas.for_rows(32, torch.device('cuda'), torch.bfloat16):\n"
         "    assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt\n"
         "print('done')"

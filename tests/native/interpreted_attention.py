@@ -16,13 +16,13 @@ import torch  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from batchjob.engine.native import (  # noqa: E402
+from batchjob.engine.native.kernels import (  # noqa: E402
     attention_tile,
     decode_attention,
     prefill_attention,
     split_decode_attention,
-    triton_attention,
 )
+from batchjob.engine.native.layers import triton_attention  # noqa: E402
 from batchjob.engine.native.layers.attention import dense_reference_attention, make_metadata  # noqa: E402
 
 if not isinstance(decode_attention._decode_one_split_kernel, InterpretedFunction):

@@ -138,8 +138,7 @@ class NativeEngine:
             self.max_model_len = self.spec.max_model_len
             self._make_grammars(tokenizer)
             loaded = time.perf_counter()
-            gates = opts.gate_masked_sampler and opts.async_loop and not self._chunked_masks
-            ready = start_runner(self.model, self.spec, opts, self.device, gates)
+            ready = start_runner(self.model, self.spec, opts, self.device, opts.sampler_gates)
             self.kv_caches, self.runner = ready.kv_caches, ready.runner
             self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats: dict[str, float] = {
@@ -206,7 +205,7 @@ class NativeEngine:
         self.masks = StepMasks(
             self.runner,
             self.grammars,
-            chunked=self._chunked_masks,
+            chunked=self.options.chunked_masks,
         )
 
     # ---- the loop ----
@@ -349,10 +348,6 @@ class NativeEngine:
             return self.runner.launch(prepared)
         return self.runner.launch_prepared(prepared)
 
-    @property
-    def _chunked_masks(self) -> bool:
-        return self.options.mask_chunk_rows > 0 and self.options.async_loop
-
     def _process(self, step: StepHandle, follower: StepHandle | None = None) -> Iterator[Completion]:
         """Apply `step`'s tokens. `follower`, the step in flight after it: with `engine.mask_chunk_rows`, its
         masks fill chunk by chunk as this step's rows settle their matchers (step_masks.py)."""
@@ -363,7 +358,7 @@ class NativeEngine:
                 self.masks.fill_now(step)
         settle = advanced = None
         if follower is not None and not follower.sampled and not self.masks.busy:
-            if self._chunked_masks:
+            if self.options.chunked_masks:
                 self.masks.begin(follower, step.plan.seqs)
                 settle = self.masks.settle
             elif not self.options.jump_forward:

@@ -73,6 +73,17 @@ class NativeOptions:
         opts.validate()
         return opts
 
+    @property
+    def chunked_masks(self) -> bool:
+        """Whether a step's bitmasks fill chunk by chunk as the step before settles its rows (step_masks.py)."""
+        return self.mask_chunk_rows > 0 and self.async_loop
+
+    @property
+    def sampler_gates(self) -> bool:
+        """Whether, once warmed up, masked samplers may wait on the GPU behind host gates: when a thread other
+        than the loop's fills the masks."""
+        return self.gate_masked_sampler and self.async_loop and not self.chunked_masks
+
     def validate(self) -> None:
         problems = [
             f"engine.{f.name}={getattr(self, f.name)!r}: must be {f.type.replace(' | None', ' or null')}"

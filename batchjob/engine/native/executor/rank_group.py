@@ -37,7 +37,7 @@ import torch
 
 import batchjob
 from batchjob.engine.api import EngineFailure
-from batchjob.engine.native.executor.rank_process import RankReady, RankSetup
+from batchjob.engine.native.executor.messages import RankReady, RankSetup
 from batchjob.engine.native.runtime.io_slot import IOSlot
 from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
 from batchjob.engine.native.runtime.packed_step import PackedStep

@@ -1,9 +1,11 @@
-"""One rank of a tensor-parallel engine: `python -m batchjob.engine.native.executor.rank_process FD RANK`, started by
-`rank_group.py` with one end of a socket pair as file descriptor FD.
+"""One rank of a tensor-parallel engine: `python -m batchjob.engine.native.executor.rank_process FD RANK`,
+started by `rank_group.py` with one end of a socket pair as file descriptor FD.
 
-The rank joins its group (`parallel.join`), builds an ordinary `NativeEngine` on its GPU, which under the
-group's `parallel.current()` loads only this rank's slices and sizes its KV cache to what every rank can hold,
-then serves the job process's messages in order:
+The rank joins its group (`parallel.join`) and builds a model runner on its GPU, as a single-device engine's
+start-up does (`runtime/device_start.py`): under the group's `parallel.current()` the model loads only this
+rank's slices and the KV cache is sized to what every rank can hold. It has no scheduler, no tokenizer and no
+output processing (the job process runs those once, for all ranks). Then it serves the job process's messages
+in order:
 
 - `("step", PackedStep)`: launch the step (its inputs are exactly the job process's, see `packed_step.py`);
 - `("collect", None)`: wait for the oldest launched step; rank 0 sends its `StepResult` back (all ranks
@@ -24,46 +26,35 @@ import signal
 import sys
 import traceback
 from collections import deque
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # imported lazily at run time: a rank ignores stop signals before it loads torch
-    from batchjob.engine.native.runtime.io_slot import SlotLimits
-    from batchjob.engine.native.runtime.step_layout import GraphBuckets
+from batchjob.engine.native.executor.messages import RankReady, RankSetup
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
-@dataclass(frozen=True)
-class RankSetup:
-    """What every rank of one engine is told first."""
+def _start(setup: RankSetup, rank: int) -> tuple[Any, int, dict[str, float]]:
+    """This rank's runner, the blocks of its KV cache and its start-up's stats: the model loaded under the
+    group's `parallel.current()` (only this rank's slices), the cache sized to what every rank can hold."""
+    import time
 
-    model_path: str
-    options: dict[str, Any]  # the engine's options, tensor_parallel included, without `device`
-    size: int
-    store_path: str  # the torch.distributed file store where the ranks meet
-    cuda: bool  # rank r runs on the r-th visible GPU; else on the CPU, with gloo
-    timeout_s: float  # of every collective
-
-
-@dataclass(frozen=True)
-class RankReady:
-    num_blocks: int  # the smallest any rank can hold, which every rank allocated
-    limits: SlotLimits  # of the IO slots, so the job process packs steps into buffers of the same size
-    graphs: GraphBuckets  # what every rank captured (the same options, so the same graphs)
-    stats: dict[str, float]
-
-
-def _start(setup: RankSetup, rank: int):
     import torch
 
-    from batchjob.engine.native.engine import NativeEngine
     from batchjob.engine.native.layers import parallel
+    from batchjob.engine.native.options import NativeOptions
+    from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
 
     device = torch.device(f"cuda:{rank}" if setup.cuda else "cpu")
     parallel.join(rank, setup.size, setup.store_path, device, setup.timeout_s)
-    return NativeEngine(setup.model_path, **setup.options, device=str(device))
+    opts = NativeOptions.from_mapping({**setup.options, "device": str(device)})
+    started = time.perf_counter()
+    with short_thread_switches():
+        model, spec = load_on_device(setup.model_path, opts, device)
+        loaded = time.perf_counter()
+        ready = start_runner(model, spec, opts, device, opts.sampler_gates)
+    stats = {**ready.stats, "load_s": loaded - started, "startup_s": time.perf_counter() - started}
+    return ready.runner, ready.num_blocks, stats
 
 
 def _rank_stats(runner) -> dict[str, Any]:
@@ -74,8 +65,7 @@ def _rank_stats(runner) -> dict[str, Any]:
     return stats
 
 
-def serve(conn: Connection, engine, rank: int) -> None:
-    runner = engine.runner
+def serve(conn: Connection, runner: Any, rank: int) -> None:
     launched = deque()
     gc.freeze()  # this process's objects live as long as it does: no full collection mid-run scans them
     while True:
@@ -125,20 +115,9 @@ def main(argv: list[str]) -> int:
         format=f"[tensor-parallel rank {rank}] %(levelname)s %(name)s: %(message)s",
     )
     try:
-        engine = _start(setup, rank)
-        runner = engine.runner
-        conn.send(
-            (
-                "ready",
-                RankReady(
-                    engine.blocks.num_blocks,
-                    runner.slots[0].limits,
-                    runner.graphs.buckets,
-                    dict(engine.stats()),
-                ),
-            )
-        )
-        serve(conn, engine, rank)
+        runner, num_blocks, stats = _start(setup, rank)
+        conn.send(("ready", RankReady(num_blocks, runner.slots[0].limits, runner.graphs.buckets, stats)))
+        serve(conn, runner, rank)
     except (BrokenPipeError, ConnectionResetError):
         return 1  # the job process is gone
     except BaseException:
@@ -152,7 +131,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Through the module's own name, so what it pickles (RankReady) unpickles in the job process.
-    from batchjob.engine.native.executor import rank_process
-
-    sys.exit(rank_process.main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,1 +1,7 @@
-"""TODO docstring."""
+"""The model's building blocks: paged attention (its per-step metadata, the plain-torch backend and float64
+reference, and the Triton backend over `kernels/`), RMSNorm and the gated MLP activations (`elementwise.py`),
+rotary embeddings (`rope.py`), the split-K projections that feed a residual (`split_k.py`), and the collectives
+of tensor parallelism (`parallel.py`).
+
+May import `kernels/` and nothing above it (no models, loading, runtime or engine).
+"""

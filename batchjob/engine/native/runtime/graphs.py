@@ -22,16 +22,36 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from batchjob.engine.native.models import CausalLM
 from batchjob.engine.native.runtime.io_slot import IOSlot, StepShape
 from batchjob.engine.native.runtime.step_layout import GraphBuckets, StepLayout, fastest_buckets
 from batchjob.engine.native.sampling.sampler import SamplerMode
 
-if TYPE_CHECKING:
-    from batchjob.engine.native.runtime.model_runner import ModelRunner
+
+class StepRunner(Protocol):
+    """What capturing a runner's graphs needs of it (`model_runner.ModelRunner` is the one implementation): its
+    two IO slots, its compute stream, and the three launches a graph records."""
+
+    device: torch.device
+    model: CausalLM
+    slots: list[IOSlot]
+    compute: torch.cuda.Stream
+    max_model_len: int
+
+    def run_step(
+        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int, mode: SamplerMode
+    ) -> None: ...
+
+    def run_forward(
+        self, slot: IOSlot, prev: IOSlot, shape: StepShape, max_query_len: int, max_seq_len: int
+    ) -> None: ...
+
+    def run_masked_sampler(self, slot: IOSlot, shape: StepShape, mode: SamplerMode) -> None: ...
+
 
 log = logging.getLogger("batchjob.engine.native")
 
@@ -71,7 +91,7 @@ def prepare_dummy(slot: IOSlot, prev: IOSlot, shape: StepShape, max_model_len: i
 class StepGraphs:
     """Every captured graph of one runner, and the buckets (`buckets`) that step layouts may use."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         # A proxy: the runner holds this object, and a reference cycle would keep the runner's KV cache (most of
         # the card) allocated after the engine closes, until the garbage collector happens to run.
         self.runner = weakref.proxy(runner)
