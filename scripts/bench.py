@@ -34,18 +34,22 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench_lib.hardware import HardwareRates
 from bench_lib.isolation import ChildFailed, run_cache_env, run_child
-from bench_lib.models import BENCH_SPECIAL_IDS, TINY_SPECIAL_IDS, config_model_dir, text_tokens, tiny_model_dir
+from bench_lib.models import (
+    BENCH_SPECIAL_IDS,
+    DEFAULT_CACHE,
+    TINY_SPECIAL_IDS,
+    config_model_dir,
+    text_tokens,
+    tiny_model_dir,
+)
 from bench_lib.options import engine_options
-from bench_lib.report import AGAINST, WorkloadReport, plot, result_from_json, table, write_json
+from bench_lib.report import AGAINST, WorkloadReport, plot, provenance, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
 from bench_lib.systems import (
     CONSTRAINED_SYSTEMS,
@@ -59,7 +63,6 @@ from bench_lib.systems import (
 from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests, workload
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
 TINY_SYSTEMS = ("hf_generate", "hf_batch_sync", "native", "native_sync")
 RUNS = ("cold", "warm")
 # A run's own time limit covers its generation; this much more is allowed for its start-up (an 8B model's
@@ -293,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     # The checkout's batchjob is what is measured, whether or not (and wherever) it is pip-installed.
     sys.path.insert(1, str(REPO))
     import torch
-    import transformers
 
     from batchjob.engine import check_engine_options
 
@@ -336,11 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         else HardwareRates(**{f: hardware[f] for f in ("copy_bytes_per_s", "matmul_flops_per_s", "device")})
     )
     run = {
-        "argv": sys.argv[1:] if argv is None else argv,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **provenance(sys.argv[1:] if argv is None else argv),
         "device": rates.device if rates else "cpu",
         "time_limit_s": args.time_limit_s,
         "runs": runs,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -30,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_lib.models import DEFAULT_CACHE
+from bench_lib.report import provenance
 from bench_lib.workloads import ARCHITECTURES, SEED, WORKLOADS
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
 ARCHITECTURE = WORKLOADS["W2"].architecture
 
 
@@ -322,16 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     data = args.out / "prompts.parquet"
     prompt_tokens = write_prompts(data, model, args.rows, (low, high))
     print(f"{args.rows} prompts, {prompt_tokens['min']}-{prompt_tokens['max']} tokens; model {model}", flush=True)
-    import torch
-    import transformers
-
     results: list[dict[str, Any]] = []
     report = {
-        "argv": sys.argv[1:] if argv is None else argv,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **provenance(sys.argv[1:] if argv is None else argv),
         "devices": _device_names(),
         "model": str(model),
         "architecture": "tiny-llama" if args.tiny else args.architecture,

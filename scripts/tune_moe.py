@@ -1,5 +1,5 @@
 """Tune the fused MoE kernel's launch configs for one expert shape on this GPU; write the winners into the table
-the kernel reads (batchjob/engine/native/moe_configs.json) and a JSON report.
+the kernel reads (batchjob/engine/native/kernels/moe_configs.json) and a JSON report.
 
     python scripts/tune_moe.py [--out DIR] [--tokens 1,16,...] [--experts 128 --inter 768 --hidden 2048 --top-k 8]
 

@@ -357,7 +357,7 @@ def test_mixed_padding_counts_the_tokens_each_step_pads_to_its_bucket(monkeypatc
     monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
     from types import SimpleNamespace
 
-    from mixed_padding import padding
+    from simulate_admission import padding
 
     from batchjob.engine.native.scheduling import scheduler
 

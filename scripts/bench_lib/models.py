@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench_lib.workloads import ARCHITECTURES, SEED
 
+# Where the scripts keep what they build (models, tokenizers) unless told otherwise.
+DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
 PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
 EOS = "<eos>"
 # Ids the prompts avoid: pad, bos and unk first, eos last (see `draw_requests`).
@@ -33,20 +37,38 @@ def word_level_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, unk_token=UNK, eos_token=EOS)
 
 
-def _config(architecture: str):
+def model_config(architecture: str):
+    """The transformers config of `architecture` (bench_lib.workloads.ARCHITECTURES), naming its causal-LM class."""
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     fields = dict(ARCHITECTURES[architecture])
-    vocab_size = fields["vocab_size"]
-    return AutoConfig.for_model(
-        fields.pop("model_type"),
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
         **fields,
         pad_token_id=0,
         bos_token_id=1,
-        eos_token_id=vocab_size - 1,
+        eos_token_id=fields["vocab_size"] - 1,
         attention_bias=False,
         dtype="bfloat16",  # as the real checkpoints declare: engine.dtype=auto then runs them in bfloat16
     )
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    return config
+
+
+@contextmanager
+def _staged(out_dir: Path) -> Iterator[Path]:
+    """A directory beside `out_dir` for the block to fill, renamed to `out_dir` once it is complete: a build
+    stopped half-way leaves nothing a later run would take for a cached model."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield staging
+        staging.chmod(0o755)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _fill_random(model, seed: int) -> None:
@@ -63,11 +85,19 @@ def _fill_random(model, seed: int) -> None:
                 param.normal_(0.0, 0.02, generator=generator)
 
 
+def _generation_config(config):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+
+
 def random_model_dir(architecture: str, cache_dir: Path) -> Path:
     """The cached directory of `architecture` with seeded random bf16 weights, created on the GPU (an 8B model
     would take minutes to initialise on the CPU) on first use, written atomically."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     out_dir = Path(cache_dir) / f"{architecture}-random-seed{SEED}"
     if (out_dir / "config.json").exists():
@@ -77,24 +107,16 @@ def random_model_dir(architecture: str, cache_dir: Path) -> Path:
             f"building the random {architecture} model needs a CUDA GPU; on a CPU use --tiny "
             f"(or copy a cached {out_dir.name} into --model-cache)"
         )
-    config = _config(architecture)
+    config = model_config(architecture)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     _fill_random(model, SEED)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    model.generation_config = _generation_config(config)
+    with _staged(out_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         word_level_tokenizer(config.vocab_size).save_pretrained(staging)
-        staging.chmod(0o755)
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        del model
-        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
     return out_dir
 
 
@@ -102,32 +124,15 @@ def config_model_dir(architecture: str, cache_dir: Path) -> Path:
     """The cached directory of `architecture` without weights (config.json, generation config, tokenizer), for
     `engine.load_format=dummy`: the engine makes seeded random weights on the GPU, so a 70B model needs no disk
     and no build step. Written atomically; needs no GPU."""
-    from transformers import GenerationConfig
-
     out_dir = Path(cache_dir) / f"{architecture}-config-only"
     if (out_dir / "config.json").exists():
         return out_dir
-    config = _config(architecture)
-    config.architectures = [_causal_lm_class(config.model_type)]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    config = model_config(architecture)
+    with _staged(out_dir) as staging:
         config.save_pretrained(staging)
-        GenerationConfig(
-            bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-        ).save_pretrained(staging)
+        _generation_config(config).save_pretrained(staging)
         word_level_tokenizer(config.vocab_size).save_pretrained(staging)
-        staging.chmod(0o755)
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
-
-
-def _causal_lm_class(model_type: str) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def tiny_model_dir(cache_dir: Path) -> Path:
@@ -155,17 +160,11 @@ def bpe_model_dir(architecture: str, cache_dir: Path, tokenizer_name: str = "bpe
         tokenizer = cl100k_tokenizer(cache_dir)
     else:
         tokenizer = bpe_tokenizer(cache_dir, vocab_size=ARCHITECTURES[architecture]["vocab_size"])
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with _staged(out_dir) as staging:
         for item in base.iterdir():
             if not item.name.startswith("tokenizer") and item.name != "special_tokens_map.json":
                 (staging / item.name).symlink_to(item.resolve())
         tokenizer.save_pretrained(staging)
-        staging.chmod(0o755)
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

@@ -5,7 +5,9 @@ and the printed table."""
 from __future__ import annotations
 
 import json
+import platform
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,20 @@ def _workload_json(report: WorkloadReport) -> dict[str, Any]:
         "busy_timelines": {f"{r.system} {r.label}": r.busy_timeline for r in report.results if r.busy_timeline},
         "skipped": report.skipped,
         "errors": report.errors,
+    }
+
+
+def provenance(argv: list[str]) -> dict[str, Any]:
+    """The command, when it ran and the versions it ran with: the head of a benchmark's JSON."""
+    import torch
+    import transformers
+
+    return {
+        "argv": argv,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
     }
 
 

@@ -133,9 +133,6 @@ class RooflineFloor:
     def tok_per_s(self) -> float:
         return self.output_tokens / self.total_s
 
-    def fraction_of(self, measured_s: float) -> float:
-        return self.total_s / measured_s
-
 
 def decode_floor(
     shape: ModelShape,
@@ -200,19 +197,8 @@ def roofline(
     matmul_flops_per_s: float,
     kv_budget_bytes: int,
 ) -> RooflineFloor:
-    decode_s, steps, peak = decode_floor(
-        shape,
-        requests.prompt_lengths,
-        requests.output_lengths,
-        kv_budget_bytes // shape.kv_bytes_per_token,
-        copy_bytes_per_s,
-        matmul_flops_per_s,
-    )
-    prefill_s = prefill_floor(shape, requests.prompt_lengths, requests.spec.shared_prefix, matmul_flops_per_s)
-    return RooflineFloor(
-        decode_s=decode_s,
-        prefill_s=prefill_s,
-        decode_steps=steps,
-        peak_concurrency=peak,
-        output_tokens=requests.total_output_tokens,
-    )
+    prompts, outputs = requests.prompt_lengths, requests.output_lengths
+    kv_tokens = kv_budget_bytes // shape.kv_bytes_per_token
+    decode_s, steps, peak = decode_floor(shape, prompts, outputs, kv_tokens, copy_bytes_per_s, matmul_flops_per_s)
+    prefill_s = prefill_floor(shape, prompts, requests.spec.shared_prefix, matmul_flops_per_s)
+    return RooflineFloor(decode_s, prefill_s, steps, peak, requests.total_output_tokens)

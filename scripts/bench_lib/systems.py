@@ -116,7 +116,7 @@ def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
     spec = requests.spec
     options = {"dtype": settings.dtype, "detokenize": False, **settings.engine_options}
     if not every:
-        # What a job without constraints does (batchjob/config.py): no graphs for split steps it never runs,
+        # What a job without constraints does (batchjob/config/settings.py): no graphs for split steps it never runs,
         # and graphs of the one sampler mode its rows need.
         options.setdefault("graph_constrained", False)
         mode = "filtering" if spec.top_p < 1 else "temperature"
@@ -241,22 +241,11 @@ def run_hf_generate(model_dir: Path, requests: BenchRequests, settings: RunSetti
     _synchronize(settings.device)
     wall_s = time.perf_counter() - start
     del model
-    mixed = len(set(requests.new_tokens)) > 1 or len(set(requests.prompt_lengths.tolist())) > 1
-    return SystemResult(
-        system="hf_generate",
-        wall_s=wall_s,
-        output_tokens=tokens,
-        requests_done=done,
-        requests_total=len(requests.prompts),
-        startup_s=startup_s,
-        cut=done < len(requests.prompts),
-        note=(
-            f"static batches of {settings.hf_batch}, padded to the longest prompt and output of each batch; "
-            "only requested tokens counted"
-            if mixed
-            else f"static batches of {settings.hf_batch}"
-        ),
-    )
+    note = f"static batches of {settings.hf_batch}"
+    if len(set(requests.new_tokens)) > 1 or len(set(requests.prompt_lengths.tolist())) > 1:
+        note += ", padded to the longest prompt and output of each batch; only requested tokens counted"
+    total = len(requests.prompts)
+    return SystemResult("hf_generate", wall_s, tokens, done, total, startup_s, done < total, note=note)
 
 
 def _hf_sampling(requests: BenchRequests) -> dict[str, Any]:
@@ -338,16 +327,8 @@ def run_hf_continuous(model_dir: Path, requests: BenchRequests, settings: RunSet
         tokens += len(result.generated_tokens)
     manager.destroy()
     del manager, model
-    return SystemResult(
-        system=name,
-        wall_s=wall_s,
-        output_tokens=tokens,
-        requests_done=done,
-        requests_total=len(requests.prompts),
-        startup_s=startup_s,
-        cut=cut,
-        note=f"{cb_config.num_blocks} KV blocks of {block_size} (every request fits at once)",
-    )
+    note = f"{cb_config.num_blocks} KV blocks of {block_size} (every request fits at once)"
+    return SystemResult(name, wall_s, tokens, done, len(requests.prompts), startup_s, cut, note=note)
 
 
 def run_system(name: str, model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:

@@ -36,27 +36,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
             original_max_position_embeddings=8192,
         ),
     ),
-    "llama-3.2-1b": dict(
-        model_type="llama",
-        num_hidden_layers=16,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-    ),
     "qwen3-0.6b": dict(
         model_type="qwen3",
         num_hidden_layers=28,
@@ -92,7 +71,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
 }
-# Llama 3.1 70B is the 8B's recipe, wider and deeper.
+# Llama 3.2 1B and Llama 3.1 70B are the 8B's recipe, narrower and shallower (its embeddings tied) or wider and
+# deeper.
+ARCHITECTURES["llama-3.2-1b"] = {
+    **ARCHITECTURES["llama-3.1-8b"],
+    "num_hidden_layers": 16,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "rope_parameters": {**ARCHITECTURES["llama-3.1-8b"]["rope_parameters"], "factor": 32.0},
+}
 ARCHITECTURES["llama-3.1-70b"] = {
     **ARCHITECTURES["llama-3.1-8b"],
     "num_hidden_layers": 80,

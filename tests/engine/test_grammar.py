@@ -1,8 +1,8 @@
 """The host side of structured outputs: the finer string slices give exactly the masks a mask computation
 without any slices gives, along random walks through a schema with bounded strings; the vocabulary index built
 beside start-up is the one the first constraint uses; a tokenizer and logits of different widths still index
-(EOS ids beyond the tokenizer, added tokens beyond the logits); `scripts/profile_masks.py` runs and finds no mask
-that differs, and `scripts/profile_host_steps.py` times each part of the loop's host work."""
+(EOS ids beyond the tokenizer, added tokens beyond the logits); `scripts/dev/profile_masks.py` runs and finds no mask
+that differs, and `scripts/dev/profile_host_steps.py` times each part of the loop's host work."""
 
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def test_the_index_built_beside_start_up_is_the_one_constraints_use(tokenizer):
 
 
 def test_the_mask_profile_script_finds_the_same_masks_with_every_slice_setting():
-    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_masks.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "profile_masks.py"
     command = [sys.executable, str(script), "--tokenizer", str(default_tiny_model()), "--walks", "2", "--steps", "40"]
     command += ["--fill-rows", "16", "--fill-steps", "2"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -234,7 +234,7 @@ def test_the_mask_profile_script_finds_the_same_masks_with_every_slice_setting()
 
 @pytest.mark.parametrize("every", [1, 2], ids=["every row constrained", "every other row"])
 def test_the_host_step_profile_script_times_each_part_of_constrained_steps(tmp_path, every):
-    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_steps.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "profile_host_steps.py"
     command = [sys.executable, str(script), "--tokenizer", str(default_tiny_model()), "--requests", "8"]
     command += ["--constrain-every", str(every)]
     command += ["--max-new-tokens", "24", "--cache", str(tmp_path), "--engine-option", "mask_chunk_rows=4"]

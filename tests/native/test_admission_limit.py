@@ -1,6 +1,6 @@
 """Admission on a KV cache too small for `max_num_seqs` sequences: a sequence is admitted only while the running
 ones keep room to grow, a preemption caps admission at the sequences the cache was seen to hold, and the cap goes
-once the cache has room to spare; over a whole workload preemption becomes rare (scripts/simulate_admission.py)."""
+once the cache has room to spare; over a whole workload preemption becomes rare (scripts/dev/simulate_admission.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from batchjob.engine.native.scheduling.block_manager import KVBlockManager
 from batchjob.engine.native.scheduling.scheduler import RESERVE, SPARE, Scheduler, SchedulerConfig
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
 
 from simulate_admission import simulate  # noqa: E402
 

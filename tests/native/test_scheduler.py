@@ -1,6 +1,6 @@
 """Steps that carry prefill chunks fill the mixed CUDA graphs' token buckets: a step that would overshoot a
 bucket takes smaller chunks to fill the one below, if they keep a quarter of its prefill, instead of being padded,
-decodes are never cut for a chunk, and the engine's greedy output does not change; `scripts/profile_host_loop.py`
+decodes are never cut for a chunk, and the engine's greedy output does not change; `scripts/dev/profile_host_loop.py`
 times the loop's host work without a model."""
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_filling_buckets_does_not_change_greedy_output():
 
 
 def test_the_host_loop_profile_script_times_scheduling_fill_and_processing():
-    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_loop.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "profile_host_loop.py"
     command = [sys.executable, str(script), "--seqs", "24", "--context", "100", "--steps", "30", "--sampling"]
     run = subprocess.run([*command, "--processes", "2"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -155,13 +155,14 @@ def test_the_host_loop_profile_script_compares_two_versions_in_alternating_proce
     root = Path(__file__).resolve().parents[2]
     other = tmp_path / "other"
     shutil.copytree(root / "batchjob", other / "batchjob", ignore=shutil.ignore_patterns("__pycache__"))
-    (other / "scripts").mkdir()
-    shutil.copy(root / "scripts" / "profile_host_loop.py", other / "scripts")
+    script = root / "scripts" / "dev" / "profile_host_loop.py"
+    (other / "scripts" / "dev").mkdir(parents=True)
+    shutil.copy(script, other / "scripts" / "dev")
     # The other version schedules 3 ms slower a step, so the comparison shows which tree each process ran.
     scheduler = other / "batchjob" / "engine" / "native" / "scheduler.py"
     slow = "    def schedule(self) -> StepPlan | None:\n        __import__('time').sleep(0.003)\n"
     scheduler.write_text(scheduler.read_text().replace("    def schedule(self) -> StepPlan | None:\n", slow))
-    command = [sys.executable, str(root / "scripts" / "profile_host_loop.py"), "--seqs", "16", "--context", "40"]
+    command = [sys.executable, str(script), "--seqs", "16", "--context", "40"]
     command += ["--steps", "20", "--processes", "2", "--against", str(other)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -172,12 +173,12 @@ def test_the_host_loop_profile_script_compares_two_versions_in_alternating_proce
     mine, theirs, ratio = run.stdout.split("scheduling")[1].split()[:3]
     assert float(theirs) > 3.0 > float(mine) and float(ratio.rstrip("x")) < 0.5
     refused = subprocess.run([*command[:-1], str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "no batchjob/ and scripts/profile_host_loop.py there" in refused.stderr
+    assert refused.returncode != 0 and "no batchjob/ and scripts/dev/profile_host_loop.py there" in refused.stderr
 
 
 def test_the_host_loop_profile_script_times_the_masks_hand_over_with_constrained_rows(tmp_path):
     # Every other sequence under the records schema over the generated 128k BPE (trained into tmp_path).
-    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_host_loop.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "profile_host_loop.py"
     command = [sys.executable, str(script), "--seqs", "16", "--context", "40", "--steps", "20"]
     command += ["--constrained-every", "2", "--cache", str(tmp_path)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -4,7 +4,7 @@ under cProfile, and the loop thread's host work per constrained step is printed 
 tokens, scheduling, laying steps out), beside the engine's own mask figures (the masks fill in other threads,
 which cProfile does not see) and the loop thread's biggest single functions.
 
-    python scripts/profile_host_steps.py [--tokenizer bpe|cl100k|DIR] [--requests 256] [--constrain-every K]
+    python scripts/dev/profile_host_steps.py [--tokenizer bpe|cl100k|DIR] [--requests 256] [--constrain-every K]
         [--engine-option KEY=VALUE]
 
 `--constrain-every 2` puts every other request under the schema (the rest unconstrained, as the benchmark's
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import sys
 import time
@@ -29,19 +28,19 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_lib.models import DEFAULT_CACHE  # noqa: E402
 from bench_lib.options import engine_options  # noqa: E402
 from bench_lib.workloads import RECORDS_SCHEMA  # noqa: E402
 
-DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
 # (label, file suffix, function): the loop's parts, by cumulative time
 PARTS = (
     ("processing a step's tokens", "native/output.py", "process"),
     ("  jump-forward", "native/output.py", "_jump_forward"),
     ("  advancing matchers", "engine/grammar.py", "advance"),
-    ("scheduling", "native/scheduler.py", "schedule"),
-    ("laying steps out", "native/model_runner.py", "prepare"),
+    ("scheduling", "scheduling/scheduler.py", "schedule"),
+    ("laying steps out", "runtime/model_runner.py", "prepare"),
 )
 
 

@@ -1,7 +1,7 @@
 """Time llguidance's token masks with the engine's string slices against the library's default slices and
 against none, on one schema and vocabulary, and check that all three give the same masks.
 
-    python scripts/profile_masks.py [--walks 6] [--tokenizer DIR] [--fill-rows 256]
+    python scripts/dev/profile_masks.py [--walks 6] [--tokenizer DIR] [--fill-rows 256]
 
 The vocabulary is `bench_lib.bpe`'s 128,256-id byte-level BPE (trained on first use, then cached under
 `--cache`), tiktoken's cl100k_base (`--tokenizer cl100k`, a real vocabulary), or the tokenizer in
@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_lib.models import DEFAULT_CACHE  # noqa: E402
 from bench_lib.workloads import RECORDS_SCHEMA  # noqa: E402
-
-DEFAULT_CACHE = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,18 +122,19 @@ def main(argv: list[str] | None = None) -> int:
         f" {(share >= 0.5).mean():.1%}, >= 90% {(share >= 0.9).mean():.1%}"
     )
     if args.fill_rows:
-        time_parallel_fills(tokenizer, vocab, eos, args.fill_rows, args.fill_steps)
+        time_parallel_fills(tokenizer, built["engine"], vocab, eos, args.fill_rows, args.fill_steps)
     return 1 if differing else 0
 
 
-def time_parallel_fills(tokenizer, vocab: int, eos: list[int], rows: int, steps: int) -> None:
+def time_parallel_fills(tokenizer, index, vocab: int, eos: list[int], rows: int, steps: int) -> None:
     """A batch of rows advances together, each drawing uniformly among its allowed tokens (a fresh matcher once
     one stops), as a batch of a random-weight model does. It is kept twice, advanced by the same tokens: with
     the engine's matchers (`GrammarCompiler.matcher`: several copies of the constraint, each with its lexer)
     and with copies of one matcher, whose lexer they all share. Each step times one way of filling the batch's
     masks, in turn: one llguidance call on either, or every row alone on this thread; only the first fill of
     a state is timed (a matcher keeps its last mask), and both batches' masks are then filled untimed, so
-    their lexers stay as warm as a run's."""
+    their lexers stay as warm as a run's. `index`: llguidance's index of the vocabulary with the engine's slices,
+    for timing a compile of the constraint."""
     import llguidance
     import torch
 
@@ -152,7 +151,7 @@ def time_parallel_fills(tokenizer, vocab: int, eos: list[int], rows: int, steps:
     batches = {"engine": [compiler.matcher(constraint) for _ in range(rows)], "one": [copy(one) for _ in range(rows)]}
     began = time.perf_counter()
     for _ in range(5):  # what each of the constraint's copies cost to compile
-        llguidance.LLMatcher(compiler._lltokenizer, grammar_text(constraint), log_level=0)
+        llguidance.LLMatcher(index, grammar_text(constraint), log_level=0)
     compile_ms = 1e3 * (time.perf_counter() - began) / 5
     bitmask = torch.zeros(rows, compiler.words, dtype=torch.int32)
     single = torch.zeros(1, compiler.words, dtype=torch.int32)

@@ -3,7 +3,7 @@ step layout, IO slot fill and output processing run over `--seqs` sequences deco
 each step's sampled tokens come back at once (no forward, no GPU). Prints the median milliseconds of each part
 a step, the work the loop's thread must finish within one GPU step to keep the GPU busy.
 
-    python scripts/profile_host_loop.py [--seqs 256] [--context 1300] [--steps 300] [--sampling]
+    python scripts/dev/profile_host_loop.py [--seqs 256] [--context 1300] [--steps 300] [--sampling]
         [--constrained-every K] [--processes N] [--against DIR]
 
 `--against DIR` compares this version with another one's source tree in DIR (a checkout holding `batchjob/` and
@@ -53,6 +53,8 @@ from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 BLOCK = 16
 VOCAB = 128_256
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().relative_to(REPO)  # the same script in another version's tree
 
 
 def _sequence(seq_id: int, prompt_len: int, max_new: int, sampling: bool, schema: str | None = None) -> Sequence:
@@ -81,7 +83,6 @@ class _Runner:
 
 def _grammars(cache: Path):
     """A grammar compiler over the benchmark's generated 128k BPE, and its EOS id."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_lib.bpe import bpe_tokenizer
 
     from batchjob.engine.grammar import GrammarCompiler
@@ -128,10 +129,11 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's medians, for the parent
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO / "scripts"))  # bench_lib: the constrained rows' schema and vocabulary
     if args.against is not None:
         _compare(args)
     elif args.processes > 1:
-        runs = [_child(HERE) for _ in range(args.processes)]
+        runs = [_child(REPO) for _ in range(args.processes)]
         ranges = {part: (min(r[part] for r in runs), max(r[part] for r in runs)) for part in runs[0]}
         _report(args, {part: statistics.median(r[part] for r in runs) for part in runs[0]}, ranges)
     elif args.json:
@@ -140,15 +142,12 @@ def main() -> None:
         _report(args, _measure(args))
 
 
-HERE = Path(__file__).resolve().parent.parent
-
-
 def _child(root: Path) -> dict[str, float]:
     """One measurement in a fresh process of the version in `root`: the same arguments, its medians as JSON."""
     argv = _without(_without(sys.argv[1:], "--processes"), "--against")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    script = root / "scripts" / Path(__file__).name
-    done = subprocess.run([sys.executable, str(script), *argv, "--json"], capture_output=True, text=True, env=env)
+    command = [sys.executable, str(root / SCRIPT), *argv, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"the measurement in {root} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -165,12 +164,12 @@ def _without(argv: list[str], option: str) -> list[str]:
 
 def _compare(args: argparse.Namespace) -> None:
     against = args.against.resolve()
-    if not (against / "batchjob").is_dir() or not (against / "scripts" / Path(__file__).name).is_file():
-        raise SystemExit(f"--against {args.against}: no batchjob/ and scripts/{Path(__file__).name} there")
-    pairs = [(_child(HERE), _child(against)) for _ in range(max(args.processes, 1))]
+    if not (against / "batchjob").is_dir() or not (against / SCRIPT).is_file():
+        raise SystemExit(f"--against {args.against}: no batchjob/ and {SCRIPT} there")
+    pairs = [(_child(REPO), _child(against)) for _ in range(max(args.processes, 1))]
     parts = [p for p in pairs[0][0] if p in pairs[0][1]]
     loop = [p for p in parts if not p.endswith("a step") and not p.startswith("(")]
-    print(f"{len(pairs)} pairs of processes, this version ({HERE}) against {against}: medians, and the median of")
+    print(f"{len(pairs)} pairs of processes, this version ({REPO}) against {against}: medians, and the median of")
     print("the pairs' ratios (this / that)")
     rows = [(p, [a[p] for a, _ in pairs], [b[p] for _, b in pairs]) for p in parts]
     totals = [sum(a[p] for p in loop) for a, _ in pairs], [sum(b[p] for p in loop) for _, b in pairs]

@@ -3,10 +3,10 @@ its attention alone, against the bytes it must read and the FLOPs it must do; pl
 step. `--prefill L,P` adds P sequences prefilling L prompt tokens each to the step (a mixed step, as when
 finished sequences are replaced), after `--prefill-past` tokens already cached (an earlier chunk).
 
-    python scripts/profile_decode.py --arch llama-3.1-8b --batch 32 --context 640 [--out profile.json]
-    python scripts/profile_decode.py --arch llama-3.1-8b --batch 256 --context 1300 --prefill 1024,4
-    python scripts/profile_decode.py --arch llama-3.1-8b --batch 8,32,128 --split-k off,4096:4096:2/4096:14336:2
-    python scripts/profile_decode.py --arch llama-3.1-8b --batch 32 --blas engine,cublas,cublaslt
+    python scripts/dev/profile_decode.py --arch llama-3.1-8b --batch 32 --context 640 [--out profile.json]
+    python scripts/dev/profile_decode.py --arch llama-3.1-8b --batch 256 --context 1300 --prefill 1024,4
+    python scripts/dev/profile_decode.py --arch llama-3.1-8b --batch 8,32,128 --split-k off,4096:4096:2/4096:14336:2
+    python scripts/dev/profile_decode.py --arch llama-3.1-8b --batch 32 --blas engine,cublas,cublaslt
 
 Several batch sizes, split-K tables (`split_k.py`: "N:K:parts/..." for weights of N rows and K columns split into
 that many parts at up to `--split-rows` rows, "off" for none, "default" for the engine's)
@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_lib.hardware import graph_ms, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
-from bench_lib.models import _config  # noqa: E402
+from bench_lib.models import model_config  # noqa: E402
 
 from batchjob.engine.native.layers import split_k  # noqa: E402
 from batchjob.engine.native.layers.attention import make_metadata  # noqa: E402
@@ -84,9 +83,7 @@ def build_model(args: argparse.Namespace) -> tuple[CausalLM, object]:
     chunk = int(args.prefill.split(",")[0])
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(args.arch)
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-        config.save_pretrained(tmp)
+        model_config(args.arch).save_pretrained(tmp)
         spec = read_model_spec(tmp, "bfloat16", max_model_len=max(args.context, args.prefill_past + chunk) + 64)
     attn = TritonPagedAttention()
     with torch.device("meta"):
@@ -107,11 +104,12 @@ def blas_library(library: str, rows: int, dtype: torch.dtype) -> Iterator[None]:
         with blas.for_rows(rows, torch.device("cuda"), dtype):
             yield
         return
-    previous = blas._set(library)
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
     try:
         yield
     finally:
-        blas._set(previous)
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def profile(model: CausalLM, spec, args: argparse.Namespace, b: int, library: str) -> dict:

@@ -2,7 +2,7 @@
 size: the engine's real scheduler and block manager, stepped without a model (each sampled token comes back at
 once). No GPU, a few seconds.
 
-    python scripts/simulate_admission.py [--workload W5] [--kv-blocks 53570] [--max-num-seqs 512]
+    python scripts/dev/simulate_admission.py [--workload W5] [--kv-blocks 53570] [--max-num-seqs 512]
 
 A sequence preempted when the cache runs out loses its KV blocks and computes its prompt and its output so far
 again later; the "recomputed" column counts those tokens. `--kv-blocks` is what the engine logs at start-up
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_lib.workloads import WORKLOADS, draw_requests  # noqa: E402
 
@@ -79,6 +80,21 @@ def simulate(prompt_lens, new_tokens, kv_blocks: int, max_num_seqs: int, max_num
         "recomputed": fed - needed,
         "recomputed_share": (fed - needed) / needed,
     }
+
+
+def padding(requests, buckets: tuple[int, ...], kv_blocks: int, max_num_seqs: int, max_tokens: int) -> dict:
+    """Steps, mixed steps per token bucket and the tokens they pad to their buckets, over one replay of
+    `requests` (a `BenchRequests`) with the mixed graphs' `buckets`."""
+    steps, padded, used = 0, 0, Counter()
+    for plan, _ in replay(
+        requests.prompt_lengths, requests.output_lengths, kv_blocks, max_num_seqs, max_tokens, buckets
+    ):
+        steps += 1
+        if not plan.is_decode:
+            bucket = next(b for b in buckets if b >= plan.num_tokens)
+            padded += bucket - plan.num_tokens
+            used[bucket] += 1
+    return {"steps": steps, "mixed": sum(used.values()), "padded": padded, "buckets": dict(sorted(used.items()))}
 
 
 def main() -> None:
