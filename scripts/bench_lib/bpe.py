@@ -127,3 +127,12 @@ def bpe_tokenizer(cache_dir: Path, vocab_size: int = 128_256):
     if not (path / "tokenizer.json").exists():
         train_bpe(vocab_size).save_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+def named_tokenizer(name: str, cache_dir: Path):
+    """ "bpe" (`bpe_tokenizer`), "cl100k" (`cl100k_tokenizer`) or a tokenizer directory."""
+    if name in ("bpe", "cl100k"):
+        return bpe_tokenizer(cache_dir) if name == "bpe" else cl100k_tokenizer(cache_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)

@@ -47,20 +47,15 @@ PARTS = (
 def tiny_model(cache: Path, tokenizer_name: str) -> Path:
     """The project's tiny Llama (two layers, hidden size 64, random weights) with the tokenizer's whole vocabulary,
     in `cache`."""
-    from bench_lib.bpe import bpe_tokenizer, cl100k_tokenizer
-    from transformers import AutoTokenizer
+    from bench_lib.bpe import named_tokenizer
 
     from batchjob.job.tiny_model import make_tiny_model
 
-    if tokenizer_name in ("bpe", "cl100k"):
-        out = cache / f"host-steps-{tokenizer_name}"
-        if (out / "config.json").exists():
-            return out
-        tokenizer = cl100k_tokenizer(cache) if tokenizer_name == "cl100k" else bpe_tokenizer(cache)
-    else:  # a tokenizer directory: a model of its vocabulary, made again each time
-        out = cache / f"host-steps-{Path(tokenizer_name).resolve().name}"
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    return make_tiny_model(out, tokenizer=tokenizer)
+    generated = tokenizer_name in ("bpe", "cl100k")  # a tokenizer directory's model is made again each time
+    out = cache / f"host-steps-{tokenizer_name if generated else Path(tokenizer_name).resolve().name}"
+    if generated and (out / "config.json").exists():
+        return out
+    return make_tiny_model(out, tokenizer=named_tokenizer(tokenizer_name, cache))
 
 
 def main(argv: list[str] | None = None) -> int:

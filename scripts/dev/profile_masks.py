@@ -1,7 +1,7 @@
 """Time llguidance's token masks with the engine's string slices against the library's default slices and
 against none, on one schema and vocabulary, and check that all three give the same masks.
 
-    python scripts/dev/profile_masks.py [--walks 6] [--tokenizer DIR] [--fill-rows 256]
+    python scripts/dev/profile_masks.py [--walks 6] [--tokenizer bpe|cl100k|DIR] [--fill-rows 256]
 
 The vocabulary is `bench_lib.bpe`'s 128,256-id byte-level BPE (trained on first use, then cached under
 `--cache`), tiktoken's cl100k_base (`--tokenizer cl100k`, a real vocabulary), or the tokenizer in
@@ -35,9 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--walks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=200, help="tokens per walk at most")
-    parser.add_argument(
-        "--tokenizer", default=None, help="a tokenizer directory, or cl100k (tiktoken's; default: the 128k BPE)"
-    )
+    parser.add_argument("--tokenizer", default="bpe", help="bpe (generated, 128k), cl100k, or a tokenizer directory")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the 128k BPE is kept")
     parser.add_argument(
         "--fill-rows", type=int, default=0, help="also time parallel fills of this many rows at once (a step's masks)"
@@ -48,22 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     import llguidance
     import llguidance.hf
     import torch
-    from transformers import AutoTokenizer
+    from bench_lib.bpe import named_tokenizer
 
     from batchjob.engine.api import Constraint
     from batchjob.engine.grammar import bitmask_words, grammar_text
     from batchjob.engine.grammar_vocab import string_slices
 
-    if args.tokenizer is None:
-        from bench_lib.bpe import bpe_tokenizer
-
-        tokenizer = bpe_tokenizer(args.cache)
-    elif args.tokenizer == "cl100k":
-        from bench_lib.bpe import cl100k_tokenizer
-
-        tokenizer = cl100k_tokenizer(args.cache)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = named_tokenizer(args.tokenizer, args.cache)
     vocab = len(tokenizer)
     eos = [tokenizer.eos_token_id or 0]
     settings = {
