@@ -79,8 +79,10 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """Run `main`, reporting Hydra's errors while composing the config (an unknown preset or key, an
-    override it cannot parse) as one line and exit status 2, like batchjob's own config errors."""
+    override it cannot parse, a preset file that is not YAML) as one line and exit status 2, like batchjob's own
+    config errors."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
+    from yaml import YAMLError
 
     from batchjob.config.keys import composition_error
 
@@ -90,7 +92,7 @@ def cli() -> None:
     os.environ[_FULL_ERROR] = "1"
     try:
         main()
-    except (ConfigCompositionException, OverrideParseException) as err:
+    except (ConfigCompositionException, OverrideParseException, YAMLError) as err:
         print(f"error: {composition_error(err)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 

@@ -20,16 +20,18 @@ from batchjob.config.keys import CONF_DIR, dotted_keys
 
 KEYS_HELP_RESOLVER = "batchjob_keys_help"
 _KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*)(#\s?(?P<comment>.*))?$")
-_MORE_COMMENT = re.compile(r"^ +#\s?(?P<comment>.*)$")
+_MORE_COMMENT = re.compile(r"^(?P<indent> +)#\s?(?P<comment>.*)$")
 _SKIPPED_SECTIONS = ("defaults", "hydra")
 _KEY_WIDTH = 44
 
 
 def described_keys(path: Path, prefix: str = "") -> dict[str, str]:
-    """Dotted key -> the comment on its line (and the indented comment lines right below it)."""
+    """Dotted key -> the comment on its line (and the comment lines right below it that are indented deeper than
+    the key; one at the key's own indentation is a heading of the keys after it)."""
     meanings: dict[str, str] = {}
     parents: list[tuple[int, str]] = []
     last: str | None = None
+    indent = 0
     skipping = False
     for line in path.read_text().splitlines():
         key_line = _KEY_LINE.match(line)
@@ -48,7 +50,7 @@ def described_keys(path: Path, prefix: str = "") -> dict[str, str]:
                 meanings[name] = key_line["comment"].strip()
             continue
         more = _MORE_COMMENT.match(line)
-        if last and more and not skipping:
+        if last and more and not skipping and len(more["indent"]) > indent:
             meanings[last] += " " + more["comment"].strip()
         else:
             last = None

@@ -80,9 +80,29 @@ def check_known_keys(cfg: DictConfig) -> None:
 
 
 def composition_error(err: Exception) -> str:
-    """One line for an error Hydra raised while composing the config (before batchjob's code runs)."""
+    """One line for an error Hydra raised while composing the config (before batchjob's code runs), or for a
+    preset file that is not YAML (which Hydra lets through as PyYAML's exception)."""
+    import yaml
     from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import GrammarParseError
 
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        mark = err.problem_mark
+        what = ", ".join(part for part in (err.problem, err.context) if part)
+        return f"{mark.name} is not valid YAML (line {mark.line + 1}, column {mark.column + 1}: {what}): fix the file"
+    if isinstance(err.__cause__, GrammarParseError):
+        cause = err.__cause__
+        reason = str(cause).splitlines()[0]
+        return (
+            f"a preset's value of {cause.full_key} holds a ${{...}} that cannot be parsed ({reason}): write the "
+            "interpolation in full, ${key} or ${resolver:arguments}, or escape a literal $ as \\$"
+        )
+    not_a_mapping = re.match(r"In '([^']+)': ConfigTypeError raised while composing config:\s+Cannot merge", str(err))
+    if not_a_mapping:
+        preset = not_a_mapping.group(1)
+        return (
+            f"preset {preset}.yaml holds a list or a single value, not keys: write it as `key: value` lines ({_HELP})"
+        )
     if isinstance(err, OverrideParseException) and "=" in err.override:
         # Brackets, braces, parentheses, `+` and `*` mean something to Hydra's override grammar: a regex, an
         # inline schema or a grammar must be quoted for it, inside the shell's quotes.

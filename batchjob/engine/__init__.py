@@ -1,11 +1,12 @@
 """Backends behind one config key: `engine=auto | native | native_sync | hf`.
 
 Each backend is a class taking `(model_path, **options)` with a `check_options(options)` classmethod that
-raises `ValueError` naming the bad option and the fix; `check_engine_options` runs it before any model
-is loaded, so a bad config fails before any GPU work. A backend may also have a `check_model(model_path,
-options)` classmethod, which reads the model's config files and weight-file headers only, raises `ValueError`
-for a model it cannot run or weight files that cannot load (`weight_files.py`), and returns what it will run
-(the native engine: the architecture).
+raises `ValueError` naming the bad option and the fix. The same check lives in a module that imports no torch
+(`OPTION_CHECKS`), where `check_engine_options` runs it before any engine module is imported, so a bad config
+fails in a fraction of a second. A backend may also have a `check_model(model_path, options)` classmethod, which
+reads the model's config files and weight-file headers only, raises `ValueError` for a model it cannot run or
+weight files that cannot load (`weight_files.py`), and returns what it will run (the native engine: the
+architecture).
 
 `auto` is no backend of its own: `choose_backend` resolves it per model to `native` where the native engine
 supports the architecture, else `hf`. Its options are the native engine's plus an `hf` mapping for the
@@ -14,6 +15,7 @@ fallback, which also receives the keys both backends share (`dtype`, `device`, `
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +43,13 @@ BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
     "native_sync": ("batchjob.engine.native.engine:NativeEngine", {"async_loop": False}),
     "hf": ("batchjob.engine.hf:HFEngine", {}),
 }
+# Each backend's check of its options (raising ValueError), in a module that imports no torch: a job refuses a bad
+# option, as it does a bad input or model file, before the engine's imports (seconds on a busy machine).
+OPTION_CHECKS: dict[str, str] = {
+    "native": "batchjob.engine.native.options:NativeOptions.from_mapping",
+    "native_sync": "batchjob.engine.native.options:NativeOptions.from_mapping",
+    "hf": "batchjob.engine.hf_options:check_options",
+}
 AUTO = "auto"
 SHARED_OPTIONS = ("dtype", "device", "max_model_len")
 
@@ -52,13 +61,22 @@ class BackendChoice:
     reason: str
 
 
-def _backend(name: str) -> tuple[type, dict[str, Any]]:
+def _known(name: str) -> None:
     if name not in BACKENDS:
         choices = ", ".join(sorted([AUTO, *BACKENDS]))
         raise ValueError(f"unknown engine {name!r}: choose one of {choices} (engine=NAME)")
+
+
+def _imported(target: str) -> Any:
+    """`package.module:Name.attribute` -> that object, importing the module."""
+    module_name, attribute = target.split(":")
+    return functools.reduce(getattr, attribute.split("."), importlib.import_module(module_name))
+
+
+def _backend(name: str) -> tuple[type, dict[str, Any]]:
+    _known(name)
     target, fixed = BACKENDS[name]
-    module_name, cls_name = target.split(":")
-    return getattr(importlib.import_module(module_name), cls_name), fixed
+    return _imported(target), fixed
 
 
 def _split_auto(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -75,8 +93,8 @@ def check_engine_options(name: str, options: Mapping[str, Any]) -> None:
         check_engine_options("native", native)
         check_engine_options("hf", fallback)
         return
-    cls, fixed = _backend(name)
-    cls.check_options({**options, **fixed})
+    _known(name)
+    _imported(OPTION_CHECKS[name])({**options, **BACKENDS[name][1]})
 
 
 def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> BackendChoice:

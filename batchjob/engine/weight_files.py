@@ -8,6 +8,8 @@ import json
 import struct
 from pathlib import Path
 
+from batchjob.engine.config_files import read_json_file
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -20,7 +22,7 @@ def safetensors_paths(model_dir: Path) -> list[Path]:
     """The files the index names (present or not), else model.safetensors if present, else none."""
     index = model_dir / INDEX
     if index.is_file():
-        return [model_dir / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        return [model_dir / shard for shard in sorted(set(read_json_file(index)["weight_map"].values()))]
     single = model_dir / "model.safetensors"
     return [single] if single.is_file() else []
 

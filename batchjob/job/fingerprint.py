@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.config.settings import JobSettings
+from batchjob.engine.config_files import BrokenConfigFileError, check_model_json_files
 from batchjob.errors import ConfigError
 
 # Small files whose content decides what the model computes or how prompts are rendered.
@@ -42,6 +43,10 @@ def resolve_model_path(path: str | None) -> str:
                 f"model.path={path} has no config.json: point it at a Hugging Face model directory "
                 "(config.json, *.safetensors, tokenizer files)"
             )
+        try:
+            check_model_json_files(local)
+        except BrokenConfigFileError as err:
+            raise ConfigError(f"model.path={path}: {err}") from None
         return str(local.resolve())
     if local.is_file():
         parent = f" (its folder {local.parent} holds config.json)" if (local.parent / "config.json").is_file() else ""

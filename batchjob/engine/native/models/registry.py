@@ -6,10 +6,10 @@ how its checkpoint names differ) and list it here; docs/engine.md walks through 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from batchjob.engine.config_files import read_json_file
 from batchjob.engine.native.models.gemma import GEMMA2, GEMMA3
 from batchjob.engine.native.models.llama import LLAMA_FAMILY
 from batchjob.engine.native.models.mixtral import MIXTRAL
@@ -40,7 +40,7 @@ def architecture_of(model_dir: Path) -> Architecture:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
-    name = (json.loads(config_path.read_text()).get("architectures") or ["<none>"])[0]
+    name = (read_json_file(config_path).get("architectures") or ["<none>"])[0]
     if name not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"{model_dir}: architecture {name} is not supported by the native engine "
@@ -80,5 +80,5 @@ def _read_config(model_dir: Path, architecture: Architecture) -> ModelSpec:
     except (ValueError, KeyError, TypeError) as err:
         raise UnsupportedModelError(f"{model_dir}: transformers cannot read its config.json ({err})") from err
     generation_path = model_dir / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    generation = read_json_file(generation_path) if generation_path.is_file() else {}
     return spec_from_config(config, architecture, str(model_dir), generation, "auto", None)
