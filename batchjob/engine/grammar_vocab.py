@@ -11,7 +11,7 @@ from typing import Any
 # Lengths of the string-content token sets the mask computation takes whole (llguidance's "slices"): inside a
 # JSON string of bounded length (maxLength), a set applies while it fits the characters left, so finer steps than
 # the library's default (10, 30) leave fewer tokens to walk one by one near the bound. The masks are the same
-# with any slices (a CPU test compares them); `scripts/profile_masks.py` times them (docs/engine.md: on the
+# with any slices (a CPU test compares them); `scripts/dev/profile_masks.py` times them (docs/engine.md: on the
 # benchmark's records schema and 128k vocabulary, a mean of 153 us against 240 with the default slices).
 STRING_SLICE_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 20, 25, 30, 40)
 

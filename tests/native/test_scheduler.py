@@ -159,7 +159,7 @@ def test_the_host_loop_profile_script_compares_two_versions_in_alternating_proce
     (other / "scripts" / "dev").mkdir(parents=True)
     shutil.copy(script, other / "scripts" / "dev")
     # The other version schedules 3 ms slower a step, so the comparison shows which tree each process ran.
-    scheduler = other / "batchjob" / "engine" / "native" / "scheduler.py"
+    scheduler = other / "batchjob" / "engine" / "native" / "scheduling" / "scheduler.py"
     slow = "    def schedule(self) -> StepPlan | None:\n        __import__('time').sleep(0.003)\n"
     scheduler.write_text(scheduler.read_text().replace("    def schedule(self) -> StepPlan | None:\n", slow))
     command = [sys.executable, str(script), "--seqs", "16", "--context", "40"]

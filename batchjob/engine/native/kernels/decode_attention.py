@@ -11,17 +11,17 @@ smaller batches, and layers with a sliding window, split the context and combine
 
 Below two programs an SM each program's stream of tiles is the whole of the SM's work, so a tile's key and
 value loads should not wait behind the block-table read that gives their addresses: `FEW_PROGRAMS_DECODE_CONFIG`
-reads the next tile's blocks a tile ahead. On an H200 (`scripts/bench_attention.py --sweep --layers 32`, 32
+reads the next tile's blocks a tile ahead. On an H200 (docs/history/benchmarks-2026.md, 32
 sequences of 8 KV heads over 32 layers of distinct caches) that is 25.0 / 40.1 us a layer at 640 / 1,152 tokens
 of context against 25.3 / 40.6 for the best launch without it; at 64 sequences it loses (82.2 against 66.2 us in
 the same tiles), so it is off there. Most of the gain over the earlier kernel, which ran one split as a variant of
-the split kernel, is this kernel's leaner body: `scripts/profile_decode.py --batch 32`, the same machine, 26.5 /
+the split kernel, is this kernel's leaner body: `scripts/dev/profile_decode.py --batch 32`, the same machine, 26.5 /
 42.1 us a layer before, 24.6 / 39.7 after.
 
 A one-split launch's programs take the sequences in the order `order` lists them (the engine passes
 `AttentionMetadata.decode_order`, longest context first): the GPU starts programs in grid order, so in batch order
 a long sequence near the end of the batch started in the last wave and the layer ended on it alone. On an H200
-(`scripts/bench_attention.py --decode-only --decode 512x128-3072,256x128-3072 --layers 8`, Llama-3.1-8B's
+(docs/history/benchmarks-2026.md, Llama-3.1-8B's
 attention, contexts drawn uniformly from 128-3,072 tokens) a layer took 749.4 against 777.9 us at 512 sequences,
 386.2 against 411.1 us at 256; W5 ran 1.012x as fast.
 
@@ -54,14 +54,14 @@ from batchjob.engine.native.kernels.split_decode_attention import MAX_SPLITS, sp
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of stage 1 (scripts/bench_attention.py --sweep compares them on a GPU).
+    """Launch shape of stage 1 (docs/history/benchmarks-2026.md compares them).
 
     `block_n` tokens per tile; splits are whole tiles, so the reduce recomputes which splits ran.
     """
 
     block_n: int = 64
     num_warps: int = 4
-    # Measured on an H200 (scripts/bench_attention.py --sweep, bf16, 32 x 1152 and 64 x 1024 contexts): 3-4
+    # Measured on an H200 (docs/history/benchmarks-2026.md, bf16, 32 x 1152 and 64 x 1024 contexts): 3-4
     # stages beat 2 by ~20%. Tiles wider than 2 bytes per element fall back to 2 stages to fit shared memory.
     num_stages: int = 4
     # One split only: read the next tile's cache blocks from the block table a tile ahead (a hand-made stage
@@ -72,7 +72,7 @@ class DecodeConfig:
     programs: int = 0
     # One split only: the grid's first dimension the KV heads, so that a sequence's heads run side by side and
     # read the same cache blocks together (a block holds every head's keys of its tokens) rather than each head
-    # of every sequence in turn. On an H200 (`scripts/bench_sm_split.py --sms ''`, Llama-3.1-8B's shape, a layer)
+    # of every sequence in turn. On an H200 (docs/history/benchmarks-2026.md, Llama-3.1-8B's shape, a layer)
     # 740.7 against 749.5 us at 512 x 1,500 tokens of context, 386.1 against 392.5 at 256 x 1,500, 354.1 against
     # 358.6 at 512 x 700; W5 ran 1.007x as fast with it.
     heads_first: bool = False
@@ -243,7 +243,7 @@ def _decode_one_split_kernel(
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per sequence, whatever the lengths: none once the batch gives every multiprocessor a program
-    (`scripts/bench_attention.py --sweep` on an H200, 32 sequences of 8 KV heads, 256 programs on 132
+    (docs/history/benchmarks-2026.md on an H200, 32 sequences of 8 KV heads, 256 programs on 132
     multiprocessors: one split was the fastest at every context from 256 to 1,152 tokens, each further split
     slower, the reduce included); below that, enough to fill the GPU about two programs deep."""
     programs = num_seqs * num_kv_heads

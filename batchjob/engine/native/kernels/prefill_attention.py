@@ -159,7 +159,7 @@ def _prefill_kernel(
 @dataclass(frozen=True)
 class PrefillConfig:
     """Launch shape: `block_m` packed (token, head) rows per program, `block_n` KV tokens per tile
-    (scripts/bench_attention.py --sweep compares them on a GPU)."""
+    (docs/history/benchmarks-2026.md compares them)."""
 
     block_m: int = 64
     block_n: int = 64

@@ -9,7 +9,7 @@ the float32 partial sums [parts, rows, N], and the fused residual add + RMSNorm 
 rounded once to the model dtype, then added to the residual.
 
 Which projections split, into how many parts and at which step sizes is measured, per weight shape, with
-`scripts/profile_decode.py --split-k` (a whole graphed decode step, the engine's BLAS picks). On an H200:
+`scripts/dev/profile_decode.py --split-k` (a whole graphed decode step, the engine's BLAS picks). On an H200:
 
 | Llama-3.1-8B step, rows | 8 | 16 | 32 | 64 | 96 | 128 | 256 |
 |---|---|---|---|---|---|---|---|

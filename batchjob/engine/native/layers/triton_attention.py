@@ -4,7 +4,7 @@
 kernels over the step's one-token sequences (all of them in a decode step) and, when the step carries
 prefill chunks, the varlen prefill kernel over the rest. In a mixed step of an 8B model with 256 decodes
 at 1,300 tokens of context and four 1,024-token prompts, the two launches took 498 us a layer on an H200
-against 610 us for the varlen kernel over everything (scripts/bench_attention.py).
+against 610 us for the varlen kernel over everything (docs/history/benchmarks-2026.md).
 
 A layer's sliding window and soft-cap are runtime arguments: each kernel compiles once per dtype, head
 layout and (window on, soft-cap on) combination, never per value, batch size, length or buffer offset, so

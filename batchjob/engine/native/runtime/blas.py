@@ -2,7 +2,7 @@
 
 torch sends a bf16 matmul to cuBLAS or to cuBLASLt by a process-wide preference, read at each call (a captured
 graph keeps the kernels chosen while it was recorded). On an H200 the two pick different kernels for a decode
-step's few rows (`scripts/bench_decode_gemm.py`, Llama-3.1-8B's projections, microseconds a call from a graph):
+step's few rows (docs/history/benchmarks-2026.md, Llama-3.1-8B's projections, microseconds a call from a graph):
 
 | rows | o_proj | down_proj | gate_up_proj | a step's matmuls, 32 layers and the lm_head |
 |---|---|---|---|---|

@@ -11,7 +11,7 @@ would admit sequences only to preempt them again, each recomputing its prompt an
 keep that rare. A sequence is admitted only while `RESERVE` blocks of growth stay free for every running one. And
 a preemption lowers the admission limit to the sequences running then, the number the cache was seen to hold: a
 finished sequence's place goes to one waiting, no more; once a `SPARE` share of the cache is free again (shorter
-requests in the input), the limit is `max_num_seqs` again. `scripts/simulate_admission.py` replays a workload's
+requests in the input), the limit is `max_num_seqs` again. `scripts/dev/simulate_admission.py` replays a workload's
 lengths through this scheduler (W5 on the cache of an 8B model on a 141 GB card, `max_num_seqs=1024`: 181
 preemptions recomputing 11.6% of the tokens before these rules, none after).
 
