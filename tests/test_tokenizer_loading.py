@@ -153,7 +153,7 @@ def test_a_later_process_reads_the_kept_mapping_once_it_imports_transformers(ent
         "    def listed():\n"
         "        raise SystemExit('the distributions were listed again')\n"
         "    metadata.packages_distributions = listed\n"
-        "from batchjob import transformers_import\n"
+        "from batchjob.engine import transformers_import\n"
         "transformers_import.from_transformers('PreTrainedTokenizerFast')\n"
         "print(len(metadata.packages_distributions()['transformers']))\n"
     )
