@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchjob.engine.api import Constraint
 from batchjob.engine.grammar_vocab import vocabulary_index
+from batchjob.engine.regex_dialect import ascii_regex, ascii_schema_text
 from batchjob.engine.transformers_import import load_tokenizer
 
 if TYPE_CHECKING:
@@ -57,17 +58,33 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar of `constraint` (not yet checked: `check_constraint` or `GrammarCompiler` does)."""
+def grammar_text(constraint: Constraint, translated: bool = True) -> str:
+    """The llguidance grammar of `constraint` (not yet checked: `check_constraint` or `GrammarCompiler` does).
+    A regex and a schema's patterns are `translated` first, `\\d`, `\\w` and `\\s` to ASCII (regex_dialect.py);
+    raises ValueError for a construct that cannot be enforced."""
     from llguidance import LLMatcher, grammar_from
 
     if constraint.kind == "json_schema":
         options = {"whitespace_flexible": constraint.json_whitespace}
-        return LLMatcher.grammar_from_json_schema(constraint.text, defaults=options)
+        schema = ascii_schema_text(constraint.text) if translated else constraint.text
+        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if constraint.kind == "regex":
+        return grammar_from("regex", ascii_regex(constraint.text) if translated else constraint.text)
     if constraint.kind == "grammar":
         # Lark, or GBNF (llama.cpp's syntax) converted to Lark.
         return grammar_from("grammar", constraint.text)
     return grammar_from(constraint.kind, constraint.text)
+
+
+def _compile_error(constraint: Constraint, error: str) -> str:
+    """llguidance's `error` for `constraint`'s grammar, in the terms of the text its user wrote: where the
+    untranslated regex or schema fails too, its own error (which quotes `\\d{3`, not the `[0-9]{3` compiled)."""
+    from llguidance import LLMatcher
+
+    if constraint.kind not in ("regex", "json_schema"):
+        return error
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(constraint, translated=False))
+    return messages[0] if is_error else error
 
 
 def check_constraint(constraint: Constraint) -> None:
@@ -80,7 +97,7 @@ def check_constraint(constraint: Constraint) -> None:
         raise GrammarError(f"{constraint.kind} cannot be compiled: {err}") from err
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise GrammarError(f"{constraint.kind} cannot be compiled: {messages[0]}")
+        raise GrammarError(f"{constraint.kind} cannot be compiled: {_compile_error(constraint, messages[0])}")
 
 
 class Matcher:
@@ -218,7 +235,9 @@ class GrammarCompiler:
                 raise GrammarError(f"{constraint.kind} cannot be compiled: {err}") from err
             start = LLMatcher(lltokenizer, grammar, log_level=0)
             if start.is_error():
-                raise GrammarError(f"{constraint.kind} cannot be compiled: {start.get_error()}")
+                raise GrammarError(
+                    f"{constraint.kind} cannot be compiled: {_compile_error(constraint, start.get_error())}"
+                )
             self.compiled += 1
             starts = self._cache[constraint] = _Starts(grammar, [start])
             if len(self._cache) > CACHE_ENTRIES:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from jobtools import read_output, read_report, run_in_process, write_prompts
+from jobtools import read_output, read_report, run_cli, run_in_process, write_prompts
 from structured_cases import CHOICES, PET_SCHEMA, POINT_SCHEMA, valid_json
 
 NATIVE = ("engine=native", "engine.dtype=float32", "sampling.max_new_tokens=160")
@@ -208,3 +208,70 @@ def test_choices_hydra_reads_as_yaml_values_are_spelt_as_typed(tmp_path: Path) -
     assert code == 0
     texts = {r["generation"] for r in read_output(tmp_path / "o").to_pylist()}
     assert texts <= {"true", "false", "null", "7"} and len(texts) >= 2
+
+
+# `\d`, `\w` and `\s` are ASCII; their negations keep out what any dialect counts in them (README, "Structured
+# outputs"). The default tiny model writes other scripts' digits byte by byte wherever it is allowed to.
+DIGITS_PATTERNS = {"code": r"^[A-Z]{2}-\d{3,5}$", "label": r"^\D{2,4}$", "pair": r"^[a-z]{1,3}\s[a-z]{1,3}$"}
+DIGITS_SCHEMA = {
+    "type": "object",
+    "properties": {key: {"type": "string", "pattern": pattern} for key, pattern in DIGITS_PATTERNS.items()},
+    "required": list(DIGITS_PATTERNS),
+    "additionalProperties": False,
+}
+
+
+def _matches_in_both_modes(pattern: str, text: str) -> bool:
+    return bool(re.fullmatch(pattern, text) and re.fullmatch(pattern, text, re.ASCII))
+
+
+def _follows_digits_schema(text: str) -> bool:
+    return valid_json(text, DIGITS_SCHEMA) and all(
+        _matches_in_both_modes(DIGITS_PATTERNS[key], value) for key, value in json.loads(text).items()
+    )
+
+
+def test_a_regexs_digit_class_writes_ascii_digits_only(tmp_path: Path) -> None:
+    regex = r"[A-Z]{2}-\d{3,5}"
+    result = run_cli(
+        "engine=native", "engine.dtype=float32", "sampling.temperature=1", "sampling.max_new_tokens=16",
+        "data.limit=24", f'sampling.regex="{regex}"', f"output.dir={tmp_path / 'o'}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = read_output(tmp_path / "o").to_pylist()
+    assert len(rows) == 24 and all(r["finish_reason"] == "stop" for r in rows)
+    assert [r["generation"] for r in rows if not _matches_in_both_modes(regex, r["generation"])] == []
+
+
+def test_per_row_schemas_patterns_write_ascii_digits_and_spaces_only(tmp_path: Path) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 12, schema=[json.dumps(DIGITS_SCHEMA)] * 12)
+    overrides = ("data.json_schema_column=schema", "sampling.temperature=1.0")
+    assert run_in_process(*NATIVE, *overrides, f"data.path={data}", f"output.dir={tmp_path / 'o'}") == 0
+    rows = read_output(tmp_path / "o").to_pylist()
+    stopped = [r["generation"] for r in rows if r["finish_reason"] == "stop"]
+    assert len(stopped) >= 10 and [t for t in stopped if not _follows_digits_schema(t)] == []
+
+
+def test_an_openai_batch_lines_schema_patterns_write_ascii_digits_and_spaces_only(tmp_path: Path) -> None:
+    batch = tmp_path / "requests.jsonl"
+    lines = [_chat_line(f"code-{i}", f"Code {i}.", _schema_format(DIGITS_SCHEMA)) for i in range(12)]
+    batch.write_text("".join(line + "\n" for line in lines))
+    code = run_in_process(*NATIVE, "sampling.temperature=1.0", f"data.path={batch}", f"output.dir={tmp_path / 'o'}")
+    assert code == 0
+    rows = read_output(tmp_path / "o").to_pylist()
+    stopped = [r["generation"] for r in rows if r["finish_reason"] == "stop"]
+    assert len(stopped) >= 10 and [t for t in stopped if not _follows_digits_schema(t)] == []
+
+
+def test_a_word_boundary_is_refused_before_the_model_loads_naming_where_it_is(tmp_path: Path) -> None:
+    result = run_cli(r'sampling.regex="[a-z]+\b"', f"output.dir={tmp_path / 'o'}")
+    assert result.returncode == 2 and not (tmp_path / "o").exists()
+    assert result.stderr.strip().splitlines() == [
+        r"error: sampling.regex: regex cannot be compiled: \b (a word boundary) at position 6 of '[a-z]+\b' is not "
+        "supported: the grammar library has no look-around; remove it, or match the characters on either side of it "
+        "(a word character [0-9A-Za-z_] beside a non-word one)"
+    ]
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "pattern": r"\bAda"}}}))
+    result = run_cli(f"sampling.json_schema={schema}", f"output.dir={tmp_path / 'o'}")
+    assert result.returncode == 2 and "the pattern at /properties/name/pattern: \\b (a word boundary)" in result.stderr
