@@ -19,13 +19,14 @@ if not os.path.isdir(os.path.join(__path__[0], "conf")) and os.path.isfile(
 ):
     __path__.append(_CHECKOUT)
 
-__all__ = ["LLM", "JobIncomplete", "SamplingParams", "run"]
+__all__ = ["LLM", "JobIncomplete", "SamplingParams", "TooManyFailedRows", "run"]
 
 # Imported on first use: `python -m batchjob` and the IO layer should not pay for torch or Hydra here.
 _EXPORTS = {
     "LLM": "batchjob.api.llm",
     "SamplingParams": "batchjob.engine.api",
     "JobIncomplete": "batchjob.api.job",
+    "TooManyFailedRows": "batchjob.api.job",
     "run": "batchjob.api.job",
 }
 

@@ -7,6 +7,9 @@ from collections.abc import Iterable
 
 # The exit status of a run refused for its config or input (before any model load).
 EXIT_USAGE = 2
+# The exit status of a shard that is complete (every row committed, its success marker written) but whose share of
+# failed rows exceeds `job.max_error_fraction`: a rerun recomputes nothing and gives the same status again.
+EXIT_TOO_MANY_FAILED = 3
 
 
 class ConfigError(ValueError):

@@ -10,12 +10,15 @@ Every argument becomes a Hydra override of the packaged config, composed exactly
 composes it, and the job runs in this process (or, with `engine.data_parallel=N`, in N child processes).
 A string value for a config group (`engine="hf"`, `model="qwen2.5-0.5b-instruct"`) picks that preset.
 Mistakes raise `ConfigError` / `InputError` (what `python -m batchjob` reports with exit status 2); a job
-that did not complete raises `JobIncomplete`; otherwise the run's report is returned.
+that did not complete raises `JobIncomplete`; a complete job with more failed rows than `job.max_error_fraction`
+allows raises `TooManyFailedRows` (exit status 3), which carries the report; otherwise the run's report is
+returned, with `rows_this_call`: the rows this call generated (0 when the job was already complete).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,11 +30,15 @@ from omegaconf import DictConfig
 from batchjob.cluster.data_parallel import plan_children, run_data_parallel
 from batchjob.cluster.slurm import register_resolvers
 from batchjob.config.keys import CONF_DIR
-from batchjob.config.settings import data_parallel, load_settings
+from batchjob.config.settings import JobSettings, data_parallel, load_settings
+from batchjob.errors import EXIT_TOO_MANY_FAILED
 from batchjob.io.layout import ShardOutput, bookkeeping_dir
 from batchjob.io.storage import Storage
+from batchjob.job.failed_rows import exceeds
 from batchjob.job.run import run_shard
 from batchjob.job.startup import StartupClock
+
+log = logging.getLogger("batchjob")
 
 
 class JobIncomplete(RuntimeError):
@@ -43,6 +50,26 @@ class JobIncomplete(RuntimeError):
             "run it again to resume"
         )
         self.status = status
+
+
+class TooManyFailedRows(RuntimeError):
+    """The job is complete (every row committed), but a larger share of its rows failed than
+    `job.max_error_fraction` allows: what `python -m batchjob` exits 3 for. `report` is what `run` would have
+    returned; its `failed_rows` counts them by reason."""
+
+    def __init__(self, report: dict[str, Any], max_error_fraction: float) -> None:
+        sections = [s["failed_rows"] for s in report.get("shards", [report])]
+        over = [f for f in sections if exceeds(f, max_error_fraction)]
+        failed, rows = sum(f["rows"] for f in over), sum(f["of_rows"] for f in over)
+        where = f"in {len(over)} of {len(sections)} shards, " if len(sections) > 1 else ""
+        super().__init__(
+            f"{where}{failed} of {rows} rows failed, more than job.max_error_fraction={max_error_fraction:g} allows: "
+            "every row is committed and the job is complete; the report's failed_rows (this exception's .report) "
+            "and the output's error column say why. Fix the input and rerun with resume=false, or accept them with "
+            "job.max_error_fraction=1"
+        )
+        self.report = report
+        self.status = EXIT_TOO_MANY_FAILED
 
 
 def overrides(*args: str | Mapping[str, Any], **kwargs: Any) -> list[str]:
@@ -96,28 +123,47 @@ def compose(*args: str | Mapping[str, Any], **kwargs: Any) -> DictConfig:
 
 
 def run(*args: str | Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:
-    """Run a job to the end and return its report (`_report.json`'s content; with `engine.data_parallel=N`,
-    `{"shards": [one report per GPU process]}`). Resumes like the command line does when rerun."""
+    """Run a job to the end and return its report (`_report.json`'s content plus `rows_this_call`; with
+    `engine.data_parallel=N`, `{"shards": [one report per GPU process], "rows_this_call": ...}`). Resumes like
+    the command line does when rerun; a complete job generates nothing, and its report says `rows_this_call: 0`."""
     startup = StartupClock()
     cfg = compose(*args, **kwargs)
     processes = data_parallel(cfg)
     settings = load_settings(cfg)
     if processes > 1:
+        children = plan_children(processes, settings.shard_index, settings.shard_count)
+        shards = [(c.shard_index, c.shard_count) for c in children]
+    else:
+        shards = [(settings.shard_index, settings.shard_count)]
+    before = [_stored_report(settings, shard) for shard in shards]
+    if processes > 1:
         tensor_parallel = int(settings.engine_options.get("tensor_parallel", 1))
         status = run_data_parallel(
             overrides(*args, **kwargs), processes, settings.shard_index, settings.shard_count, tensor_parallel
         )
-        shards = [
-            (c.shard_index, c.shard_count) for c in plan_children(processes, settings.shard_index, settings.shard_count)
-        ]
     else:
         status = run_shard(cfg, startup)
-        shards = [(settings.shard_index, settings.shard_count)]
-    if status != 0:
+    if status not in (0, EXIT_TOO_MANY_FAILED):
         raise JobIncomplete(status)
+    reports = []
+    for shard, earlier in zip(shards, before, strict=True):
+        stored = _stored_report(settings, shard)
+        shard_report = json.loads(stored)
+        # A shard that was complete already keeps its report as it was: this call generated none of its rows.
+        shard_report["rows_this_call"] = shard_report["rows"] if stored != earlier else 0
+        reports.append(shard_report)
+    rows = sum(r["rows_this_call"] for r in reports)
+    log.info("batchjob.run: %d rows generated by this call; %s", rows, settings.output.dir)
+    report = reports[0] if processes == 1 else {"shards": reports, "rows_this_call": rows}
+    if status == EXIT_TOO_MANY_FAILED:
+        raise TooManyFailedRows(report, settings.max_error_fraction)
+    return report
+
+
+def _stored_report(settings: JobSettings, shard: tuple[int, int]) -> bytes | None:
+    """Shard `shard`'s report file as it is stored (None before the shard first completes)."""
     storage, meta = Storage.for_uri(bookkeeping_dir(settings.output.dir))
-    reports = [
-        json.loads(storage.read_bytes(storage.join(meta, ShardOutput(settings.output.dir, i, n).report_name)))
-        for i, n in shards
-    ]
-    return reports[0] if processes == 1 else {"shards": reports}
+    try:
+        return storage.read_bytes(storage.join(meta, ShardOutput(settings.output.dir, *shard).report_name))
+    except FileNotFoundError:
+        return None

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from batchjob.errors import ConfigError
+from batchjob.errors import EXIT_TOO_MANY_FAILED, ConfigError
 
 # Overrides the parent rewrites for each child; everything else is passed through unchanged.
 _OWN_KEYS = ("engine.data_parallel", "shard.index", "shard.count")
@@ -81,7 +81,9 @@ def child_command(overrides: Sequence[str], child: ChildShard, python: str = sys
 def run_data_parallel(
     overrides: Sequence[str], data_parallel: int, shard_index: int, shard_count: int, tensor_parallel: int = 1
 ) -> int:
-    """Run the children to the end; returns 0 when all shards are complete, else the first failure's status."""
+    """Run the children to the end; returns 0 when all shards are complete, else the first failure's status: the
+    first of a child that did not complete, else EXIT_TOO_MANY_FAILED (every shard is complete, one has too many
+    failed rows), so that the status says whether a rerun has anything left to do."""
     children = plan_children(data_parallel, shard_index, shard_count, tensor_parallel=tensor_parallel)
     procs = [
         subprocess.Popen(child_command(overrides, c), env={**os.environ, "CUDA_VISIBLE_DEVICES": c.gpu})
@@ -107,4 +109,5 @@ def run_data_parallel(
             f"data_parallel: shard {child.shard_index}/{child.shard_count} on GPU {child.gpu} exited {status}",
             file=sys.stderr,
         )
-    return failed[0][1] if failed else 0
+    incomplete = [status for _, status in failed if status != EXIT_TOO_MANY_FAILED]
+    return (incomplete or [status for _, status in failed] or [0])[0]

@@ -67,6 +67,7 @@ class JobSettings:
     shard_count: int
     resume: bool
     on_error: str
+    max_error_fraction: float
     log_every_s: float
     tokenize_batch_rows: int
     queue_batches: int
@@ -82,6 +83,12 @@ def _seconds(value: Any, key: str, zero: bool = False, meaning: str = "") -> flo
     """A number of seconds, > 0 (or >= 0 with `zero`)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (value == 0 and not zero):
         raise ConfigError(f"{key}={value!r}: must be a number of seconds {'>= 0' if zero else '> 0'}{meaning}")
+    return float(value)
+
+
+def _fraction(value: Any, key: str, meaning: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(f"{key}={value!r}: must be a number from 0 to 1 ({meaning})")
     return float(value)
 
 
@@ -362,6 +369,11 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         shard_count=shard_count,
         resume=bool(cfg.resume),
         on_error=on_error,
+        max_error_fraction=_fraction(
+            cfg.job.max_error_fraction,
+            "job.max_error_fraction",
+            "the largest share of failed rows a complete job exits 0 with; 1 turns the check off",
+        ),
         log_every_s=log_every_s,
         tokenize_batch_rows=_positive_int(cfg.pipeline.tokenize_batch_rows, "pipeline.tokenize_batch_rows"),
         queue_batches=_positive_int(cfg.pipeline.queue_batches, "pipeline.queue_batches"),

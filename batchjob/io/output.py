@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -140,6 +140,21 @@ class OutputDataset:
     def committed_rows(self) -> int:
         return sum(p.rows for p in self._parts.values())
 
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        """This shard's committed parts, by name."""
+        return tuple(self._parts)
+
+    def committed_errors(self, names: Iterable[str]) -> Iterator[tuple[int, str]]:
+        """`(row_id, error)` of every error row in the committed parts `names`, a batch of rows at a time."""
+        self._require_open()
+        names = list(names)
+        if not names:
+            return
+        rows = self._parts_dataset(names).to_batches(columns=["row_id", "error"], filter=pc.field("error").is_valid())
+        for batch in rows:
+            yield from zip(batch.column("row_id").to_pylist(), batch.column("error").to_pylist(), strict=True)
+
     def committed_row_ids(self) -> np.ndarray:
         """Sorted unique int64 row ids of every row this shard has committed."""
         self._require_open()
@@ -254,6 +269,13 @@ class OutputDataset:
             self.storage.write_atomic(self._meta(self.shard.report_name), data, self.tmp_dir)
             if self.shard.shard_count == 1:
                 self.storage.write_atomic(self._meta(REPORT_NAME), data, self.tmp_dir)
+
+    def read_report(self) -> dict[str, Any] | None:
+        """This shard's report (`write_report`), or None when there is none (the shard never completed)."""
+        try:
+            return json.loads(self.storage.read_bytes(self._meta(self.shard.report_name)))
+        except FileNotFoundError:
+            return None
 
     def mark_success(self) -> None:
         self._require_open()

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from batchjob.config.settings import load_settings
 from batchjob.engine import EngineFailure, EngineSetupError, create_engine
-from batchjob.errors import EXIT_USAGE, ConfigError
+from batchjob.errors import EXIT_TOO_MANY_FAILED, EXIT_USAGE, ConfigError
 from batchjob.io.access import StorageAccessError, access_reported, is_access_error, quiet_lost_connections
 from batchjob.io.job_record import JobRecordMismatch
 from batchjob.io.layout import OutputDirError
@@ -31,6 +31,7 @@ from batchjob.io.lock import LockError, LockLost
 from batchjob.io.readers import InputError
 from batchjob.io.storage import StorageFull
 from batchjob.job.checks import PreparedJob, ReadyToFeed, check_beside_engine, prepare
+from batchjob.job.failed_rows import too_many_failed
 from batchjob.job.run_files import recorded_run
 from batchjob.job.shard_loop import ShardRun
 from batchjob.job.signals import Interrupted, exit_code_for
@@ -68,8 +69,9 @@ def import_libraries() -> None:
 
 def run_job(cfg: DictConfig, startup: StartupClock | None = None) -> int:
     """Run this process's shard of the job; returns the exit status: 0 when the shard is complete,
-    2 for a bad config or input, 1 when a bad row stopped it (on_error=fail), 128+N after signal N, 75 when a
-    rerun resumes it (the engine failed, the disk is full, the shard's lock was lost).
+    3 when it is complete with more failed rows than job.max_error_fraction allows, 2 for a bad config or input,
+    1 when a bad row stopped it (on_error=fail), 128+N after signal N, 75 when a rerun resumes it (the engine
+    failed, the disk is full, the shard's lock was lost).
     `startup`: the clock started with the process, for the start-up breakdown (default: one started now)."""
     try:
         return run_shard(cfg, startup)
@@ -95,9 +97,12 @@ def run_shard(cfg: DictConfig, startup: StartupClock | None = None) -> int:
     settings = job.settings
     if job.complete:
         log.info(
-            "shard %d/%d of %s is already complete", settings.shard_index, settings.shard_count, settings.output.dir
+            "shard %d/%d of %s is already complete: nothing to generate",
+            settings.shard_index,
+            settings.shard_count,
+            settings.output.dir,
         )
-        return 0
+        return _complete_shard_status(job)
     with contextlib.ExitStack() as run_files, ThreadPoolExecutor(1, thread_name_prefix="batchjob-checks") as pool:
 
         def record_run() -> None:  # once the shard's output is open: its config and log go beside it
@@ -139,6 +144,24 @@ def run_shard(cfg: DictConfig, startup: StartupClock | None = None) -> int:
         finally:
             wait_for([checks])  # the checks' thread may be opening the output: let it finish before closing
             job.output.close()
+
+
+def _complete_shard_status(job: PreparedJob) -> int:
+    """A complete shard's verdict on its failed rows again, from its report, under this run's
+    job.max_error_fraction: a pipeline step that reruns a job sees the status its first complete run gave."""
+    report = job.output.read_report()
+    failed_rows = None if report is None else report.get("failed_rows")
+    if failed_rows is None:
+        log.warning(
+            "the shard's report has no failed-row counts (an older batchjob completed it): job.max_error_fraction "
+            "is not checked"
+        )
+        return 0
+    verdict = too_many_failed(failed_rows, job.settings.max_error_fraction)
+    if verdict is None:
+        return 0
+    print(f"error: {verdict}", file=sys.stderr)
+    return EXIT_TOO_MANY_FAILED
 
 
 def _check_error(checks: Future[ReadyToFeed]) -> BaseException | None:

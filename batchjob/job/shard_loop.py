@@ -20,7 +20,9 @@ import pyarrow as pa
 from batchjob.cluster.slurm import requeue_after_preemption
 from batchjob.config.settings import JobSettings
 from batchjob.engine import Completion, Engine, Request
+from batchjob.errors import EXIT_TOO_MANY_FAILED
 from batchjob.io.output import OutputDataset
+from batchjob.job.failed_rows import FailedRows, failed_rows_report, summary, too_many_failed
 from batchjob.job.progress import Progress
 from batchjob.job.signals import Interrupted, StopSignals, exit_code_for
 from batchjob.pipelines.feeder import PromptFeeder
@@ -66,7 +68,9 @@ class ShardRun:
         self.feeder = feeder
         self.layout = layout
         self.previously_committed = len(already_committed)
+        self._earlier_parts = output.part_names
         self.counts = RunCounts()
+        self.failed = FailedRows()  # this run's failed rows; `_shard_failures` adds the earlier runs' error rows
         self.progress = Progress(total_rows, settings.log_every_s, live_tokens=engine.tokens_generated)
         self._pending: dict[int, dict[str, Any]] = {}
         self._finished: list[dict[str, Any]] = []
@@ -116,15 +120,16 @@ class ShardRun:
                 file=sys.stderr,
             )
             return EXIT_FAILED_ROW
+        failed_rows = self._shard_failures(total)  # before an ordered rewrite renames the earlier runs' parts
         if self.settings.output.ordered:
             self.output.rewrite_ordered()
         if not self.output.committed_rows:
             self._commit_empty_part()
-        report = self.report(time.perf_counter() - started, total)
+        report = self.report(time.perf_counter() - started, total, failed_rows)
         self.output.write_report(report)
         self.output.mark_success()
         log.info(
-            "done: %d rows (%d ok, %d errors, %d skipped), %d output tokens in %.1fs (%.1f tok/s); %d rows in %s",
+            "done: %d rows (%d ok, %d errors, %d skipped), %d output tokens in %.1fs (%.1f tok/s); %d rows in %s%s",
             self.counts.rows,
             self.counts.ok,
             self.counts.errors,
@@ -134,7 +139,12 @@ class ShardRun:
             report["output_tokens_per_s"],
             total,
             self.settings.output.dir,
+            f"; {summary(failed_rows)}" if failed_rows["rows"] else "",
         )
+        verdict = too_many_failed(failed_rows, self.settings.max_error_fraction)
+        if verdict is not None:
+            print(f"error: {verdict}", file=sys.stderr)
+            return EXIT_TOO_MANY_FAILED
         return EXIT_OK
 
     def _requests(self, stop: StopSignals) -> Iterator[Request]:
@@ -170,6 +180,7 @@ class ShardRun:
             if self._failure is None:
                 self._failure = f"row {row_id}: {error}"
             return
+        self.failed.add(row_id, error)
         if policy == "record":
             self._finished.append(self.layout.failed(row_id, error, prompt_tokens, extra))
             self.counts.rows += 1
@@ -196,6 +207,15 @@ class ShardRun:
         self._last_commit = time.monotonic()
         self.counts.stage_s["write"] += time.perf_counter() - t0
 
+    def _shard_failures(self, committed_total: int) -> dict[str, Any]:
+        """The report's `failed_rows` over all the shard's rows: this run's failed rows, the error rows earlier runs
+        committed, and, of the shard's rows, those committed plus those skipped (a resume skips all of them again:
+        they were never committed)."""
+        failed = self.failed
+        for row_id, error in self.output.committed_errors(self._earlier_parts):
+            failed.add(row_id, error)
+        return failed_rows_report(failed, committed_total + self.counts.skipped)
+
     def _commit_empty_part(self) -> None:
         """A shard that ends with no rows (an empty input or slice, every row skipped) still commits a part:
         readers of the output then see its columns instead of failing on a directory without Parquet files."""
@@ -208,7 +228,8 @@ class ShardRun:
         )
         self.output.commit_empty(self.layout.schema(passthrough))
 
-    def report(self, wall_s: float, total_committed: int) -> dict[str, Any]:
+    def report(self, wall_s: float, total_committed: int, failed_rows: dict[str, Any]) -> dict[str, Any]:
+        """`failed_rows`: over all the shard's rows (`_shard_failures`); the other counts are this run's."""
         counts = self.counts
         return {
             "rows": counts.rows,
@@ -217,6 +238,7 @@ class ShardRun:
             "skipped": counts.skipped,
             "rows_committed_total": total_committed,
             "rows_committed_before_this_run": self.previously_committed,
+            "failed_rows": failed_rows,
             "prompt_tokens": counts.prompt_tokens,
             "completion_tokens": counts.completion_tokens,
             "wall_s": wall_s,

@@ -22,6 +22,8 @@ from jobtools import (
 )
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(1500))  # far more tokens than the tiny model's 1024 context
+# Inputs that are mostly bad rows on purpose: a complete job with that many failed rows exits 3 by default.
+ACCEPT_FAILED = "job.max_error_fraction=1"
 
 
 def errors_by_row(out: Path) -> dict[int, str | None]:
@@ -37,7 +39,7 @@ def errors_by_row(out: Path) -> dict[int, str | None]:
 
 def test_each_bad_prompt_kind_is_recorded_as_an_error_row(tmp_path: Path) -> None:
     path = write_table(tmp_path / "p.parquet", {"prompt": ["Fine prompt", None, "", "   ", LONG_PROMPT]})
-    assert run_in_process(f"data.path={path}", f"output.dir={tmp_path / 'o'}") == 0
+    assert run_in_process(f"data.path={path}", f"output.dir={tmp_path / 'o'}", ACCEPT_FAILED) == 0
     errors = errors_by_row(tmp_path / "o")
     assert errors[0] is None
     assert "null" in errors[1]
@@ -59,7 +61,8 @@ def test_undecodable_text_is_recorded_as_an_error_row(tmp_path: Path) -> None:
 def test_messages_of_the_wrong_type_are_recorded_as_error_rows(tmp_path: Path) -> None:
     good = json.dumps([{"role": "user", "content": "Hi"}])
     path = write_table(tmp_path / "m.parquet", {"messages": [good, "42", "not json", json.dumps([{"role": 1}])]})
-    assert run_in_process(f"data.path={path}", "data.messages_column=messages", f"output.dir={tmp_path / 'o'}") == 0
+    overrides = (f"data.path={path}", "data.messages_column=messages", f"output.dir={tmp_path / 'o'}", ACCEPT_FAILED)
+    assert run_in_process(*overrides) == 0
     errors = errors_by_row(tmp_path / "o")
     assert errors[0] is None
     assert "must be a non-empty list" in errors[1]
@@ -109,6 +112,8 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("sampling.top_p=1.5", "top_p must be in (0, 1]"),
         ("sampling.max_new_tokens=0", "max_new_tokens must be >= 1"),
         ("on_error=ignore", "on_error='ignore': choose one of record, skip, fail"),
+        ("job.max_error_fraction=1.5", "job.max_error_fraction=1.5: must be a number from 0 to 1"),
+        ("job.max_error_fraction=half", "job.max_error_fraction='half': must be a number from 0 to 1"),
         ("engine.max_batch_size=0", "engine.max_batch_size must be a positive integer"),
         ("+engine.max_batch_siz=4", "engine.max_batch_siz (did you mean engine.max_batch_size?)"),
         ("data.passthrough_columns=[nope]", "passthrough_columns names nope, not in the input"),
