@@ -11,7 +11,15 @@ the tree. A bookkeeping folder inside `output.dir` cannot satisfy polars, so it 
                                      locks/sNNNNN.json, manifests/sNNNNN/<part>.json, tmp/
 
 A part is committed when it appears under its final name in `output.dir` (an atomic rename on local disks,
-an atomic PUT on object stores); its manifest object records its size and checksum just after.
+an atomic PUT on object stores); its manifest object records its size and checksum just after. A local part is
+written in `tmp/` first, unless a rename from there cannot reach `output.dir` (it is another mount: a mount point,
+a bind mount, a container volume); it is then written inside `output.dir` as a file without a name (O_TMPFILE)
+that the commit links under its final name, or where the filesystem has no such files (and for an ordered
+rewrite) under a staged name, `.part-sNNNNN-NNNNNN.parquet.tmp`: hidden and not `*.parquet`, so pyarrow, pandas,
+duckdb and datasets skip it, though polars refuses a directory holding one.
+
+Since every reader reads the whole of `output.dir`, a job writes only into an empty or new folder or its own
+output: anything in `output.dir` but parts, staged parts and an NFS client's temporary names is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +46,12 @@ SHARD_SUCCESS_RE = re.compile(r"^_SUCCESS-s(\d{5})$")
 LOCK_RE = re.compile(r"^s(\d{5})\.json$")
 # What batchjob versions that kept their bookkeeping inside output.dir left there.
 OLD_LAYOUT_RE = re.compile(r"^(_job\.json|_manifest-s\d{5}\.jsonl)$")
+# A part being written inside output.dir, or a layout probe (`staged_name`), of any shard.
+STAGED_RE = re.compile(r"^\.part-s\d{5}-[\w.-]+\.tmp$")
+# What an NFS client renames a file to when it is deleted while open (a part a reader still holds); it goes
+# when the reader closes it.
+NFS_SILLY_RENAME_RE = re.compile(r"^\.nfs[0-9a-f]+$")
+_FOREIGN_SHOWN = 5
 
 
 class OutputDirError(ValueError):
@@ -56,6 +70,27 @@ def bookkeeping_dir(output_dir: str) -> str:
             f"output.dir, so set output.dir to a folder inside it (e.g. {trimmed}/run1)"
         )
     return trimmed + BOOKKEEPING_SUFFIX
+
+
+def staged_name(name: str) -> str:
+    """The name under which part `name` (or a probe, `part-sNNNNN-probe-...`) is written inside output.dir."""
+    return f".{name}.tmp"
+
+
+def foreign_names(names: list[str]) -> list[str]:
+    """Of the names directly in output.dir (folders ending in `/`), those batchjob did not write."""
+    ours = (PART_RE, STAGED_RE, NFS_SILLY_RENAME_RE)
+    return sorted(n for n in names if not any(pattern.match(n) for pattern in ours))
+
+
+def foreign_content_message(output_dir: str, foreign: list[str]) -> str:
+    shown = ", ".join(foreign[:_FOREIGN_SHOWN]) + (
+        f" and {len(foreign) - _FOREIGN_SHOWN} more" if len(foreign) > _FOREIGN_SHOWN else ""
+    )
+    return (
+        f"output.dir={output_dir} holds files batchjob did not write ({shown}); every reader of the output reads "
+        "the whole folder, so batchjob writes only into its own output: set output.dir to an empty or new folder"
+    )
 
 
 def old_layout_message(output_dir: str) -> str:
@@ -110,6 +145,10 @@ class ShardOutput:
     @property
     def report_name(self) -> str:
         return f"_report-{self.tag}.json"
+
+    def owns_staged(self, name: str) -> bool:
+        """Whether a name in output.dir is a part (or probe) this shard was writing there, not committed."""
+        return name.startswith(f".{self.part_prefix}") and STAGED_RE.match(name) is not None
 
     def owns_tmp(self, name: str) -> bool:
         """Whether a file in the temp dir was left by this shard (other shards' temps are theirs to clean)."""

@@ -2,9 +2,11 @@
 
 Commit protocol (why each step): on a local disk the part is written to the temp folder beside output.dir
 and fsynced, so a crash never exposes a torn Parquet file; it is renamed into output.dir, the commit point,
-and output.dir is fsynced; then its manifest object (size, sha256, row ids) is created and its folder
-fsynced. On an object store the part is PUT under its final name (atomic: the commit point), then its
-manifest object. Each commit costs a constant number of requests, however long the job.
+and output.dir is fsynced (where output.dir is another mount than the temp folder, a rename cannot reach it:
+the part is written inside output.dir instead, unnamed or under a staged name, see `Staging`); then its
+manifest object (size, sha256, row ids) is created and its folder fsynced. On an object store the part is PUT
+under its final name (atomic: the commit point), then its manifest object. Each commit costs a constant
+number of requests, however long the job.
 
 So output.dir always holds exactly the committed parts, even right after a kill -9: every reader of the
 plain directory sees exactly the committed rows, and a rerun skips exactly those row ids. The next open
@@ -14,8 +16,11 @@ checks every part against its manifest object and repairs what a crash left (bat
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
 import json
 import logging
+import uuid
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +40,11 @@ from batchjob.io.layout import (
     OutputDirError,
     ShardOutput,
     bookkeeping_dir,
+    foreign_content_message,
+    foreign_names,
     old_layout_message,
     part_seq,
+    staged_name,
 )
 from batchjob.io.lock import DEFAULT_TIMEOUT_S, ShardLock
 from batchjob.io.manifest import PartEntry, Rewrite
@@ -48,6 +56,18 @@ if TYPE_CHECKING:
     import pyarrow.dataset as pads
 
 log = logging.getLogger(__name__)
+
+
+class Staging(enum.Enum):
+    """Where a local part is written before the commit makes it visible. `BESIDE`: in the temp folder beside
+    output.dir, renamed in. Where that rename cannot reach output.dir (another mount: a mount point, a bind
+    mount, a container volume), inside output.dir, so the commit stays one atomic step: `UNNAMED`, a file
+    without a name (O_TMPFILE) linked under its final name, which no reader ever sees; or `NAMED`, where the
+    filesystem has no such files, under its staged name (which polars does not skip), renamed."""
+
+    BESIDE = "beside"
+    UNNAMED = "unnamed"
+    NAMED = "named"
 
 
 class OutputDataset:
@@ -64,6 +84,7 @@ class OutputDataset:
         self._parts: dict[str, PartEntry] = {}
         self._next_seq = 0
         self._is_open = False
+        self._staging = Staging.BESIDE
 
     def _meta(self, name: str) -> str:
         return self.storage.join(self.meta, *name.split("/"))
@@ -82,16 +103,12 @@ class OutputDataset:
         it, unless `overwrite=True`, which deletes every shard's output under their locks.
         """
         record = self._stored_record(job_record)
-        self._check_layout()
+        self.check_dir()
         with full_disk_reported(self.shard.dir):
             for directory in (self.path, self.tmp_dir, self._meta(LOCKS_DIR_NAME), self.files.manifest_dir):
                 self.storage.makedirs(directory)
-        if not self.storage.same_device(self.tmp_dir, self.path):
-            raise OutputDirError(
-                f"output.dir={self.shard.dir} is on another filesystem than {self.bookkeeping_dir} beside it "
-                "(is output.dir a mount point?), so parts cannot be renamed into it atomically: set output.dir "
-                "to a folder inside that filesystem"
-            )
+            if self.storage.is_local:
+                self._staging = self._choose_staging()
         change = RecordChange(
             self.storage, self.path, self.meta, self.tmp_dir, self.shard, record, self._lock.timeout_s
         )
@@ -112,9 +129,50 @@ class OutputDataset:
         self._next_seq = 1 + max((part_seq(name) for name in self._parts), default=-1)
         self._is_open = True
 
-    def _check_layout(self) -> None:
-        if any(OLD_LAYOUT_RE.match(name) for name in self.storage.list_files(self.path)):
+    def check_dir(self) -> None:
+        """`OutputDirError` unless output.dir is absent, empty or holds only batchjob's parts (of any shard, any
+        job: the job record decides whose), since every reader reads the whole folder. Reads one listing."""
+        names = self.storage.list_names(self.path)
+        if any(OLD_LAYOUT_RE.match(name) for name in names):
             raise OutputDirError(old_layout_message(self.shard.dir))
+        foreign = foreign_names(names)
+        if foreign:
+            raise OutputDirError(foreign_content_message(self.shard.dir, foreign))
+
+    def _choose_staging(self) -> Staging:
+        """Try a rename from the temp folder into output.dir (an empty probe file): the one check that sees a
+        bind mount, whose two sides share a device number but refuse renames between them (EXDEV)."""
+        probe = f"{self.shard.part_prefix}probe-{uuid.uuid4().hex}"
+        src, inside = self.storage.join(self.tmp_dir, f"{self.shard.tag}.{probe}"), self.files.staged_path(probe)
+        self.storage.write_durable(src, b"")
+        try:
+            self.storage.rename(src, inside, sync=False)
+        except OSError as err:
+            self.storage.remove(src)
+            if err.errno != errno.EXDEV:
+                raise
+        else:
+            self.storage.remove(inside)
+            return Staging.BESIDE
+        if self.storage.links_unnamed(self.path, inside):
+            log.info(
+                "output.dir=%s is another mount than %s: parts are written inside it", self.shard.dir, self.tmp_dir
+            )
+            return Staging.UNNAMED
+        log.warning(
+            "output.dir=%s is another mount than %s, and its filesystem cannot write files without a name: a part "
+            "being written is there for a moment as %s (polars refuses to read the directory then)",
+            self.shard.dir,
+            self.tmp_dir,
+            staged_name(f"{self.shard.part_prefix}NNNNNN.parquet"),
+        )
+        return Staging.NAMED
+
+    def _staged(self, name: str) -> str:
+        """Where part `name` is written before it is moved in (named staging)."""
+        if self._staging is Staging.BESIDE:
+            return self.storage.join(self.tmp_dir, name)
+        return self.files.staged_path(name)
 
     def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:
         return {"shard_count": self.shard.shard_count, **job_record}
@@ -196,8 +254,16 @@ class OutputDataset:
         entry = PartEntry.of_table(name, table, data)
         final = self._part(name)
         with full_disk_reported(self.shard.dir):
-            if self.storage.is_local:
-                tmp = self.storage.join(self.tmp_dir, name)
+            if not self.storage.is_local:
+                self.storage.write_durable(final, data)
+            elif self._staging is Staging.UNNAMED:
+                fd = self.storage.write_unnamed(self.path, data)
+                if fd is None:
+                    raise RuntimeError(f"{self.shard.dir} took files without a name when opened, and now refuses them")
+                crash_point("part-written")
+                self.storage.link_unnamed(fd, final)
+            else:
+                tmp = self._staged(name)
                 self.storage.write_durable(tmp, data)
                 crash_point("part-written")
                 try:
@@ -205,8 +271,6 @@ class OutputDataset:
                 except BaseException:
                     self.storage.remove(tmp)
                     raise
-            else:
-                self.storage.write_durable(final, data)
             self._parts[name] = entry  # committed: visible under its final name
             self._next_seq += 1
             with self._writing():
@@ -253,7 +317,7 @@ class OutputDataset:
                 chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
                 name = self.shard.part_name(self._next_seq + len(new))
                 data = _parquet_bytes(chunk)
-                self.storage.write_durable(self.storage.join(self.tmp_dir, name), data)
+                self.storage.write_durable(self._staged(name), data)
                 new.append(PartEntry.of_table(name, chunk, data))
             rewrite = Rewrite(tuple(p.name for p in old), tuple(new))
             manifest.write_rewrite(self.storage, self.files.manifest_dir, rewrite, self.tmp_dir)

@@ -170,6 +170,8 @@ def delete_shard_outputs(files: ShardFiles, meta: str) -> None:
         storage.remove(storage.join(files.manifest_dir, name))
     for name in files.visible_parts():
         storage.remove(files.part_path(name))
+    for path in files.staged_files():
+        storage.remove(path)
 
 
 def _describe(diff: list[tuple[str, Any, Any]]) -> str:

@@ -9,17 +9,19 @@ sha256). What a crash or a damaged disk can leave, and what recovery does:
   rows recomputed (logged);
 - a manifest object whose part is gone: its rows are recomputed (logged);
 - an ordered rewrite whose record exists: rolled forward (old parts out, new parts in);
-- this shard's files in the temp folder: deleted.
+- this shard's files in the temp folder, and its staged parts inside output.dir (batchjob/io/layout.py):
+  deleted, once a rewrite that names them is rolled forward.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from batchjob.io import manifest
-from batchjob.io.layout import ShardOutput, part_seq
+from batchjob.io.layout import ShardOutput, part_seq, staged_name
 from batchjob.io.manifest import DamagedPart, PartEntry, Rewrite
 from batchjob.io.storage import Storage
 
@@ -41,6 +43,29 @@ class ShardFiles:
 
     def visible_parts(self) -> dict[str, int]:
         return {n: s for n, s in self.storage.list_files(self.out_dir).items() if self.shard.owns_part(n)}
+
+    def staged_path(self, name: str) -> str:
+        """Where part `name` is written inside output.dir when the temp folder is another mount."""
+        return self.storage.join(self.out_dir, staged_name(name))
+
+    def staged_files(self) -> list[str]:
+        """Paths of this shard's parts (and probes) that were being written inside output.dir."""
+        names = self.storage.list_files(self.out_dir) if self.storage.is_local else {}
+        return [self.storage.join(self.out_dir, n) for n in sorted(names) if self.shard.owns_staged(n)]
+
+    def move_in(self, src: str, name: str) -> None:
+        """Move durable part `src` (in the temp folder) to its final name: a rename, or where output.dir is
+        another mount, a copy under its staged name renamed into place (`src` goes last, so a crash midway
+        leaves it for the next try)."""
+        try:
+            self.storage.rename(src, self.part_path(name))
+        except OSError as err:
+            if err.errno != errno.EXDEV:
+                raise
+            staged = self.staged_path(name)
+            self.storage.write_durable(staged, self.storage.read_bytes(src))
+            self.storage.rename(staged, self.part_path(name))
+            self.storage.remove(src)
 
 
 @dataclass(frozen=True)
@@ -116,6 +141,8 @@ def recover(files: ShardFiles) -> dict[str, PartEntry]:
     for name in storage.list_files(files.tmp_dir):
         if files.shard.owns_tmp(name):
             storage.remove(storage.join(files.tmp_dir, name))
+    for path in files.staged_files():
+        storage.remove(path)
     if storage.is_local:
         storage.fsync_dir(files.out_dir)
         storage.fsync_dir(files.manifest_dir)
@@ -123,22 +150,28 @@ def recover(files: ShardFiles) -> dict[str, PartEntry]:
 
 
 def roll_forward(files: ShardFiles, rewrite: Rewrite) -> None:
-    """Finish an ordered rewrite whose record is written: old parts out, new parts (from the temp folder)
-    in, each recorded; idempotent, so a crash in the middle is finished by the next open."""
+    """Finish an ordered rewrite whose record is written: old parts out, new parts (from the temp folder, or
+    staged inside output.dir) in, each recorded; idempotent, so a crash in the middle is finished by the next
+    open."""
     storage = files.storage
     for name in rewrite.remove:
         storage.remove(files.part_path(name))
         manifest.remove_entry(storage, files.manifest_dir, name)
     storage.fsync_dir(files.out_dir)
     in_tmp = storage.list_files(files.tmp_dir)
+    staged = set(files.staged_files())
     present = files.visible_parts()
     recorded, _ = manifest.read_entries(storage, files.manifest_dir)
     for entry in rewrite.add:
         if entry.name not in present:
-            if entry.name not in in_tmp:
+            # The temp folder's copy first: a staged one may be a copy that a crash cut short.
+            if entry.name in in_tmp:
+                files.move_in(storage.join(files.tmp_dir, entry.name), entry.name)
+            elif files.staged_path(entry.name) in staged:
+                storage.rename(files.staged_path(entry.name), files.part_path(entry.name))
+            else:
                 log.warning("new part %s of the ordered rewrite is lost: its rows are recomputed", entry.name)
                 continue
-            storage.rename(storage.join(files.tmp_dir, entry.name), files.part_path(entry.name))
         if entry.name not in recorded:
             manifest.write_entry(storage, files.manifest_dir, entry, files.tmp_dir)
     manifest.clear_rewrite(storage, files.manifest_dir)

@@ -1,16 +1,18 @@
 """Durable file operations on a local path or any fsspec URI (s3://, gs://, memory://, file://).
 
 Local paths get the full crash-safety kit: fsync of files and of the directories whose entries change,
-atomic rename, create-exclusive by hard link. Object stores have no fsync or rename; there a completed PUT
-is durable and atomic (an object appears whole or not at all), `rename` is a copy + delete, and
-create-exclusive is a conditional PUT (`If-None-Match: *`) where the backend supports it (s3fs on S3 and
-S3-compatible servers; elsewhere fsspec's `xb` mode, which some backends implement as check-then-write).
+atomic rename, create-exclusive by hard link, files written without a name and linked into place (O_TMPFILE,
+where the filesystem has them). Object stores have no fsync or rename; there a completed PUT is durable and
+atomic (an object appears whole or not at all), `rename` is a copy + delete, and create-exclusive is a
+conditional PUT (`If-None-Match: *`) where the backend supports it (s3fs on S3 and S3-compatible servers;
+elsewhere fsspec's `xb` mode, which some backends implement as check-then-write).
 Listings are never cached: other processes change the directories this one reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import posixpath
@@ -24,6 +26,12 @@ import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileSystem
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+# O_TMPFILE unknown to the kernel (EISDIR) or the filesystem; then a file needs a name from the start.
+_NO_UNNAMED_FILES = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+# One way of linking an unnamed file that this system refuses: no /proc, a sandbox's /proc, no privilege for
+# AT_EMPTY_PATH (before Linux 6.10).
+_LINK_REFUSED = (errno.ENOENT, errno.EXDEV, errno.EPERM, errno.EINVAL, errno.EOPNOTSUPP)
+_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
 _READ_CONCURRENCY = 16  # objects fetched at once from an object store; a batch of parts stays small in memory
 
 
@@ -94,10 +102,6 @@ class Storage:
                 os.mkdir(directory)
             self.fsync_dir(os.path.dirname(directory))
 
-    def same_device(self, a: str, b: str) -> bool:
-        """Whether a rename from directory `a` to directory `b` can be atomic (always true off local disks)."""
-        return not self.is_local or os.stat(a).st_dev == os.stat(b).st_dev
-
     def _entries(self, directory: str) -> list[tuple[str, bool, int]]:
         """(base name, is a directory, size) of what is directly in `directory` (empty if it does not exist)."""
         if self.is_local:
@@ -122,6 +126,10 @@ class Storage:
 
     def list_dirs(self, directory: str) -> list[str]:
         return sorted(name for name, is_dir, _ in self._entries(directory) if is_dir)
+
+    def list_names(self, directory: str) -> list[str]:
+        """Base names of everything directly in `directory`, folders ending in `/` (empty if it does not exist)."""
+        return sorted(name + "/" if is_dir else name for name, is_dir, _ in self._entries(directory))
 
     def read_bytes(self, path: str) -> bytes:
         with self.fs.open(path, "rb") as f:
@@ -176,6 +184,60 @@ class Storage:
             with contextlib.suppress(OSError):
                 os.remove(path)
             raise
+
+    def write_unnamed(self, directory: str, data: bytes) -> int | None:
+        """A descriptor of a new durable file in local `directory` holding `data` that has no name yet (O_TMPFILE),
+        for `link_unnamed`; None where the filesystem has no such files. No listing shows it, and a crash before
+        it is linked leaves nothing behind."""
+        unnamed = getattr(os, "O_TMPFILE", None)  # Linux only
+        if unnamed is None:
+            return None
+        try:
+            fd = os.open(directory, unnamed | os.O_WRONLY, 0o644)
+        except OSError as err:
+            if err.errno in _NO_UNNAMED_FILES:
+                return None
+            raise
+        try:
+            with open(fd, "wb", closefd=False) as f:
+                f.write(data)
+                f.flush()
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def link_unnamed(self, fd: int, path: str) -> None:
+        """Give the file of `write_unnamed`'s `fd` the name `path` (atomic; FileExistsError if `path` exists),
+        and close `fd`. The caller fsyncs `path`'s directory."""
+        try:
+            try:
+                os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)  # open(2)'s way, unprivileged
+            except OSError as err:
+                if err.errno not in _LINK_REFUSED:
+                    raise
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) != 0:
+                    code = ctypes.get_errno()
+                    raise OSError(code, os.strerror(code), path) from err
+        finally:
+            os.close(fd)
+
+    def links_unnamed(self, directory: str, probe: str) -> bool:
+        """Whether files without a name can be written in local `directory` and linked into it (tried with an
+        empty file linked as `probe`, then deleted)."""
+        fd = self.write_unnamed(directory, b"")
+        if fd is None:
+            return False
+        try:
+            self.link_unnamed(fd, probe)
+        except OSError as err:
+            if err.errno in _LINK_REFUSED:
+                return False
+            raise
+        self.remove(probe)
+        return True
 
     def rename(self, src: str, dst: str, sync: bool = True) -> None:
         """Move `src` over `dst`; on local disks atomic, and durable unless `sync=False` (then the caller

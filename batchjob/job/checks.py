@@ -137,6 +137,8 @@ def prepare(settings: JobSettings, startup: StartupClock) -> PreparedJob:
     # A shard complete under this same record needs no lock and no write: a finished job reruns fine from
     # a read-only directory.
     complete = settings.resume and output.is_complete_for(record)
+    if not complete:
+        check_output_dir(output, settings.output.dir)  # before the ids scan too: a wrong folder costs nothing
     # The record is written only once the ids were found unique, so a stored, identical record means they were
     # (by this shard earlier, or another): a restart skips the full read.
     scan_ids = (
@@ -191,15 +193,29 @@ def load_tokenizer(model_path: str) -> Any:
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
 
 
-def open_output(output: OutputDataset, record: dict[str, Any], settings: JobSettings) -> None:
-    """Lock and resume (or reset) the shard's output; an unusable output.dir is a ConfigError."""
-    out_dir = settings.output.dir
+def check_output_dir(output: OutputDataset, out_dir: str) -> None:
+    """An output.dir that is a file is a ConfigError; one holding anything but batchjob's parts (a stranger's
+    folder, which every reader of the output would read too) an OutputDirError. Writes nothing."""
     if output.storage.exists(output.path) and not output.storage.isdir(output.path):
         raise ConfigError(f"output.dir={out_dir} is a file: set output.dir to a directory (new or a job's)")
     try:
+        output.check_dir()
+    except OSError as err:
+        raise _unusable(out_dir, err) from err
+
+
+def open_output(output: OutputDataset, record: dict[str, Any], settings: JobSettings) -> None:
+    """Lock and resume (or reset) the shard's output (`check_output_dir` ran first); an unusable output.dir is a
+    ConfigError."""
+    out_dir = settings.output.dir
+    try:
         output.open(record, resume=settings.resume, overwrite=settings.output.overwrite)
     except OSError as err:
-        raise ConfigError(
-            f"output.dir={out_dir} cannot be written ({err.strerror or err}: {err.filename or out_dir}): set "
-            "output.dir to a writable directory"
-        ) from err
+        raise _unusable(out_dir, err) from err
+
+
+def _unusable(out_dir: str, err: OSError) -> ConfigError:
+    return ConfigError(
+        f"output.dir={out_dir} cannot be written ({err.strerror or err}: {err.filename or out_dir}): set "
+        "output.dir to a writable directory"
+    )

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from mounted_dirs import mounted_output  # noqa: F401  (a fixture)
 from s3_server import s3_endpoint, s3_output_dir  # noqa: F401  (fixtures)
 from small_tmpfs import small_tmpfs  # noqa: F401  (a fixture)
 

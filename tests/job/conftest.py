@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from mounted_dirs import mounted_output  # noqa: F401  (a fixture)
 from s3_server import s3_endpoint, s3_output_dir  # noqa: F401  (fixtures)
 from small_tmpfs import small_tmpfs  # noqa: F401  (a fixture)
 

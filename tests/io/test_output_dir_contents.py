@@ -1,0 +1,105 @@
+"""output.dir holds batchjob's parts and nothing else: a folder with anything else in it is refused before
+anything is written, while a job's own output (parts of any shard, what a crash left) is accepted."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pytest
+from conftest import bookkeeping
+
+from batchjob.io import OutputDataset, OutputDirError
+
+JOB = {"model": "tiny", "sampling": {"max_new_tokens": 4}}
+
+
+def rows(ids: list[int]) -> pa.Table:
+    return pa.table({"row_id": pa.array(ids, pa.int64())})
+
+
+def strangers_folder(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "important.txt").write_text("keep me")
+    return out
+
+
+def test_a_folder_holding_other_files_is_refused_naming_them_and_the_fix(tmp_path: Path) -> None:
+    out = strangers_folder(tmp_path)
+    with pytest.raises(OutputDirError) as refused:
+        OutputDataset(str(out)).open(JOB)
+    message = str(refused.value)
+    assert f"output.dir={out} holds files batchjob did not write (important.txt, sub/)" in message
+    assert "set output.dir to an empty or new folder" in message
+    assert sorted(os.listdir(out)) == ["important.txt", "sub"] and not bookkeeping(out).exists()
+
+
+def test_a_folder_holding_other_files_is_refused_even_with_overwrite(tmp_path: Path) -> None:
+    out = strangers_folder(tmp_path)
+    with pytest.raises(OutputDirError, match="important.txt"):
+        OutputDataset(str(out)).open(JOB, resume=False, overwrite=True)
+    assert (out / "important.txt").read_text() == "keep me"
+
+
+def test_a_folder_holding_hidden_files_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".DS_Store").write_bytes(b"\0")
+    with pytest.raises(OutputDirError, match=r"\(\.DS_Store\)"):
+        OutputDataset(str(out)).open(JOB)
+
+
+def test_a_long_list_of_other_files_is_cut_short_with_a_count(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(12):
+        (out / f"photo{i:02d}.jpg").write_bytes(b"")
+    with pytest.raises(OutputDirError, match=r"\(photo00.jpg, photo01.jpg, .*photo04.jpg and 7 more\)"):
+        OutputDataset(str(out)).open(JOB)
+
+
+def test_an_empty_or_new_folder_is_accepted(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "new"):
+        with OutputDataset(str(out)) as dataset:
+            dataset.open(JOB)
+            dataset.commit(rows([0]))
+        assert os.listdir(out) == ["part-s00000-000000.parquet"]
+
+
+def test_a_jobs_own_output_resumes_with_other_shards_parts_and_a_crashs_leftovers(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for index in (0, 1):
+        with OutputDataset(str(out), index, 2) as shard:
+            shard.open(JOB)
+            shard.commit(rows([index]))
+    # What a kill -9 can leave inside output.dir: a part of shard 1 staged there (a mounted output.dir), and
+    # an NFS client's name for a part deleted while a reader held it open.
+    (out / ".part-s00001-000001.parquet.tmp").write_bytes(b"PAR1")
+    (out / ".nfs00000000012f4a2b00000001").write_bytes(b"PAR1")
+    with OutputDataset(str(out), 0, 2) as shard:
+        shard.open(JOB)
+        assert shard.committed_row_ids().tolist() == [0]
+    with OutputDataset(str(out), 1, 2) as shard:
+        shard.open(JOB)
+        assert shard.committed_row_ids().tolist() == [1]
+    assert not (out / ".part-s00001-000001.parquet.tmp").exists(), "its shard's next open deleted it"
+
+
+def test_the_check_alone_writes_nothing(tmp_path: Path) -> None:
+    out = strangers_folder(tmp_path)
+    with pytest.raises(OutputDirError):
+        OutputDataset(str(out)).check_dir()
+    OutputDataset(str(tmp_path / "new")).check_dir()
+    assert not (tmp_path / "new").exists() and not bookkeeping(out).exists()
+
+
+def test_a_prefix_holding_other_objects_is_refused_on_an_s3_server(s3_output_dir: str) -> None:
+    fs, path = fsspec.core.url_to_fs(s3_output_dir, use_listings_cache=False)
+    fs.pipe_file(f"{path}/notes.csv", b"a,b\n")
+    with pytest.raises(OutputDirError, match=r"holds files batchjob did not write \(notes.csv\)"):
+        OutputDataset(s3_output_dir).open(JOB)
+    assert not fs.exists(path + ".batchjob")

@@ -1,0 +1,108 @@
+"""Where a job may write, through the real CLI: into an output.dir that is a mount point (a container volume, a
+bind mount) every row is committed, a killed run resumes exactly; a folder holding anything but batchjob's
+parts is refused in one line before the model loads, and nothing is written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from jobtools import (
+    REPO,
+    bookkeeping,
+    cli_command,
+    cli_env,
+    read_output,
+    run_cli,
+    tree_bytes,
+    unloadable_copy,
+    write_prompts,
+    write_table,
+)
+from output_readers import every_reader_reads, row_ids_by_reader
+
+from batchjob.io.crash_points import ENV, EXIT_STATUS
+
+ROWS = 12
+
+
+def job_args(tmp_path: Path, out: Path) -> tuple[str, ...]:
+    return (
+        f"data.path={write_prompts(tmp_path / 'p.parquet', ROWS)}",
+        f"output.dir={out}",
+        "output.commit_every_rows=4",
+    )
+
+
+def test_a_job_into_a_mounted_output_dir_commits_every_row(mounted_output: Path, tmp_path: Path) -> None:
+    done = run_cli(*job_args(tmp_path, mounted_output))
+    assert done.returncode == 0, done.stderr
+    assert every_reader_reads(mounted_output, list(range(ROWS))), row_ids_by_reader(mounted_output)
+    assert all(name.startswith("part-") for name in os.listdir(mounted_output))
+    assert (bookkeeping(mounted_output) / "_SUCCESS").exists()
+
+
+def test_a_job_killed_mid_commit_into_a_mounted_output_dir_resumes_exactly_once(
+    mounted_output: Path, tmp_path: Path
+) -> None:
+    args = job_args(tmp_path, mounted_output)
+    killed = subprocess.run(
+        cli_command(*args),
+        cwd=REPO,
+        env={**cli_env(), ENV: "part-written:2"},  # the second part written, not yet linked into output.dir
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == EXIT_STATUS, killed.stderr
+    assert every_reader_reads(mounted_output, read_output(mounted_output).column("row_id").to_pylist())
+    assert len(read_output(mounted_output)) == 4, "exactly the first part's rows"
+    resumed = run_cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 4 rows already committed, 8 to go" in resumed.stderr
+    assert every_reader_reads(mounted_output, list(range(ROWS))), row_ids_by_reader(mounted_output)
+
+
+def strangers_folder(tmp_path: Path) -> Path:
+    out = tmp_path / "shared" / "results"
+    (out / "sub").mkdir(parents=True)
+    (out / "important.txt").write_text("keep me")
+    return out
+
+
+def assert_refused(done: subprocess.CompletedProcess, out: Path) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: output.dir={out} holds files batchjob did not write (important.txt, sub/); every reader of the "
+        "output reads the whole folder, so batchjob writes only into its own output: set output.dir to an empty "
+        "or new folder"
+    ]
+
+
+def test_a_folder_holding_other_files_is_refused_before_the_model_loads(tmp_path: Path, model_dir: str) -> None:
+    out = strangers_folder(tmp_path)
+    before = tree_bytes(out.parent)
+    # Weights that fail as they load: any other error than the folder's would mean the model was loaded.
+    unloadable = unloadable_copy(model_dir, tmp_path / "unloadable-model")
+    done = run_cli(*job_args(tmp_path, out), f"model.path={unloadable}")
+    assert_refused(done, out)
+    assert tree_bytes(out.parent) == before and sorted(os.listdir(out.parent)) == ["results"]
+
+
+def test_overwrite_does_not_make_a_folder_holding_other_files_writable(tmp_path: Path) -> None:
+    out = strangers_folder(tmp_path)
+    done = run_cli(*job_args(tmp_path, out), "output.overwrite=true", "resume=false")
+    assert_refused(done, out)
+    assert (out / "important.txt").read_text() == "keep me"
+
+
+def test_a_folder_holding_other_files_is_refused_before_the_id_scan(tmp_path: Path) -> None:
+    """A first run with an id column scans the ids beside the engine, and opens the output only then; the folder
+    is checked with the checks before the engine, so it is what a run with duplicate ids is refused for."""
+    out = strangers_folder(tmp_path)
+    prompts = write_table(tmp_path / "dup.parquet", {"id": [7, 7, 8], "prompt": ["a", "b", "c"]})
+    done = run_cli(f"data.path={prompts}", "data.id_column=id", f"output.dir={out}")
+    assert_refused(done, out)
