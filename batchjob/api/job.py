@@ -29,9 +29,9 @@ from omegaconf import DictConfig
 
 from batchjob.cluster.data_parallel import plan_children, run_data_parallel
 from batchjob.cluster.slurm import register_resolvers
-from batchjob.config.keys import CONF_DIR
+from batchjob.config.keys import CONF_DIR, composition_error
 from batchjob.config.settings import JobSettings, data_parallel, load_settings
-from batchjob.errors import EXIT_TOO_MANY_FAILED
+from batchjob.errors import EXIT_TOO_MANY_FAILED, ConfigError
 from batchjob.io.layout import ShardOutput, bookkeeping_dir
 from batchjob.io.storage import Storage
 from batchjob.job.failed_rows import exceeds
@@ -116,10 +116,17 @@ def _value(value: Any) -> str:
 
 
 def compose(*args: str | Mapping[str, Any], **kwargs: Any) -> DictConfig:
-    """The job config `python -m batchjob` would run with these overrides."""
+    """The job config `python -m batchjob` would run with these overrides; what the command line refuses while
+    composing it (an unknown preset or key, a preset that is not YAML) is a `ConfigError` with the same message."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+    from yaml import YAMLError
+
     register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides(*args, **kwargs))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name="config", overrides=overrides(*args, **kwargs))
+    except (ConfigCompositionException, OverrideParseException, YAMLError) as err:
+        raise ConfigError(composition_error(err)) from None
 
 
 def run(*args: str | Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf.errors import (
+    InterpolationKeyError,
+    InterpolationResolutionError,
+    InterpolationToMissingValueError,
+    MissingMandatoryValue,
+    UnsupportedInterpolationType,
+)
 
 from batchjob.config.keys import check_known_keys
 from batchjob.engine import SamplingParams, check_engine_options
@@ -260,23 +266,58 @@ def _check_stops_apply(sampling: SamplingParams) -> None:
             )
 
 
+def check_resolvable(cfg: DictConfig) -> None:
+    """Resolve every `${...}` of `cfg` once, so that one that cannot be resolved (a key or resolver that does not
+    exist, an unset environment variable, a value left `???`) is a `ConfigError` naming the key and the fix, not
+    OmegaConf's exception wherever the value is first read."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (InterpolationResolutionError, MissingMandatoryValue) as err:
+        raise ConfigError(_unresolvable(cfg, err)) from None
+
+
+def _unresolvable(cfg: DictConfig, err: InterpolationResolutionError | MissingMandatoryValue) -> str:
+    key = err.full_key
+    # OmegaConf's first line says what failed; a resolver's own exception is rewrapped there without its cause.
+    reason = str(err).splitlines()[0].split(" while resolving interpolation: ", 1)[-1].strip("\"'")
+    named = re.search(r"'([^']*)'", reason) or re.search(r"(\S+)$", reason)
+    if isinstance(err, MissingMandatoryValue):
+        return f"{key} is not set (???): set {key}=VALUE"
+    given = f"{key}={_raw_value(cfg, key)}"
+    if isinstance(err, InterpolationToMissingValueError):
+        return f"{given}: it refers to {named.group(1)}, which is not set (???): set {named.group(1)}=VALUE"
+    if isinstance(err, InterpolationKeyError):
+        return (
+            f"{given}: the config has no key {named.group(1)} to refer to; give the value itself, or a key that "
+            "`python -m batchjob --cfg job` shows (an environment variable: ${oc.env:NAME})"
+        )
+    if isinstance(err, UnsupportedInterpolationType):
+        return (
+            f"{given}: there is no resolver named {named.group(1)}; give the value itself (an environment "
+            "variable: ${oc.env:NAME})"
+        )
+    if str(err).startswith(f"{ConfigError.__name__} raised"):  # batchjob's own resolvers say what to fix
+        return f"{key}: {reason}"
+    return f"{given} cannot be resolved ({reason}): give the value itself, or fix the interpolation"
+
+
+def _raw_value(cfg: DictConfig, key: str) -> Any:
+    """The value of dotted `key` (`a.b`, `a.b[0]`) as written, before resolving."""
+    value: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in re.findall(r"[^.\[\]]+", key):
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value
+
+
 def data_parallel(cfg: DictConfig) -> int:
     """`engine.data_parallel`: GPU processes this command launches (batchjob/launch.py); 1 = run here."""
+    check_resolvable(cfg)
     return _positive_int(cfg.engine.get("data_parallel", 1), "engine.data_parallel")
-
-
-def _shard_key(cfg: DictConfig, key: str) -> Any:
-    """`shard.<key>`, whose default comes from Slurm's variables through a resolver (batchjob/slurm.py)."""
-    try:
-        return cfg.shard[key]
-    except InterpolationResolutionError as err:
-        # OmegaConf rewraps the resolver's ConfigError without its cause; its message is the first line.
-        reason = str(err).splitlines()[0].split("while resolving interpolation: ", 1)[-1]
-        raise ConfigError(f"shard.{key}: {reason}") from None
 
 
 def load_settings(cfg: DictConfig) -> JobSettings:
     """Check `cfg` (and the engine options, through the backend's own check) without loading anything."""
+    check_resolvable(cfg)
     check_known_keys(cfg)
     engine_cfg = OmegaConf.to_container(cfg.engine, resolve=True)
     engine_name = engine_cfg.pop("name", None)
@@ -291,8 +332,8 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     on_error = cfg.on_error
     if on_error not in ON_ERROR:
         raise ConfigError(f"on_error={on_error!r}: choose one of {', '.join(ON_ERROR)}")
-    shard_count = _positive_int(_shard_key(cfg, "count"), "shard.count")
-    shard_index = _positive_int(_shard_key(cfg, "index"), "shard.index", minimum=0)
+    shard_count = _positive_int(cfg.shard.count, "shard.count")
+    shard_index = _positive_int(cfg.shard.index, "shard.index", minimum=0)
     if shard_index >= shard_count:
         raise ConfigError(f"shard.index={shard_index} must be below shard.count={shard_count}")
     data = cfg.data

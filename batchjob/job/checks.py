@@ -1,10 +1,11 @@
 """A job's checks, before the engine loads and beside it.
 
-`prepare` checks everything a user controls that needs neither a tokenizer nor the model (the model's config
-files, the engine for it, the input's columns, the job record, the output directory), so a typo costs seconds,
-not a model load or a queue wait. `check_beside_engine` runs in a thread while the engine loads: what takes
-seconds and needs no engine (the tokenizer, the committed row ids of a resume, and on a job's first run with an
-id column the duplicate-id scan, with the shard's lock and record after it). job.py wires them.
+`check_model_and_input` and then `prepare` check everything a user controls that needs neither a tokenizer nor
+the model, so a typo costs seconds, not a model load or a queue wait: first what needs no torch (the model
+directory's files, the input's columns), then the engine for the model, the job record and the output
+directory. `check_beside_engine` runs in a thread while the engine loads: what takes seconds and needs no engine
+(the tokenizer, the committed row ids of a resume, and on a job's first run with an id column the duplicate-id
+scan, with the shard's lock and record after it). run.py wires them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from batchjob.config.settings import JobSettings
 from batchjob.engine import choose_backend
+from batchjob.engine.config_files import BrokenConfigFileError, read_json_file
 from batchjob.engine.transformers_import import load_tokenizer as load_hf_tokenizer
 from batchjob.errors import ConfigError
 from batchjob.io.openai_batch_reader import ID_COLUMN as OPENAI_BATCH_ID
@@ -99,12 +101,20 @@ def choose_engine(settings: JobSettings, model_path: str) -> JobSettings:
     return dataclasses.replace(settings, engine_name=choice.name, engine_options=choice.options)
 
 
-def prepare(settings: JobSettings, startup: StartupClock) -> PreparedJob:
-    """Check the model, the engine for it, the input's columns and the output directory; lock the shard unless
-    the ids must be scanned first (`PreparedJob.scan_ids`). Loads no tokenizer and no model weights."""
+@dataclass(frozen=True)
+class CheckedInput:
+    """What the checks before the engine's imports found: the model directory, and the input opened."""
+
+    settings: JobSettings  # an OpenAI batch input's id column and prompts filled in
+    model_path: str
+    source: Any
+    passthrough: list[str]
+
+
+def check_model_and_input(settings: JobSettings) -> CheckedInput:
+    """Check the model directory's files and the input's columns: what needs neither torch nor the engine, so a
+    wrong path, a broken config.json or a missing column is refused before the engine's imports (seconds)."""
     model_path = resolve_model_path(settings.model_path)
-    settings = choose_engine(settings, model_path)
-    startup.lap("config_s")
     data = settings.data
     spec = InputSpec(
         path=data.path,
@@ -130,6 +140,16 @@ def prepare(settings: JobSettings, startup: StartupClock) -> PreparedJob:
     passthrough = passthrough_columns(
         settings, list(source.columns), settings.prompt.consumed_columns, string_ids=source.string_ids
     )
+    return CheckedInput(settings, model_path, source, passthrough)
+
+
+def prepare(checked: CheckedInput, startup: StartupClock) -> PreparedJob:
+    """Choose the engine for the model and check the output directory; lock the shard unless the ids must be
+    scanned first (`PreparedJob.scan_ids`). Loads no tokenizer and no model weights."""
+    model_path, source, passthrough = checked.model_path, checked.source, checked.passthrough
+    settings = choose_engine(checked.settings, model_path)
+    startup.lap("config_s")
+    data = settings.data
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)
     output = OutputDataset(
         settings.output.dir, settings.shard_index, settings.shard_count, settings.output.lock_timeout_s
@@ -190,6 +210,12 @@ def load_tokenizer(model_path: str) -> Any:
                 f"model.path={model_path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy them from "
                 "the model the weights came from"
             ) from err
+        if local.is_dir() and (local / "tokenizer.json").is_file():
+            # Read only when loading failed: a model's tokenizer.json can be megabytes.
+            try:
+                read_json_file(local / "tokenizer.json")
+            except BrokenConfigFileError as broken:
+                raise ConfigError(f"model.path={model_path}: {broken}") from err
         raise ConfigError(f"cannot load the tokenizer of model.path={model_path}: {err}") from err
 
 

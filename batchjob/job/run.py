@@ -1,9 +1,10 @@
 """A job, wired: config → input → prompts → engine → output, under a checkpoint.
 
 Everything that can be wrong with the config, the paths or the columns is checked before the model is
-loaded (`job_checks.prepare`), so a typo costs seconds, not a model load or a queue wait. The start-up work
+loaded (`checks.check_model_and_input`, before torch is imported, then `checks.prepare`), so a typo costs a
+second, not a model load or a queue wait. The start-up work
 that needs no engine and can take seconds runs in a thread while the engine loads
-(`job_checks.check_beside_engine`); its errors still stop the job with exit 2, after the engine loads and
+(`checks.check_beside_engine`); its errors still stop the job with exit 2, after the engine loads and
 before anything is generated or committed. `startup.py` times every phase.
 """
 
@@ -30,7 +31,7 @@ from batchjob.io.layout import OutputDirError
 from batchjob.io.lock import LockError, LockLost
 from batchjob.io.readers import InputError
 from batchjob.io.storage import StorageFull
-from batchjob.job.checks import PreparedJob, ReadyToFeed, check_beside_engine, prepare
+from batchjob.job.checks import PreparedJob, ReadyToFeed, check_beside_engine, check_model_and_input, prepare
 from batchjob.job.failed_rows import too_many_failed
 from batchjob.job.run_files import recorded_run
 from batchjob.job.shard_loop import ShardRun
@@ -45,16 +46,20 @@ EXIT_RESUMABLE = 75
 USER_ERRORS = (ConfigError, InputError, JobRecordMismatch, LockError, OutputDirError, StorageAccessError)
 
 
-def import_libraries() -> None:
-    """Import torch (seconds, a large part of a warm start-up) here, in one phase, rather than inside the first
-    check that needs it; and silence the libraries: no per-load progress bars or advisory warnings from
-    transformers/datasets in a batch job's log (they read these variables when they are imported)."""
+def quiet_libraries() -> None:
+    """No per-load progress bars or advisory warnings from transformers/datasets in a batch job's log (they read
+    these variables when they are imported: an HF dataset input imports `datasets` in the input checks)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     warnings.filterwarnings("ignore", module=r"(transformers|datasets|torch)(\..*)?")
     quiet_lost_connections()
+
+
+def import_libraries() -> None:
+    """Import torch (seconds, a large part of a warm start-up) here, in one phase, once the input and the model's
+    files are checked, rather than inside the first check that needs it (the engine's choice)."""
     import torch
 
     uncompiled = compiled_afresh(torch)
@@ -87,12 +92,16 @@ def run_shard(cfg: DictConfig, startup: StartupClock | None = None) -> int:
     """`run_job`, but a bad config or input raises (one of `USER_ERRORS`) instead of returning 2, and a full
     disk while preparing raises `StorageFull` instead of returning 75."""
     startup = startup or StartupClock()
-    startup.lap("config_s")  # Hydra composed the config since the clock's last lap
-    import_libraries()
-    startup.lap("imports_s")
+    quiet_libraries()
     settings = load_settings(cfg)
+    startup.lap("config_s")  # Hydra composed the config since the clock's last lap
     with access_reported((settings.data.path, settings.output.dir)):
-        job = prepare(settings, startup)
+        # A wrong path, a broken model file or a missing column is refused before torch is imported.
+        checked = check_model_and_input(settings)
+        startup.lap("checks_s")
+        import_libraries()
+        startup.lap("imports_s")
+        job = prepare(checked, startup)
     startup.lap("checks_s")
     settings = job.settings
     if job.complete:

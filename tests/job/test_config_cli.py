@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 from jobtools import bookkeeping, read_output, read_report, run_cli, write_table
+
+import batchjob
+from batchjob.errors import ConfigError
 
 QUESTIONS = ["What is a cat?", "Why is the sky blue?", "Name a prime."]
 
@@ -155,3 +160,109 @@ def test_help_lists_every_key_with_what_it_means(engine: str) -> None:
     assert not [key for key, meaning in described.items() if not meaning]
     assert ("engine.max_num_seqs" in described) == (engine != "hf")
     assert ("engine.hf.max_batch_size" in described) == (engine == "auto")
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A config or model directory that cannot run, and the words its one-line refusal must hold (MODEL: the
+    model directory's path)."""
+
+    words: tuple[str, ...]
+    overrides: tuple[str, ...] = ()
+    preset: str | None = None  # the text of a preset data/mine.yaml in a search-path folder, run with data=mine
+    model_file: tuple[str, bytes] | None = None  # a copy of the tiny model with this file holding these bytes
+
+
+TRUNCATED_CONFIG = b'{\n  "architectures": ["LlamaForCausalLM"],\n  "hidden_size": '
+BROKEN = {
+    "an interpolation of no key": Broken(
+        ("data.path=${nope}", "no key nope to refer to", "give the value itself"), overrides=("data.path=${nope}",)
+    ),
+    "an interpolation of no resolver": Broken(
+        ("data.path=${nope:x}", "no resolver named nope"), overrides=("data.path=${nope:x}",)
+    ),
+    "an unset environment variable": Broken(
+        ("BATCHJOB_UNSET_VARIABLE", "cannot be resolved", "give the value itself"),
+        overrides=("data.path=${oc.env:BATCHJOB_UNSET_VARIABLE}",),
+    ),
+    "an interpolation of a key inside the config": Broken(
+        ("sampling.seed=${data.nothere}", "no key data.nothere"), overrides=("sampling.seed=${data.nothere}",)
+    ),
+    "a value left unset": Broken(("data.path is not set (???)", "set data.path=VALUE"), overrides=("data.path=???",)),
+    "a preset that is not YAML": Broken(
+        ("mine.yaml is not valid YAML (line 2, column 4", "fix the file"), preset="path: [unclosed\n  x: : y\n"
+    ),
+    "a preset indented with a tab": Broken(
+        ("mine.yaml is not valid YAML (line 2, column 1", "'\\t'"), preset="path: x\n\tprompt_column: y\n"
+    ),
+    "a preset holding a list": Broken(("data/mine.yaml holds a list", "`key: value` lines"), preset="- a\n- b\n"),
+    "a preset with an unclosed interpolation": Broken(
+        ("${...} that cannot be parsed", "escape a literal $ as \\$"), preset="path: a${b\n"
+    ),
+    "a truncated config.json": Broken(
+        ("model.path=MODEL: MODEL/config.json is not valid JSON (line 3, column 18", "download it again"),
+        model_file=("config.json", TRUNCATED_CONFIG),
+    ),
+    "an empty config.json": Broken(
+        ("MODEL/config.json is empty", "download it again"), model_file=("config.json", b"")
+    ),
+    "a config.json holding a list": Broken(
+        ("MODEL/config.json holds an array, not a JSON object",), model_file=("config.json", b"[1, 2]")
+    ),
+    "a config.json that is not text": Broken(
+        ("MODEL/config.json is not UTF-8 text",), model_file=("config.json", b'{"a": "\xff\xfe"}')
+    ),
+    "a broken tokenizer_config.json": Broken(
+        ("MODEL/tokenizer_config.json is not valid JSON (line 1, column 2",),
+        model_file=("tokenizer_config.json", b"{tokenizer_class: x}"),
+    ),
+    "a broken generation_config.json": Broken(
+        ("MODEL/generation_config.json is not valid JSON",), model_file=("generation_config.json", b'{"eos": 2,}')
+    ),
+    "a broken weight index": Broken(
+        ("MODEL/model.safetensors.index.json is not valid JSON",),
+        model_file=("model.safetensors.index.json", b'{"weight_map": {'),
+    ),
+}
+
+
+def broken_setup(case: Broken, tmp_path: Path, model_dir: str) -> tuple[list[str], tuple[str, ...]]:
+    """The overrides that run `case` (beside a fresh output.dir), and its words with MODEL filled in."""
+    overrides = [*case.overrides, f"output.dir={tmp_path / 'out'}"]
+    words = case.words
+    if case.preset is not None:
+        conf = write_presets(tmp_path / "conf", {"data/mine": case.preset})
+        overrides += [f"hydra.searchpath=[file://{conf}]", "data=mine"]
+    if case.model_file is not None:
+        model = tmp_path / "model"
+        shutil.copytree(model_dir, model)
+        name, content = case.model_file
+        (model / name).write_bytes(content)
+        overrides.append(f"model.path={model}")
+        words = tuple(word.replace("MODEL", str(model)) for word in words)
+    return overrides, words
+
+
+@pytest.mark.parametrize("case", BROKEN.values(), ids=BROKEN.keys())
+def test_a_broken_config_or_model_file_is_refused_in_one_line_naming_it(
+    tmp_path: Path, model_dir: str, case: Broken
+) -> None:
+    overrides, words = broken_setup(case, tmp_path, model_dir)
+    done = run_cli(*overrides)
+    assert_refused(done, *words)
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", BROKEN.values(), ids=BROKEN.keys())
+def test_the_python_api_raises_a_config_error_with_the_same_line(tmp_path: Path, model_dir: str, case: Broken) -> None:
+    overrides, words = broken_setup(case, tmp_path, model_dir)
+    with pytest.raises(ConfigError) as refused:
+        batchjob.run(*overrides, "engine=hf")
+    assert all(word in str(refused.value) for word in words), str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_help_gives_each_key_its_own_comment_and_not_the_heading_below_it() -> None:
+    described = help_lines()
+    assert described["sampling.logprobs"].endswith("(chosen token log-probabilities)")
+    assert described["output.dir"].endswith("go beside it, in <output.dir>.batchjob/")  # a comment's second line

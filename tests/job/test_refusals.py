@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from jobtools import bookkeeping, read_only, run_cli, tree_bytes, write_prompts
+from jobtools import REPO, bookkeeping, cli_env, read_only, run_cli, tree_bytes, write_prompts
 
 
 def assert_refused(done, *words: str) -> None:
@@ -72,6 +75,15 @@ def test_a_model_without_tokenizer_files_says_so(tmp_path: Path, model_dir: str)
     assert "sentencepiece" not in done.stderr
 
 
+def test_a_tokenizer_json_cut_short_is_named(tmp_path: Path, model_dir: str) -> None:
+    cut = tmp_path / "cut-tokenizer"
+    shutil.copytree(model_dir, cut)
+    tokenizer = cut / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:500])  # a download that stopped early
+    done = run_cli(f"model.path={cut}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, f"model.path={cut}: {tokenizer} is not valid JSON (line ", "download it again")
+
+
 def test_an_output_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     file = tmp_path / "results"
     file.write_text("not a directory")
@@ -126,3 +138,42 @@ def test_a_multirun_over_output_dirs_leaves_no_folder_named_after_the_default(tm
     assert not (tmp_path / "outputs").exists()
     # Hydra's record of the sweep as a whole goes where Hydra puts it when there is no single output.dir.
     assert len(list((tmp_path / "multirun").glob("*/multirun.yaml"))) == 1
+
+
+# What a refusal of a bad input, config or model file must not wait for: seconds of imports on a busy machine.
+HEAVY_MODULES = re.compile(r"^(torch|transformers|datasets|batchjob\.engine\.(native\.engine|hf))(\.|$)")
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("data.path=/nonexistent/prompts.parquet", "no such file or directory: /nonexistent/prompts.parquet"),
+        ("data.prompt_column=question", "no column 'question'"),
+        ("engine.max_num_seqs=0", "engine.max_num_seqs=0: must be >= 1"),
+        ("data.path=${nope}", "data.path=${nope}: the config has no key nope"),
+        ("model.path=BROKEN", "BROKEN/config.json is not valid JSON"),
+    ],
+    ids=[
+        "missing data file",
+        "missing column",
+        "bad engine option",
+        "unresolvable interpolation",
+        "broken config.json",
+    ],
+)
+def test_a_bad_input_config_or_model_file_is_refused_before_torch_is_imported(
+    tmp_path: Path, model_dir: str, override: str, words: str
+) -> None:
+    broken = tmp_path / "broken-model"
+    shutil.copytree(model_dir, broken)
+    (broken / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": ')
+    override, words = (text.replace("BROKEN", str(broken)) for text in (override, words))
+    # `-X importtime` lists every module the process imports, on stderr, as it imports it.
+    command = [sys.executable, "-X", "importtime", "-m", "batchjob", override, f"output.dir={tmp_path / 'out'}"]
+    done = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2, done.stderr
+    assert len(said) == 1 and said[0].startswith("error: ") and words in said[0], said  # no "running <engine>" line
+    assert "batchjob.job.checks" in imported  # the list is the job's, through its checks
+    assert not [name for name in imported if HEAVY_MODULES.match(name)]
