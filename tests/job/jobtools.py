@@ -8,7 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,6 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = Path(importlib.import_module("batchjob.conf").__file__).resolve().parent
 # Small and greedy everywhere: the suite runs on two shared CPU cores.
 FAST = ("engine=hf", "sampling.max_new_tokens=4")
+# How long a test waits for a job (to exit, or to reach a point it reports: a log line, a committed part) before
+# calling it hung. Never a measurement: the suite runs on two cores beside other work, where everything takes
+# 5-10 times as long as on an idle machine (8x measured, beside two CPU burners), so this is ten times the longest
+# a job of these tests computes on an idle 2-core machine (under 30 s, start-up included). A job that ends early
+# is seen at its exit, not at this limit.
+HUNG_S = 300.0
 
 
 def job_config(*overrides: str) -> DictConfig:
@@ -51,7 +58,7 @@ def cli_command(*overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
 def run_cli(
     *overrides: str,
     flags: tuple[str, ...] = (),
-    timeout: float = 120,
+    timeout: float = HUNG_S,
     prefix: tuple[str, ...] = (),
     cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
@@ -107,6 +114,28 @@ def start_cli(*overrides: str, cwd: Path = REPO) -> subprocess.Popen:
     return subprocess.Popen(
         cli_command(*overrides), cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def wait_for(condition: Callable[[], bool], job: subprocess.Popen, what: str, timeout: float = HUNG_S) -> None:
+    """Until `condition()` holds, while `job` runs: a job that exits first fails the test at once with its stderr;
+    `timeout` only catches a hung job."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert job.poll() is None, f"the job exited ({job.returncode}) before {what}: {job.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s: the job hangs"
+        time.sleep(0.02)
+
+
+def wait_for_line(job: subprocess.Popen, text: str) -> str:
+    """Read `job`'s stderr up to the first line holding `text` (the job's own report that it got there) and return
+    that line; a job that exits first fails the test with what it wrote."""
+    seen = []
+    for line in job.stderr:
+        if text in line:
+            return line
+        seen.append(line)
+    job.wait()
+    raise AssertionError(f"the job exited ({job.returncode}) without logging {text!r}: {''.join(seen)[-3000:]}")
 
 
 def read_output(out_dir: Path) -> pa.Table:

@@ -7,13 +7,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from batchjob.pipelines.openai_batch import chat_sampling
 from batchjob.pipelines.sampling import overridden
-from jobtools import REPO, cli_env, read_output, run_cli, run_in_process, start_cli, write_prompts
+from jobtools import REPO, cli_env, read_output, run_cli, run_in_process, start_cli, wait_for, write_prompts
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
@@ -234,11 +233,7 @@ def test_sigkill_then_rerun_gives_every_custom_id_exactly_once(tmp_path: Path) -
 
     out = tmp_path / "out"
     job = start_cli(*settings, f"output.dir={out}")
-    deadline = time.monotonic() + 120
-    while len(list(out.glob("part-*.parquet"))) < 2:
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "the job committed nothing in time"
-        time.sleep(0.02)
+    wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 2, job, "2 committed parts")
     job.kill()
     job.wait()
     assert job.returncode == -signal.SIGKILL

@@ -9,9 +9,16 @@ import sys
 import threading
 import time
 
-from jobtools import REPO, cli_env
+from jobtools import HUNG_S, REPO, cli_env
 
 from batchjob.job.progress import Progress
+
+
+def wait_until(condition) -> None:
+    deadline = time.monotonic() + HUNG_S
+    while not condition():
+        assert time.monotonic() < deadline, "the heartbeat logged nothing new"
+        time.sleep(0.01)
 
 
 def test_without_a_terminal_progress_is_logged_with_rate_and_eta(caplog) -> None:
@@ -46,7 +53,8 @@ def test_while_no_row_finishes_a_heartbeat_logs_the_tokens_generated(caplog) -> 
     progress = Progress(total=8, log_every_s=0.05, tty=False, live_tokens=lambda: generated[0])
     for tokens in (100, 200, 300):
         generated[0] = tokens
-        time.sleep(0.15)
+        # Each count is awaited in the lines themselves: on a busy machine the heartbeat's thread may run late.
+        wait_until(lambda tokens=tokens: any(f" {tokens} tokens generated" in r.getMessage() for r in caplog.records))
     progress.close()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) >= 3, lines
@@ -81,7 +89,7 @@ def test_a_job_logs_progress_before_its_first_row_finishes(tmp_path) -> None:
         "sampling.ignore_eos=true",
         "progress.log_every_s=0.3",
     ]
-    result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "progress: " in line]
     assert any("progress: 0/4 rows (0%), " in line and "tokens generated" in line for line in lines), lines

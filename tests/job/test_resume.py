@@ -8,7 +8,17 @@ import time
 from pathlib import Path
 
 import pytest
-from jobtools import bookkeeping, read_output, run_cli, run_in_process, start_cli, write_prompts
+from jobtools import (
+    HUNG_S,
+    bookkeeping,
+    read_output,
+    run_cli,
+    run_in_process,
+    start_cli,
+    wait_for,
+    wait_for_line,
+    write_prompts,
+)
 
 from batchjob.io.output import OutputDataset
 from batchjob.status import job_status
@@ -33,14 +43,6 @@ CHECKPOINTED = ("output.commit_every_rows=8", "output.commit_every_s=1000", "sam
 
 def committed_parts(out: Path) -> int:
     return len(list(out.glob("part-*.parquet")))
-
-
-def wait_for(condition, process, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, f"job ended early: {process.communicate()[1][-2000:]}"
-        assert time.monotonic() < deadline, "timed out waiting for the job"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_sigkill_at_random_points_then_rerun_yields_every_row_once_identically(
         before = committed_parts(out)
         job = start_cli(*args)
         target = before + rng.randint(1, 3)
-        wait_for(lambda target=target: committed_parts(out) >= target, job)
+        wait_for(lambda target=target: committed_parts(out) >= target, job, f"{target} committed parts")
         time.sleep(rng.uniform(0.0, 0.05))  # land anywhere: mid-batch, mid-commit, between commits
         job.kill()
         job.wait()
@@ -106,17 +108,16 @@ def test_sigterm_commits_finished_rows_and_exits_resumable(
         "progress.log_every_s=0",
     )
     job = start_cli(*args)
-    for line in job.stderr:
-        if "progress:" in line:
-            break
-    signalled = time.monotonic()
+    wait_for_line(job, "progress:")  # a row has finished
     job.send_signal(signal.SIGTERM)
-    _, stderr = job.communicate(timeout=30)
-    assert time.monotonic() - signalled < 10
-    assert job.returncode == 128 + signal.SIGTERM
+    # How soon it exits is no measure (a loaded machine takes many times as long); that it stopped rather
+    # than finishing the shard is: it says so, and committed only part of the rows.
+    _, stderr = job.communicate(timeout=HUNG_S)
+    assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     committed = read_output(out).num_rows
     assert 0 < committed < ROWS
     assert f"interrupted: {committed} rows committed; resumable: rerun the same command" in stderr
+    assert not (bookkeeping(out) / "_SUCCESS").exists()
     assert run_cli(*args).returncode == 0
     assert_exactly_once(out, reference)
 

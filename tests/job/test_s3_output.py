@@ -4,13 +4,12 @@ rerun, every row exactly once and identical to the same job on a local disk."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pyarrow.dataset as pads
-from jobtools import read_output, run_cli, start_cli, write_prompts
+from jobtools import HUNG_S, read_output, run_cli, start_cli, wait_for, write_prompts
 
 ROWS = 24
 SMALL_PARTS = ("engine.max_batch_size=1", "output.commit_every_rows=3", "output.commit_every_s=1000")
@@ -29,11 +28,7 @@ def read_s3_output(uri: str) -> pa.Table:
 def start_after_parts(args: tuple[str, ...], out: str, cwd: Path, parts: int = 2) -> subprocess.Popen:
     """The job started, once it has committed `parts` parts to `out`."""
     job = start_cli(*args, cwd=cwd)
-    deadline = time.monotonic() + 120
-    while len(s3_parts(out)) < parts:
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "no parts committed in time"
-        time.sleep(0.05)
+    wait_for(lambda: len(s3_parts(out)) >= parts, job, f"{parts} committed parts")
     return job
 
 
@@ -82,7 +77,7 @@ def test_a_store_lost_mid_run_exits_resumable_and_the_rerun_yields_every_row_onc
     out = "s3://outage/out"
     args, local, job = start_beside_a_local_run(out, tmp_path)
     server.stop()
-    _, stderr = job.communicate(timeout=240)
+    _, stderr = job.communicate(timeout=HUNG_S)
     assert job.returncode == 75, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]  # nor asyncio's records of the tasks the lost server cut off
     assert "lost access to the output or input mid-run" in stderr

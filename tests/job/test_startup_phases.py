@@ -30,12 +30,16 @@ def test_phases_beside_the_engine_add_nothing_to_the_total() -> None:
     clock.lap("imports_s")
     with clock.timed("tokenizer_s", beside_engine=True):
         time.sleep(0.05)
+    before_last_lap = time.perf_counter()
     clock.lap("engine_s")
     summary = clock.summary({"load_s": 0.01, "steps": 3})
+    after_summary = time.perf_counter()
     assert summary["tokenizer_s"] >= 0.05
     assert summary["engine_load_s"] == 0.01 and "engine_steps" not in summary
+    # The laps cover the start to the last lap; the total runs on to the summary, which is all that may lie
+    # between them (bounded by this test's own clock, as a loaded machine may pause anywhere in between).
     critical = summary["imports_s"] + summary["engine_s"]
-    assert critical == pytest.approx(summary["total_s"], abs=0.01)
+    assert 0 <= summary["total_s"] - critical <= after_summary - before_last_lap
     line = clock.ready_line(summary)
     assert line.startswith(f"ready to generate {summary['total_s']:.1f} s after start: imports ")
     assert f"engine {summary['engine_s']:.2f} s (weights 0.01 s)" in line
@@ -71,9 +75,12 @@ def test_the_command_logs_and_reports_every_start_up_phase(tmp_path: Path) -> No
     assert set(CRITICAL_PHASES) <= set(startup)
     assert "tokenizer_s" in startup and "ids_s" not in startup  # no id column: nothing to scan
     assert all(seconds >= 0 for seconds in startup.values())
-    # The critical path adds up to the wall time from process start (Hydra's own start-up is in it too).
+    # The critical path adds up to the wall time from process start (Hydra's own start-up is in it too), but for
+    # the moment between the last lap and the summary: a few calls, which a machine busy with other work may
+    # stretch, hence ten times the 0.05 s an idle one needs. A phase left out of the sum still shows if it is one
+    # of the long ones (imports, config and model files, engine: 0.4-2 s each on an idle machine).
     critical = sum(startup[key] for key in CRITICAL_PHASES)
-    assert critical == pytest.approx(startup["total_s"], abs=0.05)
+    assert critical <= startup["total_s"] <= critical + 0.5
     assert startup["imports_s"] > 0.5  # torch and transformers are imported in this phase, not in a check
     [line] = [line for line in done.stderr.splitlines() if "ready to generate" in line]
     assert f"ready to generate {startup['total_s']:.1f} s after start: imports {startup['imports_s']:.2f} s" in line

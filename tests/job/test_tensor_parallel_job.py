@@ -7,11 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from jobtools import REPO, cli_env, read_output, write_prompts
+from jobtools import HUNG_S, REPO, cli_env, read_output, wait_for, write_prompts
 
 from batchjob.cluster.data_parallel import plan_children
 from batchjob.errors import ConfigError
@@ -64,15 +63,11 @@ def test_a_killed_rank_ends_the_job_resumably_and_a_rerun_completes_every_row_on
     job = subprocess.Popen(
         command(*args), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    deadline = time.monotonic() + 240
-    while committed_rows(out) < 4:
-        assert job.poll() is None, job.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no rows committed in time"
-        time.sleep(0.05)
+    wait_for(lambda: committed_rows(out) >= 4, job, "4 committed rows")
     ranks = rank_pids(job.pid)
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGKILL)
-    _, stderr = job.communicate(timeout=120)
+    _, stderr = job.communicate(timeout=HUNG_S)
 
     assert job.returncode == EXIT_RESUMABLE, stderr[-3000:]
     assert "tensor-parallel rank 1" in stderr and "resumable: rerun the same command" in stderr
@@ -80,7 +75,7 @@ def test_a_killed_rank_ends_the_job_resumably_and_a_rerun_completes_every_row_on
     assert 4 <= kept < ROWS and not (out / "_SUCCESS").exists()
     assert rank_pids(job.pid) == []
 
-    rerun = subprocess.run(command(*args), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(command(*args), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=HUNG_S)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resuming: {kept} rows already committed" in rerun.stderr
     assert read_output(out).column("row_id").to_pylist() == list(range(ROWS))
@@ -97,14 +92,10 @@ def test_sigterm_stops_a_tensor_parallel_job_resumably_and_its_ranks_with_it(tmp
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 240
-    while committed_rows(out) < 4:
-        assert job.poll() is None, job.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no rows committed in time"
-        time.sleep(0.05)
+    wait_for(lambda: committed_rows(out) >= 4, job, "4 committed rows")
     ranks = rank_pids(job.pid)
     job.send_signal(signal.SIGTERM)
-    _, stderr = job.communicate(timeout=120)
+    _, stderr = job.communicate(timeout=HUNG_S)
 
     assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "resumable: rerun the same command" in stderr and "engine failed" not in stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from array import array
 
 import numpy as np
 
@@ -80,9 +81,23 @@ def test_blocks_go_out_plain_freed_first_then_never_used_then_oldest_cached() ->
     assert not manager.can_allocate(1)
 
 
+def median_seconds(make) -> float:
+    """The median of three timings of `make()`, each result dropped before the next."""
+    timings = []
+    for _ in range(3):
+        began = time.perf_counter()
+        made = make()
+        timings.append(time.perf_counter() - began)
+        del made
+    return sorted(timings)[1]
+
+
 def test_a_cache_of_tens_of_millions_of_blocks_is_ready_at_once() -> None:
-    began = time.perf_counter()
+    # Timed against filling an array with one number per block, in this process, rather than in seconds: a machine
+    # busy with other work is several times slower at both. The manager takes one to two such fills; a Python
+    # object per block took about 9 s, some 100 fills (a plain list of 40 million ints alone takes 12).
+    fill = median_seconds(lambda: array("i", [0]) * 40_000_000)
+    assert median_seconds(lambda: KVBlockManager(num_blocks=40_000_000, block_size=BLOCK)) < 10 * fill
     manager = KVBlockManager(num_blocks=40_000_000, block_size=BLOCK)
-    assert time.perf_counter() - began < 2.0  # a Python object per block took about 9 s
     assert manager.num_free == 40_000_000 - 1
     assert manager.allocate([], 3) == [1, 2, 3]

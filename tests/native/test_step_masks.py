@@ -14,6 +14,10 @@ from batchjob.engine.native.scheduling.scheduler import StepPlan
 from batchjob.engine.native.scheduling.sequence import Status
 from batchjob.engine.native.step_masks import StepMasks
 
+# A limit only a hung worker reaches: the waits below are for events the worker makes (a sampler enqueued, a gate
+# opened, a future set), which on a machine busy with other work may come many times later than on an idle one.
+HUNG_S = 60.0
+
 
 class SlowLibrary:
     """Stands in for llguidance: its call runs without the GIL (a sleep) after `entering`."""
@@ -28,8 +32,24 @@ class SlowLibrary:
         self.entered_at = time.perf_counter()
         if entering is not None:
             entering()
-        time.sleep(0.02)
+        self.compute()
         bitmask[[k for _, k in rows]] = 7
+
+    def compute(self) -> None:
+        time.sleep(0.02)
+
+
+class HeldLibrary(SlowLibrary):
+    """SlowLibrary whose fill lasts until the test releases it, so that "not done yet" holds however late the
+    test's thread runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def compute(self) -> None:
+        assert self.released.wait(HUNG_S), "the test never released the fill"
+        self.released.clear()
 
 
 def one_constrained_step():
@@ -83,12 +103,14 @@ def test_poll_enqueues_the_sampler_from_the_loops_thread_once_the_fill_is_done()
     step, runner, bitmask, enqueued = one_constrained_step()
     threads = []
     runner.enqueue_masked_sampler = lambda s: (enqueued.append(s), threads.append(threading.get_ident()))
-    masks = StepMasks(runner, SlowLibrary())
+    library = HeldLibrary()
+    masks = StepMasks(runner, library)
     for _ in range(3):
         masks.start(step)
-        masks.poll()  # the fill takes 0.02 s: not done yet
+        masks.poll()  # the fill is held: not done yet
         assert enqueued == [] and masks.busy
-        deadline = time.perf_counter() + 1.0
+        library.released.set()
+        deadline = time.perf_counter() + HUNG_S
         while not enqueued and time.perf_counter() < deadline:
             python_work(0.001)  # the loop's work, polling between pieces of it
             masks.poll()
@@ -152,7 +174,7 @@ def test_a_gated_sampler_is_enqueued_by_the_loop_and_its_gate_opened_by_the_work
     masks = StepMasks(runner, SlowLibrary(fails=fails))
     masks.start(step)
     assert masks.gated and masks.holds(step)
-    deadline = time.perf_counter() + 1.0
+    deadline = time.perf_counter() + HUNG_S
     while len(runner.events) < 3 and time.perf_counter() < deadline:
         time.sleep(0.001)  # the loop, free to launch the next step meanwhile
     loop = threading.get_ident()
@@ -198,7 +220,7 @@ def test_the_worker_advances_the_step_being_processed_then_fills_the_next_ones_m
     masks = StepMasks(runner, library)
     advanced = masks.advance_and_start(step, [("m1", 5), ("m2", 9)])
     python_work(0.005)
-    assert advanced.result(timeout=1) == [(True, False, ""), (True, True, "")]
+    assert advanced.result(timeout=HUNG_S) == [(True, False, ""), (True, True, "")]
     masks.finish()
     assert bitmask.eq(7).all() and enqueued == [step]
     assert [name for name, _ in library.calls] == ["advance", "fill"]
@@ -212,7 +234,7 @@ def test_a_failed_advance_reaches_the_loop_through_its_future_and_finish() -> No
     masks = StepMasks(runner, AdvancingLibrary(fails=True))
     advanced = masks.advance_and_start(step, [("m1", 5)])
     with pytest.raises(RuntimeError, match="the matcher failed"):
-        advanced.result(timeout=1)
+        advanced.result(timeout=HUNG_S)
     with pytest.raises(RuntimeError, match="the matcher failed"):
         masks.finish()
     masks.close()
