@@ -39,6 +39,7 @@ from batchjob.io.layout import (
     BOOKKEEPING_SUFFIX,
     JOB_RECORD_NAME,
     LOCKS_DIR_NAME,
+    PART_RE,
     REPORT_NAME,
     SUCCESS_NAME,
     ShardOutput,
@@ -106,6 +107,7 @@ def settle_job_record(change: RecordChange, resume: bool, overwrite: bool) -> No
     me = change.shard.shard_index
     stored = job_records.read(change.storage, record_path)
     if stored is None:
+        _refuse_orphan_parts(change, record_path, overwrite)
         if change.storage.create_exclusive(record_path, job_records.encode(wanted), change.tmp_dir):
             if not resume:
                 delete_shard_outputs(change.files(me, change.shard.shard_count), change.meta)
@@ -145,6 +147,27 @@ def settle_job_record(change: RecordChange, resume: bool, overwrite: bool) -> No
     for name in (SUCCESS_NAME, REPORT_NAME):  # job-wide markers of a single-shard job
         change.storage.remove(change.file(name))
     job_records.overwrite(change.storage, record_path, wanted, change.tmp_dir)
+
+
+def _refuse_orphan_parts(change: RecordChange, record_path: str, overwrite: bool) -> None:
+    """Parts in output.dir with no job record beside them: the bookkeeping folder was lost (output.dir a volume
+    or scratch mount whose sibling lived on a throw-away filesystem, a copy of the parts alone). Whose job
+    wrote them is unknown, so adopting them could mix two configurations in one dataset; `overwrite` deletes
+    them instead."""
+    orphans = sorted(name for name in change.storage.list_files(change.out_dir) if PART_RE.match(name))
+    if not orphans:
+        return
+    if overwrite:
+        for name in orphans:
+            change.storage.remove(change.storage.join(change.out_dir, name))
+        log.warning("output.overwrite=true: deleted %d parts that had no job record", len(orphans))
+        return
+    raise JobRecordMismatch(
+        f"{change.shard.dir} holds {len(orphans)} committed parts ({orphans[0]}, ...) but no job record "
+        f"({record_path} is missing: the folder beside output.dir was lost or not copied with it), so which "
+        "job wrote them cannot be checked. Restore that folder to resume, use a new output.dir, or add "
+        "output.overwrite=true to delete the parts and start over"
+    )
 
 
 def record_is_stored(output_dir: str, record: dict[str, Any]) -> bool:

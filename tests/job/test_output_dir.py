@@ -106,3 +106,21 @@ def test_a_folder_holding_other_files_is_refused_before_the_id_scan(tmp_path: Pa
     prompts = write_table(tmp_path / "dup.parquet", {"id": [7, 7, 8], "prompt": ["a", "b", "c"]})
     done = run_cli(f"data.path={prompts}", "data.id_column=id", f"output.dir={out}")
     assert_refused(done, out)
+
+
+def test_parts_whose_job_record_was_lost_are_refused_not_adopted(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = job_args(tmp_path, out)
+    assert run_cli(*args, "sampling.max_new_tokens=3").returncode == 0
+    parts = sorted(os.listdir(out))
+    # The folder beside output.dir is gone (it lived on a container's own filesystem, or only the parts were
+    # copied): a job with other settings must not take those rows as its own.
+    subprocess.run(["rm", "-r", str(bookkeeping(out))], check=True)
+    refused = run_cli(*args, "sampling.max_new_tokens=5")
+    assert refused.returncode == 2, refused.stderr
+    assert "no job record" in refused.stderr and "output.overwrite=true" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert sorted(os.listdir(out)) == parts
+    fresh = run_cli(*args, "sampling.max_new_tokens=5", "output.overwrite=true")
+    assert fresh.returncode == 0, fresh.stderr
+    assert sorted(read_output(out).column("row_id").to_pylist()) == list(range(ROWS))
