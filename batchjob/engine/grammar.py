@@ -1,7 +1,7 @@
 """Structured outputs through llguidance: constraints compiled once per distinct constraint, one matcher per
 sample, token bitmasks filled in parallel off the GIL.
 
-llguidance was chosen by measurement (docs/engine.md, `scripts/compare_grammar_libs.py`): on a 128k-token
+llguidance was chosen by measurement (docs/engine.md, docs/history/benchmarks-2026.md): on a 128k-token
 vocabulary it was the one library whose every finished sample parsed with strict `json.loads` and validated,
 with millisecond compiles and forced-token (jump-forward) support. A bitmask row holds one bit per vocabulary
 id (int32 words, bit `i % 32` of word `i // 32`); a set bit allows the token.
