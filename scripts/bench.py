@@ -188,7 +188,7 @@ def run_workload(
             task = {"kind": "model", "architecture": spec.architecture, "cache": str(args.model_cache)}
             tokenizer = args.tokenizer if args.constrained else None
             model_dir = Path(run_child({**task, "tokenizer": tokenizer})["model_dir"])
-        shape = model_shape(ARCHITECTURES[spec.architecture])
+        shape = model_shape(ARCHITECTURES[spec.architecture], str(options.get("quantization", "auto")))
         # A BPE's special ids follow its ordinary tokens: prompts are then ordinary text below them.
         vocab = text_tokens(spec.architecture, args.tokenizer) + 1 if args.constrained else shape.vocab
         special_ids = BENCH_SPECIAL_IDS
@@ -202,6 +202,7 @@ def run_workload(
             hardware["copy_bytes_per_s"] * gpus,
             hardware["matmul_flops_per_s"] * gpus,
             kv_budget - shape.weight_bytes,
+            (hardware.get("fp8_matmul_flops_per_s") or 0) * gpus or None,
         )
         print(
             f"{spec.name}: roofline {floor.total_s:.2f} s = {floor.tok_per_s:,.0f} tok/s"
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         hardware = run_child({"kind": "hardware"})
         print(
             f"{hardware['device']}: copy {hardware['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-            f"bf16 matmul {hardware['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s",
+            f"bf16 matmul {hardware['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+            + (f", fp8 {hardware['fp8_matmul_flops_per_s'] / 1e12:.0f}" if hardware["fp8_matmul_flops_per_s"] else ""),
             flush=True,
         )
     settings = dataclasses.replace(settings, engine_options=options)
@@ -335,7 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     rates = (
         None
         if hardware is None
-        else HardwareRates(**{f: hardware[f] for f in ("copy_bytes_per_s", "matmul_flops_per_s", "device")})
+        else HardwareRates(
+            **{
+                f: hardware.get(f)
+                for f in ("copy_bytes_per_s", "matmul_flops_per_s", "device", "fp8_matmul_flops_per_s")
+            }
+        )
     )
     run = {
         **provenance(sys.argv[1:] if argv is None else argv),

@@ -89,6 +89,9 @@ def _engine_record(options: dict[str, Any], name: str) -> dict[str, Any]:
     # only when set, so the records of earlier jobs still match.
     if options.get("load_format", "auto") != "auto":
         record["load_format"] = options["load_format"]
+    # Quantizing at load changes every output: an FP8 run never resumes a bf16 one (nor the other way round).
+    if options.get("quantization", "auto") != "auto":
+        record["quantization"] = options["quantization"]
     # Jump-forward takes a constraint's forced tokens as the grammar tokenizes them, not as the model samples
     # them: other outputs, so a job run with it never resumes one run without (nor the other way round).
     if options.get("jump_forward"):

@@ -1,5 +1,6 @@
-"""The two numbers the roofline needs, measured in the same run as the systems: device-to-device copy
-bandwidth and bf16 matmul rate; and `graph_ms`, the profiling scripts' timer of one CUDA-graph replay."""
+"""The numbers the roofline needs, measured in the same run as the systems: device-to-device copy bandwidth, the
+bf16 matmul rate and (where the GPU has FP8 tensor cores) the FP8 one; and `graph_ms`, the profiling scripts' timer
+of one CUDA-graph replay."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ class HardwareRates:
     copy_bytes_per_s: float  # bytes read + bytes written per second by a large device-to-device copy
     matmul_flops_per_s: float  # dense bf16 matmul rate
     device: str
+    fp8_matmul_flops_per_s: float | None = None  # e4m3 x e4m3 -> bf16 with row-wise scales; None: no FP8 units
 
 
 def graph_ms(fn, reps: int = 20) -> float:
@@ -76,6 +78,25 @@ def measure_matmul_rate(size: int = 8192, repeats: int = 20) -> float:
     return 2 * size**3 / _median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
 
 
+def measure_fp8_matmul_rate(size: int = 8192, repeats: int = 20) -> float | None:
+    """FLOPs per second of a `size`^3 FP8 matmul with row-wise scales (as the engine's FP8 projections run it),
+    or None on a GPU without FP8 tensor cores (before compute capability 8.9)."""
+    import torch
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        return None
+    generator = torch.Generator(device="cuda").manual_seed(1234)
+    a = torch.randn(size, size, device="cuda", generator=generator).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda", generator=generator).to(torch.float8_e4m3fn).t()
+    scale_a = torch.ones(size, 1, device="cuda")
+    scale_b = torch.ones(1, size, device="cuda")
+
+    def matmul():
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+    return 2 * size**3 / _median_seconds(matmul, repeats)
+
+
 def measure_hardware() -> HardwareRates:
     import torch
 
@@ -83,6 +104,7 @@ def measure_hardware() -> HardwareRates:
         copy_bytes_per_s=measure_copy_bandwidth(),
         matmul_flops_per_s=measure_matmul_rate(),
         device=torch.cuda.get_device_name(),
+        fp8_matmul_flops_per_s=measure_fp8_matmul_rate(),
     )
     # The probes' buffers (8 GiB) must not stay cached while the systems size their KV caches.
     torch.cuda.empty_cache()

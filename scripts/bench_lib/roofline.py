@@ -50,15 +50,28 @@ class ModelShape:
     experts: int = 0  # per MoE layer
     experts_per_token: int = 0
     expert_parameters: int = 0  # of one expert in one layer
+    fp8_parameters: int = 0  # weights of FP8 projections, multiplied at the FP8 rate
+    held_bytes: int | None = None  # the weights' bytes on the GPU when some are FP8 (None: all bf16)
 
     @property
     def weight_bytes(self) -> int:
-        """Every weight, as the GPU holds them."""
-        return self.parameters * BF16_BYTES
+        """Every weight, as the GPU holds them: bf16, FP8 projections a byte a weight (and their scales)."""
+        return self.parameters * BF16_BYTES if self.held_bytes is None else self.held_bytes
 
     @property
     def expert_bytes(self) -> int:
         return self.moe_layers * self.experts * self.expert_parameters * BF16_BYTES
+
+    def matmul_seconds(
+        self, linear_tokens: float, head_tokens: float, pairs: float, bf16_rate: float, fp8_rate: float | None = None
+    ) -> float:
+        """Seconds of the matmuls of `linear_tokens` tokens through every layer, `head_tokens` through the lm_head
+        and `pairs` (query, key) pairs of attention: FP8 projections at the FP8 rate (None: bf16's), the rest at
+        bf16's."""
+        head = self.vocab * self.hidden
+        layers = self.matmul_parameters_per_token - head - self.fp8_parameters
+        bf16 = 2.0 * layers * linear_tokens + 2.0 * head * head_tokens + self.attention_flops(pairs)
+        return bf16 / bf16_rate + 2.0 * self.fp8_parameters * linear_tokens / (fp8_rate or bf16_rate)
 
     def step_weight_bytes(self, tokens: int) -> float:
         """Weight bytes a step of `tokens` tokens reads: all but the experts, and the experts it hits."""
@@ -81,14 +94,17 @@ class ModelShape:
         return 4.0 * self.layers * self.attention_heads * self.head_dim * query_context_pairs
 
 
-def model_shape(architecture: dict[str, Any]) -> ModelShape:
+def model_shape(architecture: dict[str, Any], quantization: str = "auto") -> ModelShape:
     """The shape of an architecture from `bench_lib.workloads.ARCHITECTURES`, through the native engine's
-    description of it, counting parameters exactly by building its model on the meta device (no memory)."""
+    description of it, counting parameters and their bytes exactly by building its model on the meta device (no
+    memory); `quantization`: the engine option (fp8: its projections quantized as they load)."""
     import torch
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from batchjob.engine.native.layers.attention import TorchPagedAttention
+    from batchjob.engine.native.layers.fp8_linear import Fp8Linear
+    from batchjob.engine.native.loading.model_loader import quantize_loaded
     from batchjob.engine.native.models import CausalLM
     from batchjob.engine.native.models.registry import ARCHITECTURES, spec_from_config
 
@@ -96,12 +112,17 @@ def model_shape(architecture: dict[str, Any]) -> ModelShape:
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
     described = ARCHITECTURES[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
-    spec = spec_from_config(config, described, f"<{model_type}>", {}, "bfloat16", None)
+    spec = spec_from_config(config, described, f"<{model_type}>", {}, "bfloat16", None, quantization)
     with torch.device("meta"):
         model = CausalLM(spec, TorchPagedAttention())
+        quantize_loaded(model)
     moe = spec.moe
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    scales = sum(p.numel() for m in fp8 for p in (m.weight_scale, m.input_scale) if p is not None)
     return ModelShape(
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=sum(p.numel() for p in model.parameters()) - scales,
+        held_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) if fp8 else None,
+        fp8_parameters=sum(m.weight.numel() for m in fp8),
         layers=spec.num_layers,
         attention_heads=spec.num_heads,
         kv_heads=spec.num_kv_heads,
@@ -141,6 +162,7 @@ def decode_floor(
     kv_budget_tokens: int,
     copy_bytes_per_s: float,
     matmul_flops_per_s: float,
+    fp8_matmul_flops_per_s: float | None = None,
 ) -> tuple[float, int, int]:
     """Seconds, steps and peak concurrency of the decode phase. The first output token of each request comes
     from its prefill, so a request of L output tokens takes L - 1 decode steps; at decode step j its
@@ -166,8 +188,8 @@ def decode_floor(
         batch = int(running.sum())
         kv_tokens = int(context[running].sum())
         read_s = (shape.step_weight_bytes(batch) + kv_tokens * shape.kv_bytes_per_token) / copy_bytes_per_s
-        flops = 2.0 * shape.matmul_parameters_per_token * batch + shape.attention_flops(kv_tokens)
-        seconds += max(read_s, flops / matmul_flops_per_s)
+        compute_s = shape.matmul_seconds(batch, batch, kv_tokens, matmul_flops_per_s, fp8_matmul_flops_per_s)
+        seconds += max(read_s, compute_s)
         steps += 1
         peak = max(peak, batch)
         remaining[running] -= 1
@@ -178,16 +200,18 @@ def decode_floor(
 
 
 def prefill_floor(
-    shape: ModelShape, prompt_lengths: np.ndarray, shared_prefix: int, matmul_flops_per_s: float
+    shape: ModelShape,
+    prompt_lengths: np.ndarray,
+    shared_prefix: int,
+    matmul_flops_per_s: float,
+    fp8_matmul_flops_per_s: float | None = None,
 ) -> float:
     """Seconds of prefill compute: 2 FLOPs per parameter per prompt token through every layer, the lm_head
     for each request's last prompt token only, plus causal attention. A shared prefix is computed once."""
     unique = prompt_lengths.astype(np.float64) - shared_prefix
     tokens = shared_prefix + unique.sum()
-    layer_parameters = shape.matmul_parameters_per_token - shape.vocab * shape.hidden
-    linear = 2.0 * layer_parameters * tokens + 2.0 * shape.vocab * shape.hidden * len(prompt_lengths)
     pairs = shared_prefix * (shared_prefix + 1) / 2 + (unique * shared_prefix + unique * (unique + 1) / 2).sum()
-    return (linear + shape.attention_flops(pairs)) / matmul_flops_per_s
+    return shape.matmul_seconds(tokens, len(prompt_lengths), pairs, matmul_flops_per_s, fp8_matmul_flops_per_s)
 
 
 def roofline(
@@ -196,9 +220,11 @@ def roofline(
     copy_bytes_per_s: float,
     matmul_flops_per_s: float,
     kv_budget_bytes: int,
+    fp8_matmul_flops_per_s: float | None = None,
 ) -> RooflineFloor:
     prompts, outputs = requests.prompt_lengths, requests.output_lengths
     kv_tokens = kv_budget_bytes // shape.kv_bytes_per_token
-    decode_s, steps, peak = decode_floor(shape, prompts, outputs, kv_tokens, copy_bytes_per_s, matmul_flops_per_s)
-    prefill_s = prefill_floor(shape, prompts, requests.spec.shared_prefix, matmul_flops_per_s)
+    rates = (matmul_flops_per_s, fp8_matmul_flops_per_s)
+    decode_s, steps, peak = decode_floor(shape, prompts, outputs, kv_tokens, copy_bytes_per_s, *rates)
+    prefill_s = prefill_floor(shape, prompts, requests.spec.shared_prefix, *rates)
     return RooflineFloor(decode_s, prefill_s, steps, peak, requests.total_output_tokens)

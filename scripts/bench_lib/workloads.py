@@ -91,6 +91,31 @@ ARCHITECTURES["llama-3.1-70b"] = {
 }
 
 
+# Llama 3.1 70B in FP8 as llm-compressor's FP8_DYNAMIC scheme exports it (compressed-tensors: per-channel weights,
+# dynamic per-token activations, the lm_head in bf16), the usual FP8 release of such a model.
+ARCHITECTURES["llama-3.1-70b-fp8"] = {
+    **ARCHITECTURES["llama-3.1-70b"],
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+}
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """How a workload's requests are drawn. Lengths are `(low, high)` inclusive ranges; `shared_prefix`
@@ -124,6 +149,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "W6": WorkloadSpec("W6", "MoE", "qwen3-30b-a3b", 512, (100, 1024), (100, 1024)),
     "W7": WorkloadSpec(
         "W7", "beyond one GPU", "llama-3.1-70b", 256, (128, 1024), (128, 512), tensor_parallel=2, load_format="dummy"
+    ),
+    "W8": WorkloadSpec(
+        "W8", "70B in FP8 on one GPU", "llama-3.1-70b-fp8", 512, (256, 256), (512, 512), load_format="dummy"
     ),
 }
 

@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchjob.engine.native.layers.attention import TorchPagedAttention
 from batchjob.engine.native.layers.rope import rope_table
-from batchjob.engine.native.loading.checkpoint import checkpoint_slot
+from batchjob.engine.native.loading.checkpoint_names import checkpoint_slot
 from batchjob.engine.native.loading.model_loader import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,

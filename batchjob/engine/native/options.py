@@ -11,6 +11,7 @@ from batchjob.errors import did_you_mean
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "fp8")
 # `graph_sampling`: which sampler modes get CUDA graphs (true: all, false: greedy); a job whose rows all sample
 # alike names its one mode, and steps of a cheaper mode replay its graphs
 GRAPH_SAMPLING = ("all", "greedy", "temperature", "filtering")
@@ -33,6 +34,7 @@ class NativeOptions:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    quantization: str = "auto"
     tensor_parallel: int = 1
     block_size: int = 16
     max_num_seqs: int = 512
@@ -98,6 +100,11 @@ class NativeOptions:
             problems.append(
                 f"engine.load_format={self.load_format!r}: choose auto (the safetensors weights) or dummy "
                 "(random weights from config.json alone, for benchmarks)"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            problems.append(
+                f"engine.quantization={self.quantization!r}: choose auto (run the checkpoint as it is, FP8 ones in "
+                "FP8) or fp8 (quantize a bf16/fp16/fp32 checkpoint's projections to FP8 as it loads)"
             )
         if self.graph_sampling not in GRAPH_SAMPLING:
             problems.append(

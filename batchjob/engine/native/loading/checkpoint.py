@@ -1,43 +1,27 @@
 """Checkpoint tensors -> the model's parameters: which parameter (or slice of one) each safetensors tensor fills,
 and the copy itself.
 
-Checkpoint names map onto our parameters (`checkpoint_slot`): a family's renames, then q/k/v and gate/up into
-their rows of one fused projection, and per-expert weights into their entry of the stacked expert weights. A
-single device reads whole files in large chunks (`weight_stream.py`); a tensor-parallel rank reads only its slices
-of each tensor through `safe_open(...).get_slice`. Every shape is checked against the config's before a byte is
-copied, and a parameter that no tensor filled completely is an error.
+Checkpoint names map onto our parameters as `checkpoint_names.py` says; an FP8 checkpoint's scales are read by
+`fp8_scales.py`. A single device reads whole files in large chunks (`weight_stream.py`); a tensor-parallel rank
+reads only its slices of each tensor through `safe_open(...).get_slice`. Every shape is checked against the
+config's before a byte is copied, and a parameter that no tensor filled completely is an error.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from batchjob.engine.native.layers.parallel import TensorParallel
+from batchjob.engine.native.loading.checkpoint_names import Slot, checkpoint_slot
+from batchjob.engine.native.loading.fp8_scales import load_scales
 from batchjob.engine.native.loading.sharding import ParamShard
 from batchjob.engine.native.loading.weight_stream import Piece, WeightReader, read_entries
 from batchjob.engine.native.models import CausalLM
-from batchjob.engine.native.models.registry import ARCHITECTURES
 from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
 from batchjob.engine.weight_files import safetensors_paths
-
-_QKV = re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)")
-_GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.(weight|bias)")
-_EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a checkpoint tensor goes: parameter `name`, its `expert`-th entry (stacked experts), rows from
-    `row` on (fused q/k/v or gate/up)."""
-
-    name: str
-    expert: int | None = None
-    row: int | None = None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -51,31 +35,6 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) and use new_dir"
         )
     raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
-
-
-def checkpoint_slot(key: str, spec: ModelSpec) -> Slot | None:
-    """Checkpoint tensor name -> its `Slot` in our model, or None for tensors we do not need. The family's
-    renames come first (`Architecture.checkpoint_renames`), then the fused and stacked slots every family
-    shares."""
-    name = key.removeprefix("model.")
-    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and spec.tie_word_embeddings):
-        return None
-    for pattern, replacement in ARCHITECTURES[spec.architecture].checkpoint_renames:
-        name = re.sub(pattern, replacement, name)
-    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    if match := _QKV.fullmatch(name):
-        prefix, which, kind = match.groups()
-        return Slot(f"{prefix}.self_attn.qkv_proj.{kind}", row={"q": 0, "k": q_size, "v": q_size + kv_size}[which])
-    if match := _EXPERT.fullmatch(name):
-        prefix, expert, which = match.groups()
-        if which == "down":
-            return Slot(f"{prefix}.mlp.experts.down_proj", expert=int(expert))
-        row = 0 if which == "gate" else spec.moe.intermediate_size
-        return Slot(f"{prefix}.mlp.experts.gate_up_proj", expert=int(expert), row=row)
-    if match := _GATE_UP.fullmatch(name):
-        prefix, which, kind = match.groups()
-        return Slot(f"{prefix}.mlp.gate_up_proj.{kind}", row=0 if which == "gate" else spec.intermediate_size)
-    return Slot(name)
 
 
 def _expected_elements(param: torch.Tensor, shard: ParamShard | None) -> int:
@@ -116,6 +75,9 @@ def load_checkpoint(
                 targets[piece.entry.name].narrow(0, piece.row, piece.rows).copy_(rows, non_blocking=True)
 
             reader.read(file, [e for e in entries if e.name in targets], put)
+    if spec.quantization is not None and spec.quantization.source != "engine":
+        for name, count in load_scales(files, spec, params, shards).items():
+            loaded[name] += count
     missing = [name for name, param in params.items() if loaded[name] != _expected_elements(param, shards[name])]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: weights missing or incomplete for {', '.join(missing)}")

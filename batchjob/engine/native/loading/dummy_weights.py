@@ -7,6 +7,9 @@ the identity (weight 1, or 0 where the norm scales by 1 + weight). Each paramete
 seeded from its name, so the weights are the same in every run and do not depend on the order parameters are
 visited; under tensor parallelism each rank takes its slices of the same full parameters, so the model is
 the same for every `tensor_parallel`.
+
+An FP8 projection (`Fp8Linear`) gets the same weight, drawn in the model's dtype and quantized into its layout
+(per row or per block); a static activation scale is `DUMMY_INPUT_SCALE`.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import torch
 from torch import nn
 
 from batchjob.engine.native.layers.elementwise import RMSNorm
+from batchjob.engine.native.layers.fp8_linear import Fp8Linear, quantize_weight
 from batchjob.engine.native.loading.sharding import ParamShard
 
 DUMMY_SEED = 1234
 STD = 0.02
+# Activations of a few units quantize without clipping (a static scale is only a benchmark's here).
+DUMMY_INPUT_SCALE = 8.0 / 448.0
 
 
 def parameter_seed(name: str) -> int:
@@ -52,7 +58,15 @@ def fill_dummy_weights(model: nn.Module, shards: dict[str, ParamShard | None]) -
     """Fill every parameter; a sharded one (tensor parallelism) gets its slices of the full parameter, so a
     rank holds exactly what it would hold of a checkpoint of these weights."""
     norms = norm_values(model)
+    fp8 = {f"{prefix}.": module for prefix, module in model.named_modules() if isinstance(module, Fp8Linear)}
     for name, param in model.named_parameters():
+        owner = name[: name.rfind(".") + 1]
+        if owner in fp8 and not name.endswith(".bias"):
+            if name.endswith(".weight"):
+                _fill_fp8(fp8[owner], name, shards)
+            elif name.endswith(".input_scale"):
+                param.fill_(DUMMY_INPUT_SCALE)
+            continue
         shard = shards.get(name)
         if shard is None:
             param.copy_(dummy_tensor(name, tuple(param.shape), param.dtype, param.device, norms.get(name)))
@@ -62,3 +76,17 @@ def fill_dummy_weights(model: nn.Module, shards: dict[str, ParamShard | None]) -
             param.zero_()  # vocabulary padding rows stay zero
             full = dummy_tensor(name, shard.full_shape(tuple(param.shape)), param.dtype, param.device, norms.get(name))
             shard.copy_(param, full, 0, shard.full_size)
+
+
+def _fill_fp8(module: Fp8Linear, name: str, shards: dict[str, ParamShard | None]) -> None:
+    """The FP8 projection owning weight `name`: the dummy weight of its full shape, quantized, and this rank's
+    part of it and of its scales."""
+    weight, scales = module.weight, module.weight_scale
+    shard = shards.get(name)
+    shape = tuple(weight.shape) if shard is None else shard.full_shape(tuple(weight.shape))
+    full, full_scales = quantize_weight(dummy_tensor(name, shape, module.out_dtype, weight.device, None), module.block)
+    for param, source, part in ((weight, full, shard), (scales, full_scales, shards.get(name + "_scale"))):
+        if part is None:
+            param.copy_(source)
+        else:
+            part.copy_(param, source, 0, part.full_size)

@@ -19,6 +19,7 @@ from torch import nn
 
 from batchjob.engine.native.layers import parallel
 from batchjob.engine.native.layers.attention import PagedAttentionBackend
+from batchjob.engine.native.layers.fp8_linear import Fp8Linear, LinearToQuantize
 from batchjob.engine.native.layers.parallel import TensorParallel
 from batchjob.engine.native.loading.checkpoint import load_checkpoint, safetensors_files
 from batchjob.engine.native.loading.dummy_weights import fill_dummy_weights
@@ -66,12 +67,14 @@ def resolve_model_dir(model_path: str | Path, with_weights: bool = True) -> Path
         ) from err
 
 
-def read_model_spec(model_path: str | Path, dtype: str = "auto", max_model_len: int | None = None) -> ModelSpec:
+def read_model_spec(
+    model_path: str | Path, dtype: str = "auto", max_model_len: int | None = None, quantization: str = "auto"
+) -> ModelSpec:
     """The model's spec from its config files; cheap (no weights are read). Raises `UnsupportedModelError`
     for architectures or features the native engine does not run (the message suggests engine=hf), and
     `BrokenWeightsError` for weight files that cannot load (missing shards, truncated copies)."""
     model_dir = resolve_model_dir(model_path, with_weights=False)
-    spec = spec_from_config_files(model_dir, dtype, max_model_len)
+    spec = spec_from_config_files(model_dir, dtype, max_model_len, quantization)
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.safetensors")):
         safetensors_files(model_dir)  # refuse pickle-only directories before any GPU work
     check_weight_files(model_dir)  # missing shards, truncated copies: before any GPU work too
@@ -83,14 +86,17 @@ def _materialise(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     ones in `dtype`: what `Module.to(dtype)` and `Module.to_empty` do, without their per-tensor Python on the meta
     device (`to_empty`'s `empty_like` of a meta tensor imports torch's symbolic-shapes machinery and sympy)."""
 
-    def empty(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device=device)
+    def empty(tensor: torch.Tensor, own_dtype: bool) -> torch.Tensor:
+        keep = own_dtype or not tensor.is_floating_point()
+        return torch.empty(tensor.shape, dtype=tensor.dtype if keep else dtype, device=device)
 
     for module in model.modules():
+        # FP8 projections keep their parameters' dtypes (e4m3 weights, float32 scales; the bias is the model's)
+        own = getattr(module, "keeps_dtypes", False)
         for name, param in module.named_parameters(recurse=False):
-            module._parameters[name] = nn.Parameter(empty(param), requires_grad=param.requires_grad)
+            module._parameters[name] = nn.Parameter(empty(param, own), requires_grad=param.requires_grad)
         for name, buffer in module.named_buffers(recurse=False):
-            module._buffers[name] = empty(buffer)
+            module._buffers[name] = empty(buffer, own)
 
 
 # The initialisers torch's layers call from `reset_parameters` (Linear: kaiming_uniform_ and uniform_; Embedding:
@@ -121,6 +127,7 @@ def load_model(
     max_model_len: int | None = None,
     load_format: str = "auto",
     tp: TensorParallel | None = None,
+    quantization: str = "auto",
 ) -> tuple[CausalLM, ModelSpec]:
     """The model in eval mode, without gradients, on `device` in `dtype` (auto | float32 | bfloat16 |
     float16), with its spec. `load_format`: auto (the safetensors weights) or dummy (seeded random weights,
@@ -129,7 +136,7 @@ def load_model(
     tp = parallel.current() if tp is None else tp
     dummy = load_format == "dummy"
     model_dir = resolve_model_dir(model_path, with_weights=not dummy)
-    spec = device_dtype(read_model_spec(model_dir, dtype, max_model_len), dtype, device)
+    spec = device_dtype(read_model_spec(model_dir, dtype, max_model_len, quantization), dtype, device)
     check_tensor_parallel(spec, tp.size)
     local = rank_spec(spec, tp)
     with torch.device("meta"), _no_random_init():
@@ -141,7 +148,19 @@ def load_model(
         fill_dummy_weights(model, shards)
     else:
         load_checkpoint(model, spec, model_dir, shards, tp)
+    quantize_loaded(model)
     return model.eval().requires_grad_(False), local
+
+
+@torch.no_grad()
+def quantize_loaded(model: nn.Module) -> None:
+    """`engine.quantization=fp8`: each projection loaded in the model's dtype for quantizing becomes an
+    `Fp8Linear`, one at a time, so the device holds at most one projection in both forms beside the model."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LinearToQuantize):
+                setattr(parent, name, Fp8Linear.from_linear(child))
+                del child
 
 
 def device_dtype(spec: ModelSpec, dtype: str, device: str | torch.device) -> ModelSpec:

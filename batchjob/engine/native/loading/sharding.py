@@ -69,6 +69,18 @@ class ParamShard:
         return written
 
 
+def _scale_shard(weight: ParamShard, spec: ModelSpec) -> ParamShard | None:
+    """The shard of an FP8 weight's scales, from the weight's: per-row scales split with the rows and are whole
+    where the columns split; block scales split with the blocks (`check_tensor_parallel` makes the shards whole
+    blocks)."""
+    block = spec.quantization.block if spec.quantization.weights == "block" else None
+    if block is None:
+        return weight if weight.dim == 0 else None
+    size = block[weight.dim]
+    segments = tuple(Segment(s.local // size, s.full // size, s.length // size) for s in weight.segments)
+    return ParamShard(weight.dim, -(-weight.full_size // size), segments)
+
+
 def kv_heads_per_rank(spec: ModelSpec, size: int) -> int:
     return max(spec.num_kv_heads // size, 1)
 
@@ -92,6 +104,18 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
         problems.append(f"its MLP width {spec.intermediate_size}")
     if spec.moe is not None and spec.moe.intermediate_size % size:
         problems.append(f"its expert width {spec.moe.intermediate_size}")
+    block = spec.quantization.block if spec.quantization and spec.quantization.weights == "block" else None
+    if block is not None:
+        local = {
+            "query heads": spec.num_heads * spec.head_dim // size,
+            "key/value heads": kv_heads_per_rank(spec, size) * spec.head_dim,
+            "MLP width": spec.intermediate_size // size,
+        }
+        problems += [
+            f"the width of its {what} a rank holds ({width}) in whole FP8 weight blocks of {block[0]} x {block[1]}"
+            for what, width in local.items()
+            if width % block[0] or width % block[1]
+        ]
     if problems:
         raise ValueError(
             f"engine.tensor_parallel={size} does not divide {' or '.join(problems)} of {spec.model_dir}; "
@@ -120,7 +144,8 @@ def _split(full: int, size: int, rank: int, offset: int = 0, local: int = 0) -> 
 
 _NAME = re.compile(
     r".*\.(?P<param>self_attn\.qkv_proj|self_attn\.o_proj|self_attn\.q_norm|self_attn\.k_norm|mlp\.gate_up_proj"
-    r"|mlp\.down_proj|mlp\.experts\.gate_up_proj|mlp\.experts\.down_proj)(\.(?P<kind>weight|bias))?"
+    r"|mlp\.down_proj|mlp\.experts\.gate_up_proj|mlp\.experts\.down_proj)"
+    r"(\.(?P<kind>weight|bias|weight_scale|input_scale))?"
 )
 
 
@@ -134,9 +159,11 @@ def param_shard(name: str, spec: ModelSpec, tp: TensorParallel) -> ParamShard | 
         start = tp.rank * rows
         return ParamShard(0, spec.vocab_size, (Segment(0, start, max(0, min(rows, spec.vocab_size - start))),))
     match = _NAME.fullmatch(name)
-    if match is None:
+    if match is None or match["kind"] == "input_scale":  # a static activation scale: one number, every rank's
         return None
     param, kind = match["param"], match["kind"]
+    if kind == "weight_scale":
+        return _scale_shard(param_shard(name.removesuffix("_scale"), spec, tp), spec)
     d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     q = _split(heads * d, tp.size, tp.rank)
     kv_local = kv_heads_per_rank(spec, tp.size) * d

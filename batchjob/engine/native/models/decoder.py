@@ -23,14 +23,33 @@ from torch import nn
 from batchjob.engine.native.layers import split_k
 from batchjob.engine.native.layers.attention import AttentionMetadata, PagedAttentionBackend
 from batchjob.engine.native.layers.elementwise import RMSNorm, act_and_mul
+from batchjob.engine.native.layers.fp8_linear import Fp8Linear, LinearToQuantize
 from batchjob.engine.native.layers.parallel import SINGLE, TensorParallel, vocab_per_rank
 from batchjob.engine.native.layers.rope import RopeStep, RotaryEmbedding
 from batchjob.engine.native.models.moe import SparseMoE
-from batchjob.engine.native.models.spec import ModelSpec
+from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
 
 
 def make_norm(spec: ModelSpec, size: int) -> RMSNorm:
     return RMSNorm(size, spec.rms_norm_eps, weight_fp32=spec.norm_weight_fp32, unit_offset=spec.norm_unit_offset)
+
+
+def make_linear(spec: ModelSpec, modules: list[str], in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """The projection that holds the checkpoint modules `modules` (fused ones hold several, by rows): an
+    `Fp8Linear` where the model's quantization covers them (all or none must be), else `nn.Linear`."""
+    quantized = {spec.quantized(module) for module in modules}
+    if len(quantized) > 1:
+        raise UnsupportedModelError(
+            f"{spec.model_dir}: {', '.join(modules)} are run as one projection, but the quantization config "
+            "quantizes only some of them; use engine=hf"
+        )
+    if not quantized.pop():
+        return nn.Linear(in_features, out_features, bias=bias)
+    q = spec.quantization
+    if q.source == "engine":
+        return LinearToQuantize(in_features, out_features, bias=bias)
+    block = q.block if q.weights == "block" else None
+    return Fp8Linear(in_features, out_features, bias, q.activations, block, q.activation_scale_ub, spec.dtype)
 
 
 def sharded_rms_norm(norm: RMSNorm, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -64,8 +83,10 @@ class Attention(nn.Module):
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        prefix = f"model.layers.{layer}.self_attn"
+        qkv = [f"{prefix}.{name}_proj" for name in "qkv"]
+        self.qkv_proj = make_linear(spec, qkv, spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
+        self.o_proj = make_linear(spec, [f"{prefix}.o_proj"], self.q_size, spec.hidden_size, spec.o_bias)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm != "none":
             per_head = spec.qk_norm == "head"
@@ -109,10 +130,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        prefix, width = f"model.layers.{layer}.mlp", spec.intermediate_size
+        gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        self.gate_up_proj = make_linear(spec, gate_up, spec.hidden_size, 2 * width, spec.mlp_bias)
+        self.down_proj = make_linear(spec, [f"{prefix}.down_proj"], width, spec.hidden_size, spec.mlp_bias)
         self.activation = spec.activation
         self.fused_add = False  # the layer sets it where a fused add + norm follows (split_k.linear)
 
@@ -135,7 +158,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, layer, attn, tp)
         self.post_attention_layernorm = make_norm(spec, spec.hidden_size) if after else None
         self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size) if before else None
-        self.mlp = SparseMoE(spec) if spec.layers[layer].sparse else MLP(spec)
+        self.mlp = SparseMoE(spec) if spec.layers[layer].sparse else MLP(spec, layer)
         self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size) if after else None
         # The attention's and the MLP's outputs go straight into a fused residual add + norm (this layer's
         # second, the next layer's first or the final one) only with norms before the sublayers and one rank:

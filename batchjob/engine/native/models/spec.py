@@ -20,6 +20,14 @@ from typing import Any
 import torch
 
 from batchjob.engine.native.layers.rope import ROPE_TYPES, RopeSpec
+from batchjob.engine.native.models.quantization import (
+    SUPPORTED_FORMATS,
+    QuantSpec,
+    UnsupportedQuantizationError,
+    engine_fp8,
+    quant_spec_from_config,
+)
+from batchjob.engine.native.options import QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
@@ -80,6 +88,11 @@ class ModelSpec:
     attn_softcap: float = 0.0  # > 0: attention scores -> softcap * tanh(scores / softcap) (Gemma 2)
     final_softcap: float = 0.0  # the same on the output logits (Gemma 2)
     moe: MoESpec | None = None
+    quantization: QuantSpec | None = None  # FP8 weights and activations (models/quantization.py)
+
+    def quantized(self, module: str) -> bool:
+        """Whether the checkpoint module `module` (`model.layers.0.self_attn.q_proj`) holds FP8 weights."""
+        return self.quantization is not None and self.quantization.quantizes(module)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -189,19 +202,25 @@ def declared_dtype(config: Any, model_dir: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def requested_spec(spec: ModelSpec, dtype: str, requested_len: int | None) -> ModelSpec:
+def requested_spec(spec: ModelSpec, dtype: str, requested_len: int | None, quantization: str = "auto") -> ModelSpec:
     """`spec` as read (the declared dtype, the model's whole length) for a job's `dtype` (auto: the declared
-    one) and `max_model_len` (None: the model's)."""
+    one), `max_model_len` (None: the model's) and `quantization` (auto: the checkpoint's; fp8: an unquantized
+    checkpoint's projections quantized as they load, an FP8 checkpoint as it is)."""
     if requested_len is not None and requested_len > spec.max_model_len:
         raise ValueError(
             f"max_model_len={requested_len} exceeds what {spec.model_dir} supports ({spec.max_model_len}); lower it"
         )
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    return replace(
-        spec,
-        max_model_len=spec.max_model_len if requested_len is None else requested_len,
-        dtype=spec.dtype if dtype == "auto" else DTYPES[dtype],
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantization!r}: choose {' or '.join(QUANTIZATIONS)}")
+    return check_quantization(
+        replace(
+            spec,
+            max_model_len=spec.max_model_len if requested_len is None else requested_len,
+            dtype=spec.dtype if dtype == "auto" else DTYPES[dtype],
+            quantization=engine_fp8() if quantization == "fp8" and spec.quantization is None else spec.quantization,
+        )
     )
 
 
@@ -247,7 +266,48 @@ def common_spec(
         pad_token_id=generation.get("pad_token_id", config.pad_token_id),
         rotary_dim=rotary_dim,
         attn_scale=head_dim**-0.5,
+        quantization=_quantization(config, model_dir),
     )
+
+
+def _quantization(config: Any, model_dir: str) -> QuantSpec | None:
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    try:
+        return quant_spec_from_config(quantization, model_dir)
+    except UnsupportedQuantizationError as err:
+        raise UnsupportedModelError(str(err)) from err
+
+
+def check_quantization(spec: ModelSpec) -> ModelSpec:
+    """`UnsupportedModelError` where the model's FP8 layout is one the engine cannot run: a quantized lm_head or
+    mixture of experts, or weight blocks that do not tile its fused projections."""
+    q = spec.quantization
+    if q is None:
+        return spec
+    problems = []
+    if not spec.tie_word_embeddings and spec.quantized("lm_head"):
+        problems.append("a quantized lm_head")
+    sparse = [index for index, layer in enumerate(spec.layers) if layer.sparse]
+    if sparse and spec.quantized(f"model.layers.{sparse[0]}.mlp.experts.0.gate_proj"):
+        problems.append("FP8 experts of a mixture of experts (their projections must be in the ignore list)")
+    if q.block is not None:
+        rows, cols = q.block
+        widths = {
+            "query width": spec.num_heads * spec.head_dim,
+            "key/value width": spec.num_kv_heads * spec.head_dim,
+            "MLP width": spec.intermediate_size,
+        }
+        problems += [f"its {name} {width} in blocks of {rows} rows" for name, width in widths.items() if width % rows]
+        if cols % 16:
+            problems.append(f"weight blocks of {cols} columns (a multiple of 16 is needed)")
+    if problems:
+        raise UnsupportedModelError(
+            f"{spec.model_dir}: the native engine cannot run {'; '.join(problems)}. It runs {SUPPORTED_FORMATS}, "
+            "with the lm_head, routers and experts unquantized; use engine=hf"
+        )
+    return spec
 
 
 def check_spec(spec: ModelSpec) -> ModelSpec:

@@ -20,6 +20,7 @@ from typing import Any
 from batchjob.caches import files_key, load_entry, store_entry
 from batchjob.engine.native.layers import rope
 from batchjob.engine.native.layers.rope import RopeSpec
+from batchjob.engine.native.models.quantization import QuantSpec
 from batchjob.engine.native.models.spec import DTYPES, LayerSpec, ModelSpec, MoESpec
 from batchjob.engine.transformers_import import transformers_version
 
@@ -72,7 +73,7 @@ def spec_from_json(fields: dict[str, Any]) -> ModelSpec:
         factors = {key: tuple(params[key]) for key in ("short_factor", "long_factor")}
         return RopeSpec(**{**params, **factors})
 
-    moe = fields["moe"]
+    moe, quantization = fields["moe"], fields.get("quantization")
     return ModelSpec(
         **{
             **fields,
@@ -81,5 +82,18 @@ def spec_from_json(fields: dict[str, Any]) -> ModelSpec:
             "dtype": DTYPES[fields["dtype"]],
             "eos_token_ids": tuple(fields["eos_token_ids"]),
             "moe": None if moe is None else MoESpec(**moe),
+            "quantization": None if quantization is None else _quant_spec(quantization),
+        }
+    )
+
+
+def _quant_spec(fields: dict[str, Any]) -> QuantSpec:
+    block = fields["block"]
+    return QuantSpec(
+        **{
+            **fields,
+            "block": None if block is None else tuple(block),
+            "ignore": tuple(fields["ignore"]),
+            "targets": tuple(fields["targets"]),
         }
     )

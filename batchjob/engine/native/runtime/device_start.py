@@ -78,7 +78,9 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
         attn = TritonPagedAttention()
     else:
         attn = TorchPagedAttention()
-    return load_model(model_path, opts.dtype, device, attn, opts.max_model_len, opts.load_format)
+    return load_model(
+        model_path, opts.dtype, device, attn, opts.max_model_len, opts.load_format, quantization=opts.quantization
+    )
 
 
 def start_runner(

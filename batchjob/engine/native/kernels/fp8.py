@@ -1,0 +1,180 @@
+"""FP8 (float8_e4m3fn) kernels: activations quantized per token or per token and group of channels, and a
+matmul of FP8 operands whose scales change along K (block-quantized weights: DeepSeek-style 128 x 128).
+
+Quantizing: a row's (or group's) scale is its largest magnitude / 448 (the largest finite e4m3 value), at least
+`MIN_SCALE`, and each element is divided by it and rounded to e4m3: one read of the activations, one write of a
+byte each plus a float32 scale per group. `plain_quantize` is the same arithmetic in torch: the CPU path, and the
+reference the kernel is tested against.
+
+The matmul: C[m, n] = sum over K tiles of (A_q[m, tile] . B_q[n, tile]) * a_scale[m, group] * b_scale[n-block,
+k-block], summed in float32 and rounded once to C's dtype. A tile of BLOCK_K channels lies inside one activation
+group and one weight block, so each scale is loaded once a tile. Per-channel weights are blocks of one row and all
+of K; per-token activations one group of all of K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# A row of zeros still gets a finite scale (the quantized zeros are then exact).
+MIN_SCALE = 1e-12
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    x_stride,
+    q_stride,
+    n_cols,
+    group_size,
+    groups,
+    upper,
+    HAS_UPPER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per (row, group): the group's amax, then its elements over the scale."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    start = group * group_size
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for offset in range(0, group_size, BLOCK):
+        cols = start + offset + tl.arange(0, BLOCK)
+        mask = (cols < n_cols) & (offset + tl.arange(0, BLOCK) < group_size)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    peak = tl.max(amax, axis=0)
+    if HAS_UPPER:
+        peak = tl.minimum(peak, upper)
+    # IEEE division (Triton's `/` may round differently): the quantized values are those of `plain_quantize`
+    scale = tl.maximum(tl.math.div_rn(peak, 448.0), 1e-12)
+    tl.store(scale_ptr + row * groups + group, scale)
+    for offset in range(0, group_size, BLOCK):
+        cols = start + offset + tl.arange(0, BLOCK)
+        mask = (cols < n_cols) & (offset + tl.arange(0, BLOCK) < group_size)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize(x: torch.Tensor, group_size: int | None = None, upper: float | None = None):
+    """(x in e4m3 [M, K], float32 scales [M, K / group_size]) for activations x [M, K]; `group_size` None: one
+    scale per row. `upper` caps each group's amax (fbgemm_fp8's activation_scale_ub)."""
+    rows, cols = x.shape
+    group = cols if group_size is None else group_size
+    groups = triton.cdiv(cols, group)
+    q = torch.empty((rows, cols), dtype=FP8, device=x.device)
+    scales = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(group), 1024)
+        _quantize_kernel[(rows, groups)](
+            x, q, scales, x.stride(0), q.stride(0), cols, group, groups,
+            0.0 if upper is None else upper, HAS_UPPER=upper is not None, BLOCK=block,
+        )  # fmt: skip
+    return q, scales
+
+
+def plain_quantize(x: torch.Tensor, group_size: int | None = None, upper: float | None = None):
+    """`quantize` in plain torch (the same arithmetic: float32 amax, scale, division, clamp, round to e4m3)."""
+    rows, cols = x.shape
+    group = cols if group_size is None else group_size
+    groups = -(-cols // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - cols)).view(rows, groups, group)
+    peak = padded.abs().amax(-1)
+    if upper is not None:
+        peak = peak.clamp(max=upper)
+    scales = (peak / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, groups * group)[:, :cols]
+    return q, scales
+
+
+# The row count varies with every step: not specialising on it keeps one compiled variant per weight shape.
+@triton.jit(do_not_specialize=["m"])
+def _scaled_matmul_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    bias_ptr,
+    c_ptr,
+    m,
+    n,
+    k,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    a_groups,
+    a_group,
+    b_block_n,
+    b_block_k,
+    b_scale_stride,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :], row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        b = tl.load(
+            b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
+        )
+        a_scale = tl.load(a_scale_ptr + rows * a_groups + k0 // a_group, mask=row_mask, other=0.0)
+        b_scale = tl.load(
+            b_scale_ptr + (cols // b_block_n) * b_scale_stride + k0 // b_block_k, mask=col_mask, other=0.0
+        )
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :], c, row_mask[:, None] & col_mask[None, :])
+
+
+def scaled_matmul(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_block: tuple[int, int],
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """C [M, N] = dequant(a) @ dequant(b)^T for e4m3 a [M, K] with float32 `a_scales` [M, groups] (a group:
+    K / groups channels) and e4m3 b [N, K] with float32 `b_scales` [N / rows, K / cols] for `b_block` = (rows,
+    cols). The activation group and the weight block's columns must be multiples of the tile's K (16 at least)."""
+    m, k = a.shape
+    n = b.shape[0]
+    a_group = k if a_scales.shape[1] == 1 else k // a_scales.shape[1]
+    # A tile must not straddle two activation groups or two weight blocks along K.
+    widths = [width for width in (a_group, b_block[1]) if width < k]
+    block_k = math.gcd(64, *widths)  # a power of two that divides them
+    if block_k < 16:
+        raise ValueError(f"FP8 matmul: activation groups of {a_group} and weight blocks {b_block} need tiles of 16")
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return c
+    block_m = 64
+    block_n = 128 if n >= 128 else triton.next_power_of_2(n)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _scaled_matmul_kernel[grid](
+        a, a_scales, b, b_scales, a if bias is None else bias, c, m, n, k,
+        a.stride(0), b.stride(0), c.stride(0), a_scales.shape[1], a_group, b_block[0], b_block[1],
+        b_scales.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return c

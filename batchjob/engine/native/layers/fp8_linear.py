@@ -1,0 +1,141 @@
+"""A projection with FP8 (e4m3) weights and activations: `Fp8Linear`, the drop-in for `nn.Linear` where a model
+is quantized (models/quantization.py says which formats and which projections).
+
+Weights are stored as e4m3 [N, K] with float32 scales, per output row ([N, 1]) or per block ([N / rows, K / cols]);
+a weight element is `weight * its scale`. Each step quantizes the activations: per token (dynamic), per token and
+group of channels (dynamic, with block weights), over the whole step (dynamic per tensor) or by the checkpoint's
+`input_scale` (static). Then:
+
+- per-row weights on CUDA: `torch._scaled_mm` (cuBLASLt's FP8 GEMM, row-wise scales), bf16 out;
+- block weights, or another output dtype, on CUDA: the Triton matmul of `kernels/fp8.py`;
+- on CPU: the same arithmetic in float32 on the dequantized operands (quantized activations included), which
+  is also what the tests take as the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchjob.engine.native.kernels import fp8
+from batchjob.engine.native.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
+
+
+class Fp8Linear(nn.Module):
+    # The loader materialises parameters in the model's dtype except these modules', whose dtypes are their own.
+    keeps_dtypes = True
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        activations: str,
+        block: tuple[int, int] | None = None,
+        activation_upper: float | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.activations, self.block, self.activation_upper = activations, block, activation_upper
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        scale_shape = (
+            (out_features, 1) if block is None else (-(-out_features // block[0]), -(-in_features // block[1]))
+        )
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
+        self.input_scale = (
+            nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False) if activations == "static" else None
+        )
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.out_dtype = dtype
+
+    @property
+    def weight_block(self) -> tuple[int, int]:
+        """The weight's scale block (rows, columns): one row and all of K for per-row scales."""
+        return self.block or (1, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        q, scales = self.quantize_input(x)
+        if not x.is_cuda:
+            out = self._plain(q, scales)
+        elif self.block is None and self.out_dtype == torch.bfloat16:
+            out = torch._scaled_mm(
+                q,
+                self.weight.t(),
+                scale_a=scales,
+                scale_b=self.weight_scale.view(1, -1),
+                bias=self.bias,
+                out_dtype=torch.bfloat16,
+            )
+        else:
+            out = fp8.scaled_matmul(
+                q, scales, self.weight, self.weight_scale, self.weight_block, self.out_dtype, self.bias
+            )
+        return out.view(*shape[:-1], self.out_features)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x in e4m3 [M, K], float32 scales [M, groups]) by this layer's activation scheme."""
+        if self.activations in ("token", "group"):
+            group = self.block[1] if self.activations == "group" else None
+            quantize = fp8.quantize if x.is_cuda else fp8.plain_quantize
+            return quantize(x, group, self.activation_upper)
+        if self.activations == "static":
+            scale = self.input_scale
+        else:  # dynamic, one scale for the whole step
+            scale = (x.abs().amax().float() / FP8_MAX).clamp(min=MIN_SCALE).view(1)
+        q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return q, scale.view(1, 1).expand(x.shape[0], 1).contiguous()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight in float32, as the scales say."""
+        rows, cols = self.weight_block
+        scales = self.weight_scale.repeat_interleave(rows, 0)[: self.out_features]
+        scales = scales.repeat_interleave(cols, 1)[:, : self.in_features] if self.block else scales
+        return self.weight.float() * scales
+
+    def _plain(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        group = -(-self.in_features // scales.shape[1])
+        x = q.float() * scales.repeat_interleave(group, 1)[:, : self.in_features]
+        out = x @ self.dequantized_weight().t()
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(self.out_dtype)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """`linear` with its weight quantized a scale per row, dynamic per-token activations (`engine.quantization=
+        fp8`); built on the weight's device."""
+        weight = linear.weight
+        has_bias = linear.bias is not None
+        with torch.device(weight.device):
+            layer = cls(linear.in_features, linear.out_features, has_bias, "token", dtype=weight.dtype)
+        q, scales = quantize_weight(weight)
+        layer.weight.copy_(q)
+        layer.weight_scale.copy_(scales)
+        if has_bias:
+            layer.bias.copy_(linear.bias)
+        return layer
+
+
+class LinearToQuantize(nn.Linear):
+    """A projection that loads in the model's dtype and becomes an `Fp8Linear` once its weights are in
+    (`engine.quantization=fp8` on an unquantized checkpoint)."""
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [N, K], float32 scales) of a float weight: a scale per row ([N, 1]), or per block of `block`
+    = (rows, columns) ([N / rows, K / columns], partial blocks at the edges)."""
+    if block is None:
+        return fp8.plain_quantize(weight)
+    n, k = weight.shape
+    rows, cols = block
+    nb, kb = -(-n // rows), -(-k // cols)
+    padded = torch.nn.functional.pad(weight.float(), (0, kb * cols - k, 0, nb * rows - n))
+    blocks = padded.view(nb, rows, kb, cols)
+    scales = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (blocks / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * rows, kb * cols)[:n, :k].contiguous(), scales
