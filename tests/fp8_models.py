@@ -126,9 +126,11 @@ def _block_quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
 
 
 @torch.no_grad()
-def reference_logits(source: Path, checkpoint: Path, ids: list[int]) -> torch.Tensor:
+def reference_logits(source: Path, checkpoint: Path, ids: list[int], ranks: int = 1) -> torch.Tensor:
     """float64 logits [len(ids), vocab] of the FP8 `checkpoint` (of the model in `source`): each FP8 projection's
-    weight dequantized, its input quantized to e4m3 by the checkpoint's activation scheme and dequantized."""
+    weight dequantized, its input quantized to e4m3 by the checkpoint's activation scheme and dequantized. `ranks`:
+    as tensor parallelism over that many ranks runs it, where each rank quantizes its own part of the inputs of the
+    row-parallel projections (o_proj, down_proj) per token."""
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float64).eval()
     tensors = load_file(checkpoint / "model.safetensors")
     acts = _activation_scheme(json.loads((checkpoint / "config.json").read_text())["quantization_config"])
@@ -144,7 +146,8 @@ def reference_logits(source: Path, checkpoint: Path, ids: list[int]) -> torch.Te
         module.weight.data = (
             weight.double() * scales.reshape(-1, 1) if scales.shape[-1] == 1 else weight.double() * scales
         )
-        module.register_forward_pre_hook(_fake_quant_hook(acts, tensors.get(name + ".input_scale")))
+        parts = ranks if name.endswith(("o_proj", "down_proj")) and acts["strategy"] == "token" else 1
+        module.register_forward_pre_hook(_fake_quant_hook(acts, tensors.get(name + ".input_scale"), parts))
     return hf(torch.tensor([ids])).logits[0]
 
 
@@ -156,9 +159,11 @@ def _activation_scheme(config: dict) -> dict:
     return {"strategy": "token", "dynamic": True, "upper": config.get("activation_scale_ub")}
 
 
-def _fake_quant_hook(acts: dict, input_scale: torch.Tensor | None):
+def _fake_quant_hook(acts: dict, input_scale: torch.Tensor | None, parts: int = 1):
     def hook(module, args):
-        x = args[0]
+        return (torch.cat([fake_quant(part) for part in args[0].chunk(parts, dim=-1)], dim=-1),)
+
+    def fake_quant(x: torch.Tensor) -> torch.Tensor:
         if acts["strategy"] == "group":
             groups = x.unflatten(-1, (-1, acts["group_size"]))
             scale = (groups.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
@@ -172,7 +177,7 @@ def _fake_quant_hook(acts: dict, input_scale: torch.Tensor | None):
             scale = (x.abs().amax() / FP8_MAX).clamp(min=1e-12)
         else:
             scale = input_scale.double()
-        return (_round(x / scale) * scale,)
+        return _round(x / scale) * scale
 
     return hook
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fp8_models import compressed_tensors_checkpoint, handwritten_checkpoint, reference_logits
 
-from batchjob.engine import Request, SamplingParams, create_engine
+from batchjob.engine import Request, SamplingParams, choose_backend, create_engine
 from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.layers.attention import TorchPagedAttention, make_metadata
 from batchjob.engine.native.layers.fp8_linear import Fp8Linear, quantize_weight
@@ -213,6 +213,31 @@ def test_the_cli_runs_an_fp8_checkpoint_and_quantization_fp8_and_refuses_a_resum
     assert other.returncode == 2 and "quantization" in other.stderr
     typo = job(source, tmp_path / "typo", "engine.quantization=fp4")
     assert typo.returncode == 2 and "engine.quantization='fp4'" in typo.stderr and "Traceback" not in typo.stderr
+
+
+def test_tensor_parallel_2_generates_what_one_device_does_from_a_block_fp8_checkpoint(source, tmp_path):
+    checkpoint = handwritten_checkpoint(source, tmp_path / "fp8", "fp8", (16, 32))
+    prompts = [PROMPT[: 6 + 7 * i] for i in range(4)]
+    assert greedy(checkpoint, prompts, tensor_parallel=2) == greedy(checkpoint, prompts)
+
+
+def test_tensor_parallel_2_quantizes_each_ranks_part_of_a_row_parallel_input_per_token(source, tmp_path):
+    """The ranks of o_proj and down_proj each hold half of a token's input and quantize it with its own scale (as
+    vLLM's ranks do): the reference of two ranks, not one device's."""
+    checkpoint = handwritten_checkpoint(source, tmp_path / "fbgemm", "fbgemm_fp8")
+    prompts = [PROMPT[: 6 + 7 * i] for i in range(3)]
+    ours = greedy(checkpoint, prompts, tensor_parallel=2)
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt)
+        for _ in range(10):
+            ids.append(int(reference_logits(source, checkpoint, ids, ranks=2)[-1].argmax()))
+        assert ours[i] == tuple(ids[len(prompt) :])
+
+
+def test_block_fp8_that_a_rank_would_hold_in_partial_blocks_is_refused_before_loading(source, tmp_path):
+    checkpoint = handwritten_checkpoint(source, tmp_path / "fp8", "fp8", (32, 32))
+    with pytest.raises(ValueError, match="key/value heads a rank holds \\(16\\) in whole FP8 weight blocks of 32 x 32"):
+        choose_backend("native", str(checkpoint), {"dtype": "float32", "device": "cpu", "tensor_parallel": 2})
 
 
 @pytest.mark.parametrize("group", [None, 32])

@@ -106,15 +106,16 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
         problems.append(f"its expert width {spec.moe.intermediate_size}")
     block = spec.quantization.block if spec.quantization and spec.quantization.weights == "block" else None
     if block is not None:
+        # Column-parallel projections split rows (q/k/v, gate/up), row-parallel ones columns (o, down).
         local = {
-            "query heads": spec.num_heads * spec.head_dim // size,
-            "key/value heads": kv_heads_per_rank(spec, size) * spec.head_dim,
-            "MLP width": spec.intermediate_size // size,
+            "query heads": (spec.num_heads * spec.head_dim // size, block),
+            "key/value heads": (kv_heads_per_rank(spec, size) * spec.head_dim, block[:1]),
+            "MLP width": (spec.intermediate_size // size, block),
         }
         problems += [
             f"the width of its {what} a rank holds ({width}) in whole FP8 weight blocks of {block[0]} x {block[1]}"
-            for what, width in local.items()
-            if width % block[0] or width % block[1]
+            for what, (width, sides) in local.items()
+            if any(width % side for side in sides)
         ]
     if problems:
         raise ValueError(
