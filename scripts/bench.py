@@ -188,7 +188,11 @@ def run_workload(
             task = {"kind": "model", "architecture": spec.architecture, "cache": str(args.model_cache)}
             tokenizer = args.tokenizer if args.constrained else None
             model_dir = Path(run_child({**task, "tokenizer": tokenizer})["model_dir"])
-        shape = model_shape(ARCHITECTURES[spec.architecture], str(options.get("quantization", "auto")))
+        shape = model_shape(
+            ARCHITECTURES[spec.architecture],
+            str(options.get("quantization", "auto")),
+            str(options.get("kv_cache_dtype", "auto")),
+        )
         # A BPE's special ids follow its ordinary tokens: prompts are then ordinary text below them.
         vocab = text_tokens(spec.architecture, args.tokenizer) + 1 if args.constrained else shape.vocab
         special_ids = BENCH_SPECIAL_IDS

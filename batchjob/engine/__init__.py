@@ -117,7 +117,7 @@ def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> Ba
 
 
 # Native engine options the hf fallback cannot honour, with the value that needs no native engine.
-NATIVE_ONLY = {"tensor_parallel": 1, "load_format": "auto", "quantization": "auto"}
+NATIVE_ONLY = {"tensor_parallel": 1, "load_format": "auto", "quantization": "auto", "kv_cache_dtype": "auto"}
 
 
 def _check_fallback(native: Mapping[str, Any]) -> None:

@@ -89,9 +89,10 @@ def _engine_record(options: dict[str, Any], name: str) -> dict[str, Any]:
     # only when set, so the records of earlier jobs still match.
     if options.get("load_format", "auto") != "auto":
         record["load_format"] = options["load_format"]
-    # Quantizing at load changes every output: an FP8 run never resumes a bf16 one (nor the other way round).
-    if options.get("quantization", "auto") != "auto":
-        record["quantization"] = options["quantization"]
+    # FP8 weights quantized at load, or an FP8 KV cache, change every output: such a run never resumes another.
+    for key in ("quantization", "kv_cache_dtype"):
+        if options.get(key, "auto") != "auto":
+            record[key] = options[key]
     # Jump-forward takes a constraint's forced tokens as the grammar tokenizes them, not as the model samples
     # them: other outputs, so a job run with it never resumes one run without (nor the other way round).
     if options.get("jump_forward"):

@@ -52,6 +52,7 @@ class ModelShape:
     expert_parameters: int = 0  # of one expert in one layer
     fp8_parameters: int = 0  # weights of FP8 projections, multiplied at the FP8 rate
     held_bytes: int | None = None  # the weights' bytes on the GPU when some are FP8 (None: all bf16)
+    kv_element_bytes: int = BF16_BYTES  # 1 with an FP8 KV cache
 
     @property
     def weight_bytes(self) -> int:
@@ -80,7 +81,7 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * BF16_BYTES
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.kv_element_bytes
 
     @property
     def matmul_parameters_per_token(self) -> int:
@@ -94,10 +95,11 @@ class ModelShape:
         return 4.0 * self.layers * self.attention_heads * self.head_dim * query_context_pairs
 
 
-def model_shape(architecture: dict[str, Any], quantization: str = "auto") -> ModelShape:
+def model_shape(architecture: dict[str, Any], quantization: str = "auto", kv_cache_dtype: str = "auto") -> ModelShape:
     """The shape of an architecture from `bench_lib.workloads.ARCHITECTURES`, through the native engine's
     description of it, counting parameters and their bytes exactly by building its model on the meta device (no
-    memory); `quantization`: the engine option (fp8: its projections quantized as they load)."""
+    memory); `quantization` and `kv_cache_dtype`: the engine options (fp8: its projections quantized as they load;
+    fp8_e4m3: a byte a cached key or value)."""
     import torch
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -112,7 +114,7 @@ def model_shape(architecture: dict[str, Any], quantization: str = "auto") -> Mod
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
     described = ARCHITECTURES[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
-    spec = spec_from_config(config, described, f"<{model_type}>", {}, "bfloat16", None, quantization)
+    spec = spec_from_config(config, described, f"<{model_type}>", {}, "bfloat16", None, quantization, kv_cache_dtype)
     with torch.device("meta"):
         model = CausalLM(spec, TorchPagedAttention())
         quantize_loaded(model)
@@ -123,6 +125,7 @@ def model_shape(architecture: dict[str, Any], quantization: str = "auto") -> Mod
         parameters=sum(p.numel() for p in model.parameters()) - scales,
         held_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) if fp8 else None,
         fp8_parameters=sum(m.weight.numel() for m in fp8),
+        kv_element_bytes=spec.kv_bytes_per_token // (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim),
         layers=spec.num_layers,
         attention_heads=spec.num_heads,
         kv_heads=spec.num_kv_heads,

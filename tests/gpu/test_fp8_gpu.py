@@ -97,3 +97,28 @@ def test_quantization_fp8_runs_a_bf16_model_with_graphs_as_without(source):
     graphed = _greedy(source, dtype="bfloat16", quantization="fp8")
     assert graphed == _greedy(source, dtype="bfloat16", quantization="fp8", cuda_graphs=False)
     assert graphed != _greedy(source, dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"), [([1] * 6, [3, 40, 200, 700, 31, 1024]), ([9, 1, 40], [9, 70, 300])]
+)
+def test_compiled_kernels_store_and_read_an_fp8_cache_as_the_values_it_rounds_to(query_lens, seq_lens):
+    from attention_cases import random_paged_step, reference_attention
+
+    from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
+
+    step = random_paged_step(query_lens, seq_lens, 16, 32, 8, 128, torch.bfloat16, torch.device("cuda"))
+    q, k, v, k_cache, v_cache, meta = step
+    k8, v8 = (c.float().clamp(-448, 448).to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    out = TritonPagedAttention().forward(q, k, v, k8, v8, meta, 0.088)
+    rounded = [x.float().clamp(-448, 448).to(torch.float8_e4m3fn).float() for x in (k, v, k8, v8)]
+    expected = reference_attention(q.float(), *rounded, meta, 0.088)
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2  # bf16 queries and output
+    written = k8.view(torch.uint8).view(-1, 8, 128)[meta.slot_mapping].view(torch.float8_e4m3fn).float()
+    assert torch.equal(written, k.float().clamp(-448, 448).to(torch.float8_e4m3fn).float())
+
+
+def test_an_fp8_kv_cache_with_graphs_generates_what_eager_steps_do(source):
+    graphed = _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    assert graphed == _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", cuda_graphs=False)
+    assert graphed == _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", async_loop=False)

@@ -117,7 +117,7 @@ class NativeEngine:
         from batchjob.engine.native.loading.sharding import check_tensor_parallel
 
         opts = NativeOptions.from_mapping(options)
-        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization)
+        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
         check_tensor_parallel(spec, opts.tensor_parallel)
         _check_gpu_count(opts)
         return spec.architecture
@@ -159,7 +159,7 @@ class NativeEngine:
         self.device = torch.device("cpu")  # this process computes nothing; the ranks have the devices
         device = _device(opts.device)
         # the dtype the ranks run
-        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization)
+        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
         self.spec = device_dtype(spec, opts.dtype, device)
         self.max_model_len = self.spec.max_model_len
         tokenizer = _load_tokenizer_beside(self.spec.model_dir) if opts.detokenize else None

@@ -12,6 +12,7 @@ from batchjob.errors import did_you_mean
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "fp8")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3")
 # `graph_sampling`: which sampler modes get CUDA graphs (true: all, false: greedy); a job whose rows all sample
 # alike names its one mode, and steps of a cheaper mode replay its graphs
 GRAPH_SAMPLING = ("all", "greedy", "temperature", "filtering")
@@ -35,6 +36,7 @@ class NativeOptions:
     device: str = "auto"
     load_format: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     tensor_parallel: int = 1
     block_size: int = 16
     max_num_seqs: int = 512
@@ -105,6 +107,11 @@ class NativeOptions:
             problems.append(
                 f"engine.quantization={self.quantization!r}: choose auto (run the checkpoint as it is, FP8 ones in "
                 "FP8) or fp8 (quantize a bf16/fp16/fp32 checkpoint's projections to FP8 as it loads)"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            problems.append(
+                f"engine.kv_cache_dtype={self.kv_cache_dtype!r}: choose auto (the model's dtype) or fp8_e4m3 (K and V "
+                "in FP8: twice the tokens in the same memory)"
             )
         if self.graph_sampling not in GRAPH_SAMPLING:
             problems.append(

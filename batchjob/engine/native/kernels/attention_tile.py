@@ -113,6 +113,16 @@ def tile_blocks(
 
 
 @triton.jit
+def cache_value(x, cache_ptr):
+    """`x` in the KV cache's dtype; into an e4m3 cache (`engine.kv_cache_dtype=fp8_e4m3`, a scale of 1) it saturates
+    at +-448 instead of overflowing to NaN."""
+    dtype = cache_ptr.dtype.element_ty
+    if dtype == tl.float8e4nv:
+        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def attend_kv_blocks(
     q,
     m_i,
@@ -155,7 +165,8 @@ def attend_kv_blocks(
     in_block = offs_n % BLOCK_SIZE
     k_rows = k_cache_ptr + (block * stride_kb + in_block * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :]
     v_rows = v_cache_ptr + (block * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :]
-    k = tl.load(k_rows, mask=mask_n[:, None], other=0.0) if EDGE else tl.load(k_rows)
+    # An FP8 cache's keys and values are widened to the queries' dtype for the dots (a no-op otherwise).
+    k = (tl.load(k_rows, mask=mask_n[:, None], other=0.0) if EDGE else tl.load(k_rows)).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
     if SOFTCAP:
         # tanh(x) = 1 - 2 / (e^(2x) + 1): exact at both ends (e^(2x) overflowing to inf gives 1), no NaN.
@@ -177,6 +188,6 @@ def attend_kv_blocks(
     p = tl.math.exp2(s - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_rows, mask=mask_n[:, None], other=0.0) if EDGE else tl.load(v_rows)
+    v = (tl.load(v_rows, mask=mask_n[:, None], other=0.0) if EDGE else tl.load(v_rows)).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchjob.engine.native.kernels.attention_tile import cache_value
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -158,11 +160,11 @@ def _qk_rope_kernel(
         slot = tl.maximum(slot, 0)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads[:, None] * stride_ch
         dst += offs[None, :]
-        tl.store(k_cache_ptr + dst, y1, mask=keep)
-        tl.store(k_cache_ptr + dst + HALF, y2, mask=keep)
+        tl.store(k_cache_ptr + dst, cache_value(y1, k_cache_ptr), mask=keep)
+        tl.store(k_cache_ptr + dst + HALF, cache_value(y2, k_cache_ptr), mask=keep)
         v_base = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-        tl.store(v_cache_ptr + dst, tl.load(v_base, mask=keep), mask=keep)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_base + HALF, mask=keep), mask=keep)
+        tl.store(v_cache_ptr + dst, cache_value(tl.load(v_base, mask=keep), v_cache_ptr), mask=keep)
+        tl.store(v_cache_ptr + dst + HALF, cache_value(tl.load(v_base + HALF, mask=keep), v_cache_ptr), mask=keep)
 
 
 def rotary_qk_(

@@ -103,8 +103,21 @@ def make_metadata(
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        # torch has no index_copy_ for e4m3 on CPU: its bytes are copied instead
+        _bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, _bytes(cache_values(x, cache.dtype)))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def cache_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in the KV cache's dtype; into an e4m3 cache (a scale of 1) it saturates at +-448 (torch's cast would
+    make NaN of what lies beyond)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-448.0, 448.0).to(dtype)
+    return x.to(dtype)
 
 
 class TorchPagedAttention:
@@ -148,8 +161,8 @@ class TorchPagedAttention:
 
         num_blocks = -(-meta.max_seq_len // block_size)
         blocks = meta.block_tables[:, :num_blocks].long()
-        keys = k_cache[blocks].flatten(1, 2)[:, : meta.max_seq_len]  # [B, S, Hkv, D]
-        values = v_cache[blocks].flatten(1, 2)[:, : meta.max_seq_len]
+        keys = _bytes(k_cache)[blocks].view(k_cache.dtype).flatten(1, 2)[:, : meta.max_seq_len]  # [B, S, Hkv, D]
+        values = _bytes(v_cache)[blocks].view(v_cache.dtype).flatten(1, 2)[:, : meta.max_seq_len]
         key_pos = torch.arange(meta.max_seq_len, device=device)
         seq_lens = meta.seq_lens.long()
         # Slots past a sequence's length hold another sequence's data or uninitialised memory (maybe NaN);

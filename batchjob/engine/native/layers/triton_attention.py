@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchjob.engine.native.kernels.attention_tile import cache_value
 from batchjob.engine.native.kernels.decode_attention import (
     DEFAULT_DECODE_CONFIG,
     MAX_SPLITS,
@@ -76,8 +77,8 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     k_dst = block * stride_kcb + in_block * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
     v_dst = block * stride_vcb + in_block * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_cache_ptr + k_dst, k, mask=mask)
-    tl.store(v_cache_ptr + v_dst, v, mask=mask)
+    tl.store(k_cache_ptr + k_dst, cache_value(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + v_dst, cache_value(v, v_cache_ptr), mask=mask)
 
 
 def store_kv(

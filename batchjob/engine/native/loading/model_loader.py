@@ -68,13 +68,17 @@ def resolve_model_dir(model_path: str | Path, with_weights: bool = True) -> Path
 
 
 def read_model_spec(
-    model_path: str | Path, dtype: str = "auto", max_model_len: int | None = None, quantization: str = "auto"
+    model_path: str | Path,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> ModelSpec:
     """The model's spec from its config files; cheap (no weights are read). Raises `UnsupportedModelError`
     for architectures or features the native engine does not run (the message suggests engine=hf), and
     `BrokenWeightsError` for weight files that cannot load (missing shards, truncated copies)."""
     model_dir = resolve_model_dir(model_path, with_weights=False)
-    spec = spec_from_config_files(model_dir, dtype, max_model_len, quantization)
+    spec = spec_from_config_files(model_dir, dtype, max_model_len, quantization, kv_cache_dtype)
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.safetensors")):
         safetensors_files(model_dir)  # refuse pickle-only directories before any GPU work
     check_weight_files(model_dir)  # missing shards, truncated copies: before any GPU work too
@@ -128,6 +132,7 @@ def load_model(
     load_format: str = "auto",
     tp: TensorParallel | None = None,
     quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> tuple[CausalLM, ModelSpec]:
     """The model in eval mode, without gradients, on `device` in `dtype` (auto | float32 | bfloat16 |
     float16), with its spec. `load_format`: auto (the safetensors weights) or dummy (seeded random weights,
@@ -136,7 +141,8 @@ def load_model(
     tp = parallel.current() if tp is None else tp
     dummy = load_format == "dummy"
     model_dir = resolve_model_dir(model_path, with_weights=not dummy)
-    spec = device_dtype(read_model_spec(model_dir, dtype, max_model_len, quantization), dtype, device)
+    spec = read_model_spec(model_dir, dtype, max_model_len, quantization, kv_cache_dtype)
+    spec = device_dtype(spec, dtype, device)
     check_tensor_parallel(spec, tp.size)
     local = rank_spec(spec, tp)
     with torch.device("meta"), _no_random_init():

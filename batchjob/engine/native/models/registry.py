@@ -57,14 +57,19 @@ def spec_from_config(
     dtype: str,
     max_model_len: int | None,
     quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> ModelSpec:
     """The spec of a model from transformers' config object (the benchmark's roofline builds one in memory)."""
-    spec = common_spec(config, architecture.name, model_dir, generation)
-    return requested_spec(check_spec(architecture.adapt(config, spec)), dtype, max_model_len, quantization)
+    spec = check_spec(architecture.adapt(config, common_spec(config, architecture.name, model_dir, generation)))
+    return requested_spec(spec, dtype, max_model_len, quantization, kv_cache_dtype)
 
 
 def spec_from_config_files(
-    model_dir: Path, dtype: str = "auto", max_model_len: int | None = None, quantization: str = "auto"
+    model_dir: Path,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> ModelSpec:
     """The spec of the model in `model_dir` for a job's `dtype`, `max_model_len` and `quantization`: kept from an
     earlier read of the same config files (spec_cache.py), else read through transformers' config class and kept."""
@@ -74,7 +79,7 @@ def spec_from_config_files(
     if spec is None:
         spec = _read_config(model_dir, architecture)
         store_spec(key, spec)
-    return requested_spec(spec, dtype, max_model_len, quantization)
+    return requested_spec(spec, dtype, max_model_len, quantization, kv_cache_dtype)
 
 
 def _read_config(model_dir: Path, architecture: Architecture) -> ModelSpec:

@@ -29,6 +29,9 @@ from batchjob.engine.native.models.quantization import (
 )
 from batchjob.engine.native.options import QUANTIZATIONS
 
+# engine.kv_cache_dtype: auto, the model's dtype; fp8_e4m3, K and V stored in e4m3 (a scale of 1, saturating).
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
@@ -89,15 +92,20 @@ class ModelSpec:
     final_softcap: float = 0.0  # the same on the output logits (Gemma 2)
     moe: MoESpec | None = None
     quantization: QuantSpec | None = None  # FP8 weights and activations (models/quantization.py)
+    kv_cache_dtype: torch.dtype | None = None  # of the paged KV cache (None: `dtype`); float8_e4m3fn: FP8 K/V
 
     def quantized(self, module: str) -> bool:
         """Whether the checkpoint module `module` (`model.layers.0.self_attn.q_proj`) holds FP8 weights."""
         return self.quantization is not None and self.quantization.quantizes(module)
 
     @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes one token takes over all layers (K and V) in `dtype`."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        """KV cache bytes one token takes over all layers (K and V) in the cache's dtype."""
+        element_size = torch.empty((), dtype=self.cache_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
 
@@ -202,10 +210,13 @@ def declared_dtype(config: Any, model_dir: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def requested_spec(spec: ModelSpec, dtype: str, requested_len: int | None, quantization: str = "auto") -> ModelSpec:
+def requested_spec(
+    spec: ModelSpec, dtype: str, requested_len: int | None, quantization: str = "auto", kv_cache_dtype: str = "auto"
+) -> ModelSpec:
     """`spec` as read (the declared dtype, the model's whole length) for a job's `dtype` (auto: the declared
-    one), `max_model_len` (None: the model's) and `quantization` (auto: the checkpoint's; fp8: an unquantized
-    checkpoint's projections quantized as they load, an FP8 checkpoint as it is)."""
+    one), `max_model_len` (None: the model's), `quantization` (auto: the checkpoint's; fp8: an unquantized
+    checkpoint's projections quantized as they load, an FP8 checkpoint as it is) and `kv_cache_dtype` (auto: the
+    model's dtype; fp8_e4m3)."""
     if requested_len is not None and requested_len > spec.max_model_len:
         raise ValueError(
             f"max_model_len={requested_len} exceeds what {spec.model_dir} supports ({spec.max_model_len}); lower it"
@@ -214,12 +225,15 @@ def requested_spec(spec: ModelSpec, dtype: str, requested_len: int | None, quant
         raise ValueError(f"unsupported dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}: choose {' or '.join(QUANTIZATIONS)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}: choose {' or '.join(KV_CACHE_DTYPES)}")
     return check_quantization(
         replace(
             spec,
             max_model_len=spec.max_model_len if requested_len is None else requested_len,
             dtype=spec.dtype if dtype == "auto" else DTYPES[dtype],
             quantization=engine_fp8() if quantization == "fp8" and spec.quantization is None else spec.quantization,
+            kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
         )
     )
 

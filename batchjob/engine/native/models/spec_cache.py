@@ -63,6 +63,7 @@ def store_spec(key: str, spec: ModelSpec) -> None:
 def spec_to_json(spec: ModelSpec) -> dict[str, Any]:
     fields = dataclasses.asdict(spec)
     fields["dtype"] = str(spec.dtype).removeprefix("torch.")
+    fields["kv_cache_dtype"] = None  # a job's choice, not the model's: applied after the cache (requested_spec)
     return fields
 
 
@@ -80,6 +81,7 @@ def spec_from_json(fields: dict[str, Any]) -> ModelSpec:
             "rope": rope_of(fields["rope"]),
             "layers": tuple(LayerSpec(**{**layer, "rope": rope_of(layer["rope"])}) for layer in fields["layers"]),
             "dtype": DTYPES[fields["dtype"]],
+            "kv_cache_dtype": None,
             "eos_token_ids": tuple(fields["eos_token_ids"]),
             "moe": None if moe is None else MoESpec(**moe),
             "quantization": None if quantization is None else _quant_spec(quantization),

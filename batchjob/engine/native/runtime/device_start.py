@@ -80,7 +80,14 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
     else:
         attn = TorchPagedAttention()
     return load_model(
-        model_path, opts.dtype, device, attn, opts.max_model_len, opts.load_format, quantization=opts.quantization
+        model_path,
+        opts.dtype,
+        device,
+        attn,
+        opts.max_model_len,
+        opts.load_format,
+        quantization=opts.quantization,
+        kv_cache_dtype=opts.kv_cache_dtype,
     )
 
 

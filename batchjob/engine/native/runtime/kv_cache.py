@@ -21,7 +21,7 @@ CPU_DEFAULT_KV_GB = 1.0
 
 def allocate_kv_cache(spec, num_blocks: int, block_size: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+    cache = torch.zeros(shape, dtype=spec.cache_dtype, device=device)
     return [(cache[0, layer], cache[1, layer]) for layer in range(spec.num_layers)]
 
 
