@@ -107,12 +107,13 @@ def handwritten_checkpoint(source: Path, out: Path, method: str, block: tuple[in
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(block),
+            "modules_to_not_convert": ["lm_head", "mlp.gate"],  # a mixture's routers, as Qwen3's FP8 MoEs list them
         }
     else:
         config["quantization_config"] = {
             "quant_method": "fbgemm_fp8",
             "activation_scale_ub": 1200.0,
-            "modules_to_not_convert": ["lm_head"],
+            "modules_to_not_convert": ["lm_head", "mlp.gate"],
         }
     (out / "config.json").write_text(json.dumps(config))
     return out

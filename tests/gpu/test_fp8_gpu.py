@@ -122,3 +122,30 @@ def test_an_fp8_kv_cache_with_graphs_generates_what_eager_steps_do(source):
     graphed = _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
     assert graphed == _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", cuda_graphs=False)
     assert graphed == _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", async_loop=False)
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_the_compiled_fp8_experts_kernel_computes_their_float32_arithmetic(block):
+    from batchjob.engine.native.models.moe import Fp8Experts
+
+    experts, hidden, inter, tokens = 16, 1024, 768, 300
+    module = Fp8Experts(experts, hidden, inter, block, block is not None, None).cuda()
+    for name, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        parts = [quantize_weight(torch.randn(rows, cols, device="cuda") / cols**0.5, block) for _ in range(experts)]
+        getattr(module, name).data = torch.stack([q.view(torch.uint8) for q, _ in parts]).view(torch.float8_e4m3fn)
+        getattr(module, name + "_scale").data = torch.stack([s for _, s in parts])
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = (
+        torch.rand(tokens, 4, device="cuda").softmax(-1),
+        torch.randint(0, experts, (tokens, 4), device="cuda"),
+    )
+    got = module(x, weights, ids).float()
+    expected = module._torch_forward(x, weights, ids).float()
+    assert ((got - expected).norm() / expected.norm()).item() < 2e-2  # bf16 intermediate rounding
+
+
+def test_an_fp8_mixture_of_experts_with_graphs_generates_what_eager_steps_do(tmp_path):
+    moe = make_tiny_model(tmp_path / "moe", arch="qwen3_moe")
+    checkpoint = handwritten_checkpoint(moe, tmp_path / "moe-fp8", "fp8", (16, 16))
+    graphed = _greedy(checkpoint, dtype="bfloat16")
+    assert graphed == _greedy(checkpoint, dtype="bfloat16", cuda_graphs=False)

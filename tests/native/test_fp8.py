@@ -14,12 +14,14 @@ import sys
 import pytest
 import torch
 from fp8_models import compressed_tensors_checkpoint, handwritten_checkpoint, reference_logits
+from safetensors.torch import load_file
 
 from batchjob.engine import Request, SamplingParams, choose_backend, create_engine
 from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.layers.attention import TorchPagedAttention, make_metadata
-from batchjob.engine.native.layers.fp8_linear import Fp8Linear, quantize_weight
+from batchjob.engine.native.layers.fp8_linear import Fp8Linear, dequantize, quantize_weight
 from batchjob.engine.native.loading.model_loader import load_model, read_model_spec
+from batchjob.engine.native.models.moe import Fp8Experts
 from batchjob.engine.native.models.spec import UnsupportedModelError
 from batchjob.job.tiny_model import make_tiny_model
 
@@ -180,16 +182,85 @@ def test_a_quantization_the_engine_cannot_run_is_refused_from_config_json_naming
     assert expected in message and "compressed-tensors FP8" in message and "engine=hf" in message
 
 
-def test_fp8_experts_of_a_mixture_are_refused_and_quantization_fp8_leaves_them_in_the_model_dtype(tmp_path):
+@pytest.mark.parametrize(("name", "block"), [("fbgemm_fp8", None), ("fp8", (16, 16))])
+def test_an_fp8_mixture_of_experts_runs_its_experts_in_fp8_and_its_router_in_the_model_dtype(name, block, tmp_path):
     moe = make_tiny_model(tmp_path / "moe", arch="qwen3_moe")
-    quantized = _with_quantization(moe, tmp_path / "moe-fp8", {**_compressed(), "ignore": ["lm_head"]})
-    with pytest.raises(UnsupportedModelError, match="FP8 experts"):
-        read_model_spec(quantized)
+    checkpoint = handwritten_checkpoint(moe, tmp_path / name, name, block)
+    model, _ = load_model(checkpoint, "float32", "cpu", TorchPagedAttention())
+    sparse = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts"))
+    assert isinstance(sparse.experts, Fp8Experts) and sparse.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert isinstance(sparse.gate, torch.nn.Linear) and sparse.gate.weight.dtype == torch.float32
+    # Every expert holds its checkpoint tensors' values: gate rows, then up rows, scales beside them.
+    tensors = load_file(checkpoint / "model.safetensors")
+    layer = next(i for i, layer in enumerate(model.layers) if layer.mlp is sparse)
+    scale_name = "weight_scale_inv" if name == "fp8" else "weight_scale"
+    for e in (0, 5):
+        stored = {}
+        for which in ("gate", "up", "down"):
+            key = f"model.layers.{layer}.mlp.experts.{e}.{which}_proj"
+            stored[which] = dequantize(tensors[f"{key}.weight"], tensors[f"{key}.{scale_name}"], block)
+        gate_up = dequantize(sparse.experts.gate_up_proj[e], sparse.experts.gate_up_proj_scale[e], block)
+        assert torch.equal(gate_up, torch.cat([stored["gate"], stored["up"]]))
+        down = dequantize(sparse.experts.down_proj[e], sparse.experts.down_proj_scale[e], block)
+        assert torch.equal(down, stored["down"])
+    # FP8's own error, routing flips included (a misplaced scale would be an error of order one)
+    assert 1e-3 < relative_error(our_logits(checkpoint, PROMPT), our_logits(moe, PROMPT)) < 0.5
+    prompts = [PROMPT[: 6 + 7 * i] for i in range(3)]
+    if block is not None:
+        assert greedy(checkpoint, prompts, tensor_parallel=2) == greedy(checkpoint, prompts)
+
+
+@pytest.mark.parametrize(("group", "block"), [(None, None), (16, (16, 16))])
+def test_fp8_experts_compute_the_float64_arithmetic_of_their_format(group, block):
+    torch.manual_seed(3)
+    experts = Fp8Experts(6, 64, 32, block, group is not None, None)
+    reference = {}
+    for name, rows, cols in (("gate_up_proj", 64, 64), ("down_proj", 64, 32)):
+        q, scales = zip(*(quantize_weight(torch.randn(rows, cols) / cols**0.5, block) for _ in range(6)), strict=True)
+        getattr(experts, name).data = torch.stack([w.view(torch.uint8) for w in q]).view(torch.float8_e4m3fn)
+        getattr(experts, name + "_scale").data = torch.stack(scales)
+        reference[name] = [(w.double() * _expand(s, block, rows, cols)) for w, s in zip(q, scales, strict=True)]
+    x = torch.randn(9, 64)
+    ids = torch.randint(0, 6, (9, 2))
+    weights = torch.rand(9, 2)
+    ours = experts(x, weights, ids)
+    expected = torch.zeros(9, 64, dtype=torch.float64)
+    for t in range(9):
+        for k in range(2):
+            e = int(ids[t, k])
+            gate, up = (_fake_quant(x[t : t + 1], group) @ reference["gate_up_proj"][e].t()).float().chunk(2, dim=-1)
+            act = torch.nn.functional.silu(gate) * up
+            expected[t] += float(weights[t, k]) * (_fake_quant(act, group) @ reference["down_proj"][e].t())[0]
+    assert relative_error(ours.double(), expected) < 1e-5
+
+
+def _expand(scales: torch.Tensor, block, rows: int, cols: int) -> torch.Tensor:
+    if block is None:
+        return scales.double()
+    return scales.double().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def _fake_quant(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    q, scales = fp8.plain_quantize(x, group)
+    return q.double() * scales.double().repeat_interleave(group or x.shape[1], 1)[:, : x.shape[1]]
+
+
+def test_quantization_fp8_leaves_a_mixtures_experts_and_router_in_the_model_dtype(tmp_path):
+    moe = make_tiny_model(tmp_path / "moe", arch="qwen3_moe")
     model, _ = load_model(moe, "float32", "cpu", TorchPagedAttention(), quantization="fp8")
     sparse = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts"))
     assert isinstance(model.layers[0].self_attn.qkv_proj, Fp8Linear)
     assert sparse.experts.gate_up_proj.dtype == torch.float32 and isinstance(sparse.gate, torch.nn.Linear)
     assert greedy(moe, [PROMPT[:16]], quantization="fp8")[0]
+
+
+def test_a_checkpoint_whose_fp8_tensors_its_config_does_not_declare_is_refused(source, tmp_path):
+    checkpoint = handwritten_checkpoint(source, tmp_path / "fbgemm", "fbgemm_fp8")
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "o_proj"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="o_proj.weight is FP8, but config.json's quantization_config"):
+        load_model(checkpoint, "float32", "cpu", TorchPagedAttention())
 
 
 def test_the_cli_runs_an_fp8_checkpoint_and_quantization_fp8_and_refuses_a_resume_under_another(

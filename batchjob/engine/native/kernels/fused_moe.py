@@ -16,14 +16,23 @@ graph captured for a batch bucket replays identically with any routing.
 Rounding follows the dense MLP (fused_ops.silu_and_mul): gate and up rounded to the model dtype, SiLU
 rounded before the multiply; the routing weight is applied in fp32 to the down projection's accumulator and the
 K partial outputs are summed in fp32 and rounded once.
+
+FP8 experts (e4m3 weights with float32 scales per row or per block, `models.moe.Fp8Experts`): each GEMM's input
+is quantized first (`fp8.quantize`, per token or per group of channels: the tokens' hidden states before gate/up,
+the gated activations before down), and each K tile's product is multiplied by its rows' activation scales and its
+columns' weight scales as it is added up, as `fp8.scaled_matmul` does for a dense projection.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import torch
 import triton
 import triton.language as tl
 
+from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.kernels.decode_attention import dot_precision
 from batchjob.engine.native.kernels.moe_align import moe_align_block_size
 from batchjob.engine.native.kernels.moe_configs import GemmTile, MoEConfig, moe_config
@@ -37,6 +46,8 @@ def _grouped_gemm_kernel(
     b_ptr,
     c_ptr,
     routing_weights_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
     sorted_pairs_ptr,
     block_experts_ptr,
     padded_rows_ptr,
@@ -48,10 +59,17 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    a_groups,
+    a_group,
+    b_block_n,
+    b_block_k,
+    stride_se,
+    stride_sn,
     A_ROW_DIVISOR: tl.constexpr,
     GATED: tl.constexpr,
     ROUTED_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -80,6 +98,10 @@ def _grouped_gemm_kernel(
     b_ptrs = b_ptr + expert * stride_be + (cols % n_cols)[None, :].to(tl.int64) * stride_bn + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # FP8: the scales of each tile's rows (activations) and columns (the expert's weight rows, gate then up)
+    a_scales = a_scale_ptr + a_rows * a_groups
+    b_scales = b_scale_ptr + expert * stride_se + ((cols % n_cols) // b_block_n).to(tl.int64) * stride_sn
+    b_up_scales = b_scale_ptr + expert * stride_se + ((cols % n_cols + n_cols) // b_block_n).to(tl.int64) * stride_sn
     for k0 in range(0, k_dim, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -88,13 +110,20 @@ def _grouped_gemm_kernel(
             k_ok = ks < k_dim - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            a_s = tl.load(a_scales + k0 // a_group)[:, None]
+            acc += tl.dot(a, b) * a_s * tl.load(b_scales + k0 // b_block_k)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATED:
             if EVEN_K:
                 b_up = tl.load(b_ptrs + n_cols * stride_bn)
             else:
                 b_up = tl.load(b_ptrs + n_cols * stride_bn, mask=k_ok[:, None], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            if FP8:
+                acc_up += tl.dot(a, b_up) * a_s * tl.load(b_up_scales + k0 // b_block_k)[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     dtype = c_ptr.dtype.element_ty
@@ -108,6 +137,18 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8ExpertWeights:
+    """What the FP8 grouped GEMMs need besides e4m3 weights: their float32 scales ([E, rows, 1] per row, or
+    [E, rows / block rows, K / block columns] per block) and how the inputs are quantized."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    block: tuple[int, int] | None = None  # weight block (rows, columns); None: a scale per row
+    group: int | None = None  # channels per activation scale; None: a scale per token
+    activation_upper: float | None = None  # caps a token's amax (fbgemm_fp8)
+
+
 def grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -119,22 +160,34 @@ def grouped_gemm(
     top_k: int,
     block_m: int,
     tile: GemmTile,
+    scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
 ) -> None:
     """One projection over the aligned pairs. gated: `a` is the tokens' hidden states [T, H], `b` the experts'
     [gate; up] weights [E, 2I, H], `out` [T*K, I] gets silu(gate) * up. Otherwise `a` is that [T*K, I], `b`
     the down weights [E, H, I] and `out` [T*K, H] the routing-weighted expert outputs. `alignment` comes from
-    `moe_align_block_size` with this `block_m`."""
+    `moe_align_block_size` with this `block_m`. `scales`: FP8 operands' (a's [rows, groups], b's, b's block)."""
     sorted_pairs, block_experts, padded_rows = alignment
     n_cols = b.shape[1] // 2 if gated else b.shape[1]
     k_dim = a.shape[1]
     num_m_blocks = block_experts.numel()
     grid = (num_m_blocks * triton.cdiv(n_cols, tile.block_n),)
+    if scales is None:
+        a_scales = b_scales = routing_weights  # not read
+        a_group, b_block = k_dim, (1, k_dim)
+    else:
+        a_scales, b_scales, b_block = scales
+        a_group = k_dim if a_scales.shape[1] == 1 else k_dim // a_scales.shape[1]
+        # A depth tile must lie inside one activation group and one weight block.
+        widths = [width for width in (a_group, b_block[1]) if width < k_dim]
+        tile = dataclasses.replace(tile, block_k=math.gcd(tile.block_k, *widths))
     _grouped_gemm_kernel[grid](
-        a, b, out, routing_weights, sorted_pairs, block_experts, padded_rows,
+        a, b, out, routing_weights, a_scales, b_scales, sorted_pairs, block_experts, padded_rows,
         n_cols, k_dim, out.shape[0], num_m_blocks,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        a_scales.shape[1] if scales else 1, a_group, b_block[0], b_block[1],
+        b_scales.stride(0) if scales else 0, b_scales.stride(1) if scales else 0,
         A_ROW_DIVISOR=top_k if gated else 1, GATED=gated, ROUTED_WEIGHT=not gated,
-        EVEN_K=k_dim % tile.block_k == 0, DOT_PRECISION=dot_precision(a.dtype),
+        EVEN_K=k_dim % tile.block_k == 0, FP8=scales is not None, DOT_PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,
         # fp32 tiles are twice as wide: two stages keep the gate/up GEMM's three tiles in shared memory.
@@ -172,11 +225,12 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     config: MoEConfig | None = None,
+    fp8_experts: Fp8ExpertWeights | None = None,
 ) -> torch.Tensor:
     """Per token t: sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)) with
     e = topk_ids[t, k]. `hidden` [T, H]; `w13` [E, 2I, H]; `w2` [E, H, I]; `topk_weights` float32 [T, K];
     `topk_ids` int64 [T, K]. Returns [T, H] in hidden's dtype. `config` overrides the one `moe_config` picks
-    for this token count, expert shape and device."""
+    for this token count, expert shape and device. `fp8_experts`: w13 and w2 are e4m3, with these scales."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -190,11 +244,24 @@ def fused_moe(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     pairs = num_tokens * top_k
     gated = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    a, scales = _inputs(hidden, fp8_experts, fp8_experts and fp8_experts.w13_scale)
     grouped_gemm(
-        hidden, w13, gated, weights, alignment, gated=True, top_k=top_k, block_m=config.block_m, tile=config.gate_up
-    )
+        a, w13, gated, weights, alignment, gated=True, top_k=top_k, block_m=config.block_m, tile=config.gate_up,
+        scales=scales,
+    )  # fmt: skip
     down = torch.empty((pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    a, scales = _inputs(gated, fp8_experts, fp8_experts and fp8_experts.w2_scale)
     grouped_gemm(
-        gated, w2, down, weights, alignment, gated=False, top_k=top_k, block_m=config.block_m, tile=config.down
-    )
+        a, w2, down, weights, alignment, gated=False, top_k=top_k, block_m=config.block_m, tile=config.down,
+        scales=scales,
+    )  # fmt: skip
     return sum_choices(down, top_k)
+
+
+def _inputs(x: torch.Tensor, experts: Fp8ExpertWeights | None, weight_scales: torch.Tensor | None):
+    """A GEMM's input as the kernel takes it: x itself, or x quantized with the FP8 experts' scheme and the
+    (activation scales, weight scales, weight block) to go with it."""
+    if experts is None:
+        return x, None
+    q, scales = fp8.quantize(x, experts.group, experts.activation_upper)
+    return q, (scales, weight_scales, experts.block or (1, x.shape[1]))

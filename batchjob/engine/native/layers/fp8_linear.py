@@ -90,15 +90,10 @@ class Fp8Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in float32, as the scales say."""
-        rows, cols = self.weight_block
-        scales = self.weight_scale.repeat_interleave(rows, 0)[: self.out_features]
-        scales = scales.repeat_interleave(cols, 1)[:, : self.in_features] if self.block else scales
-        return self.weight.float() * scales
+        return dequantize(self.weight, self.weight_scale, self.block)
 
     def _plain(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        group = -(-self.in_features // scales.shape[1])
-        x = q.float() * scales.repeat_interleave(group, 1)[:, : self.in_features]
-        out = x @ self.dequantized_weight().t()
+        out = dequantize(q, scales, (1, -(-self.in_features // scales.shape[1]))) @ self.dequantized_weight().t()
         if self.bias is not None:
             out += self.bias.float()
         return out.to(self.out_dtype)
@@ -123,6 +118,13 @@ class Fp8Linear(nn.Module):
 class LinearToQuantize(nn.Linear):
     """A projection that loads in the model's dtype and becomes an `Fp8Linear` once its weights are in
     (`engine.quantization=fp8` on an unquantized checkpoint)."""
+
+
+def dequantize(x: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """e4m3 `x` [N, K] in float32: times its `scales`, one per `block` = (rows, columns) (None: one per row)."""
+    rows, cols = block or (1, x.shape[1])
+    full = scales.repeat_interleave(rows, 0)[: x.shape[0]].repeat_interleave(cols, 1)[:, : x.shape[1]]
+    return x.float() * full
 
 
 @torch.no_grad()

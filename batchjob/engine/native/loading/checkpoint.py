@@ -68,6 +68,7 @@ def load_checkpoint(
                 if found is not None:
                     name, target = found
                     _check_shape(file, entry.name, entry.shape, tuple(target.shape))
+                    _check_fp8(file, entry.name, entry.dtype == torch.float8_e4m3fn, target)
                     targets[entry.name] = target
                     loaded[name] += target.numel()
 
@@ -126,6 +127,7 @@ def _load_slices(
                 continue
             slot, target = found
             name, shard = slot.name, shards[slot.name]
+            _check_fp8(file, key, checkpoint.get_slice(key).get_dtype() == "F8_E4M3", target)
             if shard is None:
                 tensor = checkpoint.get_tensor(key)
                 if slot.row is not None:
@@ -145,6 +147,16 @@ def _load_slices(
                 expected = full[: shard.dim] + shape[shard.dim : shard.dim + 1] + full[shard.dim + 1 :]
                 _check_shape(file, key, shape, expected)
                 loaded[name] += shard.copy_(target, source, slot.row or 0, shape[shard.dim])
+
+
+def _check_fp8(file: Path, key: str, fp8: bool, target: torch.Tensor) -> None:
+    """An FP8 tensor goes into an FP8 parameter only (a plain copy would drop its scale), and the other way round."""
+    if fp8 != (target.dtype == torch.float8_e4m3fn):
+        declared = "does not quantize it" if fp8 else "quantizes it to FP8"
+        raise UnsupportedModelError(
+            f"{file}: tensor {key} is {'FP8' if fp8 else 'not FP8'}, but config.json's quantization_config "
+            f"{declared}; the config and weights do not match"
+        )
 
 
 def _check_shape(file: Path, key: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:

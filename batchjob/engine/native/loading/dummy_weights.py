@@ -22,6 +22,7 @@ from torch import nn
 from batchjob.engine.native.layers.elementwise import RMSNorm
 from batchjob.engine.native.layers.fp8_linear import Fp8Linear, quantize_weight
 from batchjob.engine.native.loading.sharding import ParamShard
+from batchjob.engine.native.models.moe import Fp8Experts
 
 DUMMY_SEED = 1234
 STD = 0.02
@@ -59,13 +60,19 @@ def fill_dummy_weights(model: nn.Module, shards: dict[str, ParamShard | None]) -
     rank holds exactly what it would hold of a checkpoint of these weights."""
     norms = norm_values(model)
     fp8 = {f"{prefix}.": module for prefix, module in model.named_modules() if isinstance(module, Fp8Linear)}
+    experts = {f"{prefix}.": module for prefix, module in model.named_modules() if isinstance(module, Fp8Experts)}
     for name, param in model.named_parameters():
         owner = name[: name.rfind(".") + 1]
         if owner in fp8 and not name.endswith(".bias"):
             if name.endswith(".weight"):
-                _fill_fp8(fp8[owner], name, shards)
+                _fill_fp8(param, fp8[owner].weight_scale, name, shards, fp8[owner].block, fp8[owner].out_dtype)
             elif name.endswith(".input_scale"):
                 param.fill_(DUMMY_INPUT_SCALE)
+            continue
+        if owner in experts:
+            if not name.endswith("_scale"):
+                scales = getattr(experts[owner], name[len(owner) :] + "_scale")
+                _fill_fp8(param, scales, name, shards, experts[owner].block, model.spec.dtype)
             continue
         shard = shards.get(name)
         if shard is None:
@@ -78,13 +85,22 @@ def fill_dummy_weights(model: nn.Module, shards: dict[str, ParamShard | None]) -
             shard.copy_(param, full, 0, shard.full_size)
 
 
-def _fill_fp8(module: Fp8Linear, name: str, shards: dict[str, ParamShard | None]) -> None:
-    """The FP8 projection owning weight `name`: the dummy weight of its full shape, quantized, and this rank's
-    part of it and of its scales."""
-    weight, scales = module.weight, module.weight_scale
+def _fill_fp8(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    name: str,
+    shards: dict[str, ParamShard | None],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> None:
+    """An FP8 weight `name` (a projection's [N, K], or stacked experts' [E, N, K]) and its scales: the dummy weight
+    of its full shape in the model's `dtype`, quantized, and this rank's part of it and of its scales."""
     shard = shards.get(name)
     shape = tuple(weight.shape) if shard is None else shard.full_shape(tuple(weight.shape))
-    full, full_scales = quantize_weight(dummy_tensor(name, shape, module.out_dtype, weight.device, None), module.block)
+    drawn = dummy_tensor(name, shape, dtype, weight.device, None)
+    parts = [quantize_weight(matrix, block) for matrix in drawn.view(-1, *shape[-2:])]
+    full = torch.stack([q.view(torch.uint8) for q, _ in parts]).view(weight.dtype).view(shape)  # no e4m3 stack
+    full_scales = torch.stack([s for _, s in parts]).view(*shape[:-2], *parts[0][1].shape)
     for param, source, part in ((weight, full, shard), (scales, full_scales, shards.get(name + "_scale"))):
         if part is None:
             param.copy_(source)

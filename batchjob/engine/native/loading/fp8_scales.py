@@ -44,8 +44,10 @@ def load_scales(
                 if slot is None:
                     continue
                 kind = "input_scale" if suffix == ".input_scale" else "weight_scale"
-                name = slot.name.removesuffix(".weight") + "." + kind
-                if name not in params:
+                name = (
+                    slot.name + "_scale" if slot.expert is not None else f"{slot.name.removesuffix('.weight')}.{kind}"
+                )
+                if name not in params or (slot.expert is not None and kind == "input_scale"):
                     raise UnsupportedModelError(
                         f"{file}: {key} scales {weight_key}, which config.json's quantization_config leaves "
                         "unquantized; the config and weights do not match"
@@ -56,7 +58,10 @@ def load_scales(
                     loaded[name] = 1
                     continue
                 rows = checkpoint.get_slice(weight_key).get_shape()[0]
-                written = _place_weight_scale(params[name], shards[name], scale, rows, slot.row or 0, spec, file, key)
+                param, shard = params[name], shards[name]
+                if slot.expert is not None:  # one expert's entry of the stacked scales
+                    param, shard = param[slot.expert], shard and shard.entry()
+                written = _place_weight_scale(param, shard, scale, rows, slot.row or 0, spec, file, key)
                 loaded[name] = loaded.get(name, 0) + written
     return loaded
 

@@ -69,14 +69,14 @@ class ParamShard:
         return written
 
 
-def _scale_shard(weight: ParamShard, spec: ModelSpec) -> ParamShard | None:
-    """The shard of an FP8 weight's scales, from the weight's: per-row scales split with the rows and are whole
-    where the columns split; block scales split with the blocks (`check_tensor_parallel` makes the shards whole
-    blocks)."""
+def _scale_shard(weight: ParamShard, spec: ModelSpec, row_dim: int) -> ParamShard | None:
+    """The shard of an FP8 weight's scales, from the weight's (whose rows are dimension `row_dim`: 1 for stacked
+    experts): per-row scales split with the rows and are whole where the columns split; block scales split with
+    the blocks (`check_tensor_parallel` makes the shards whole blocks)."""
     block = spec.quantization.block if spec.quantization.weights == "block" else None
     if block is None:
-        return weight if weight.dim == 0 else None
-    size = block[weight.dim]
+        return weight if weight.dim == row_dim else None
+    size = block[weight.dim - row_dim]
     segments = tuple(Segment(s.local // size, s.full // size, s.length // size) for s in weight.segments)
     return ParamShard(weight.dim, -(-weight.full_size // size), segments)
 
@@ -111,6 +111,7 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
             "query heads": (spec.num_heads * spec.head_dim // size, block),
             "key/value heads": (kv_heads_per_rank(spec, size) * spec.head_dim, block[:1]),
             "MLP width": (spec.intermediate_size // size, block),
+            "expert width": ((spec.moe.intermediate_size if spec.moe else 0) // size, block),
         }
         problems += [
             f"the width of its {what} a rank holds ({width}) in whole FP8 weight blocks of {block[0]} x {block[1]}"
@@ -145,7 +146,7 @@ def _split(full: int, size: int, rank: int, offset: int = 0, local: int = 0) -> 
 
 _NAME = re.compile(
     r".*\.(?P<param>self_attn\.qkv_proj|self_attn\.o_proj|self_attn\.q_norm|self_attn\.k_norm|mlp\.gate_up_proj"
-    r"|mlp\.down_proj|mlp\.experts\.gate_up_proj|mlp\.experts\.down_proj)"
+    r"|mlp\.down_proj|mlp\.experts\.gate_up_proj(?:_scale)?|mlp\.experts\.down_proj(?:_scale)?)"
     r"(\.(?P<kind>weight|bias|weight_scale|input_scale))?"
 )
 
@@ -164,7 +165,9 @@ def param_shard(name: str, spec: ModelSpec, tp: TensorParallel) -> ParamShard | 
         return None
     param, kind = match["param"], match["kind"]
     if kind == "weight_scale":
-        return _scale_shard(param_shard(name.removesuffix("_scale"), spec, tp), spec)
+        return _scale_shard(param_shard(name.removesuffix("_scale"), spec, tp), spec, row_dim=0)
+    if param.endswith("_scale"):  # FP8 experts' scales
+        return _scale_shard(param_shard(name.removesuffix("_scale"), spec, tp), spec, row_dim=1)
     d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     q = _split(heads * d, tp.size, tp.rank)
     kv_local = kv_heads_per_rank(spec, tp.size) * d

@@ -158,7 +158,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, layer, attn, tp)
         self.post_attention_layernorm = make_norm(spec, spec.hidden_size) if after else None
         self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size) if before else None
-        self.mlp = SparseMoE(spec) if spec.layers[layer].sparse else MLP(spec, layer)
+        self.mlp = SparseMoE(spec, layer) if spec.layers[layer].sparse else MLP(spec, layer)
         self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size) if after else None
         # The attention's and the MLP's outputs go straight into a fused residual add + norm (this layer's
         # second, the next layer's first or the final one) only with norms before the sublayers and one rank:

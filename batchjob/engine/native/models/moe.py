@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchjob.engine.native.kernels import fp8
+from batchjob.engine.native.kernels.fp8 import FP8
+from batchjob.engine.native.layers.fp8_linear import dequantize
 from batchjob.engine.native.models.spec import ModelSpec
 
 FUSED_MOE_MODULE = "batchjob.engine.native.kernels.fused_moe"
@@ -60,14 +63,74 @@ class Experts(nn.Module):
         return out
 
 
+class Fp8Experts(Experts):
+    """Experts with e4m3 weights (`gate_up_proj`, `down_proj`) and float32 scales (`gate_up_proj_scale`,
+    `down_proj_scale`: [E, rows, 1] per row, or per block of `block` = (rows, columns)); each projection's input is
+    quantized per token, or per token and group of `block[1]` channels (`group`). On CUDA the fused kernel runs
+    them in FP8; on CPU the same arithmetic runs in float32 on the dequantized operands."""
+
+    keeps_dtypes = True  # see Fp8Linear
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        block: tuple[int, int] | None,
+        group: bool,
+        activation_upper: float | None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.block, self.group, self.activation_upper = block, block[1] if group else None, activation_upper
+        for name, rows, cols in (("gate_up_proj", 2 * intermediate_size, hidden_size),
+                                 ("down_proj", hidden_size, intermediate_size)):  # fmt: skip
+            scales = (rows, 1) if block is None else (-(-rows // block[0]), -(-cols // block[1]))
+            weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=FP8), requires_grad=False)
+            setattr(self, name, weight)
+            setattr(self, name + "_scale", nn.Parameter(torch.empty(num_experts, *scales), requires_grad=False))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and fused_moe_kernel() is not None:
+            from batchjob.engine.native.kernels.fused_moe import Fp8ExpertWeights
+
+            scheme = Fp8ExpertWeights(
+                self.gate_up_proj_scale, self.down_proj_scale, self.block, self.group, self.activation_upper
+            )
+            return fused_moe_kernel()(x, self.gate_up_proj, self.down_proj, weights, expert_ids, fp8_experts=scheme)
+        return self._torch_forward(x, weights, expert_ids)
+
+    def _torch_forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        inputs = self._quantized(x)
+        for expert in expert_ids.unique().tolist():
+            tokens, slot = torch.where(expert_ids == expert)
+            w13 = dequantize(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], self.block)
+            gate, up = (inputs[tokens] @ w13.t()).to(x.dtype).chunk(2, dim=-1)
+            w2 = dequantize(self.down_proj[expert], self.down_proj_scale[expert], self.block)
+            hidden = self._quantized(F.silu(gate) * up) @ w2.t()
+            out.index_add_(0, tokens, (hidden * weights[tokens, slot, None]).to(out.dtype))
+        return out
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """x quantized as the kernel quantizes a GEMM's input, back in float32."""
+        q, scales = fp8.plain_quantize(x, self.group, self.activation_upper)
+        return dequantize(q, scales, (1, self.group or x.shape[1]))
+
+
 class SparseMoE(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         moe = spec.moe
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)  # the router
-        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size)
+        shape = (moe.num_experts, spec.hidden_size, moe.intermediate_size)
+        q = spec.quantization
+        if spec.quantized(f"model.layers.{layer}.mlp.experts.0.gate_proj"):
+            block = q.block if q.weights == "block" else None
+            self.experts = Fp8Experts(*shape, block, q.activations == "group", q.activation_scale_ub)
+        else:
+            self.experts = Experts(*shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)

@@ -304,14 +304,25 @@ def check_quantization(spec: ModelSpec) -> ModelSpec:
     if not spec.tie_word_embeddings and spec.quantized("lm_head"):
         problems.append("a quantized lm_head")
     sparse = [index for index, layer in enumerate(spec.layers) if layer.sparse]
-    if sparse and spec.quantized(f"model.layers.{sparse[0]}.mlp.experts.0.gate_proj"):
-        problems.append("FP8 experts of a mixture of experts (their projections must be in the ignore list)")
+    if sparse and spec.quantized(f"model.layers.{sparse[0]}.mlp.gate"):
+        problems.append("a quantized router (a mixture of experts' gate)")
+    if (
+        sparse
+        and spec.quantized(f"model.layers.{sparse[0]}.mlp.experts.0.gate_proj")
+        and q.activations
+        not in (
+            "token",
+            "group",
+        )
+    ):
+        problems.append(f"FP8 experts with {q.activations} activation scales (dynamic per token or group only)")
     if q.block is not None:
         rows, cols = q.block
         widths = {
             "query width": spec.num_heads * spec.head_dim,
             "key/value width": spec.num_kv_heads * spec.head_dim,
             "MLP width": spec.intermediate_size,
+            "expert width": spec.moe.intermediate_size if spec.moe else 0,
         }
         problems += [f"its {name} {width} in blocks of {rows} rows" for name, width in widths.items() if width % rows]
         if cols % 16:
@@ -319,7 +330,7 @@ def check_quantization(spec: ModelSpec) -> ModelSpec:
     if problems:
         raise UnsupportedModelError(
             f"{spec.model_dir}: the native engine cannot run {'; '.join(problems)}. It runs {SUPPORTED_FORMATS}, "
-            "with the lm_head, routers and experts unquantized; use engine=hf"
+            "with the lm_head and routers unquantized; use engine=hf"
         )
     return spec
 
