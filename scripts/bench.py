@@ -200,6 +200,13 @@ def run_workload(
         # A tensor-parallel engine reads its weights and cache with every GPU's bandwidth and keeps its cache in
         # every GPU's memory: the floor is that of one GPU `gpus` times as large (GPUs of one kind assumed).
         kv_budget = int(args.kv_budget_fraction * hardware["total_memory"]) * gpus
+        if kv_budget <= shape.weight_bytes:
+            reason = (
+                f"its weights ({shape.weight_bytes / 1e9:.1f} GB) leave no room for a KV cache in "
+                f"{args.kv_budget_fraction:.0%} of {gpus} x {hardware['total_memory'] / 2**30:.1f} GiB: it needs a larger GPU"
+            )
+            print(f"{spec.name}: skipped, {reason}", flush=True)
+            return WorkloadReport(requests, str(model_dir), None, (), dict.fromkeys(systems, reason), {})
         floor = roofline(
             shape,
             requests,

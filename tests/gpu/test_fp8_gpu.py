@@ -65,7 +65,9 @@ def test_the_compiled_scaled_matmul_is_the_dequantized_product(rows, block):
     layer = Fp8Linear(512, 384, False, "group" if block else "token", block, dtype=torch.float32).cuda()
     layer.weight.data, layer.weight_scale.data = b, b_scales
     reference = layer._plain(a, a_scales)
-    assert ((out - reference).norm() / reference.norm()).item() < 1e-5
+    # Hopper's FP8 tensor cores add up a tile's products in less than float32's precision (measured 7.5e-5 on an
+    # H100 with 64-deep tiles); a misplaced scale is an error of order one
+    assert ((out - reference).norm() / reference.norm()).item() < 5e-4
 
 
 def test_row_scaled_projections_through_cublaslt_agree_with_the_float32_arithmetic():
@@ -79,24 +81,30 @@ def test_row_scaled_projections_through_cublaslt_agree_with_the_float32_arithmet
     assert ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
 
 
-def test_fp8_greedy_output_equals_the_float64_reference_of_its_format(source, checkpoint):
+def test_fp8_greedy_output_is_the_float64_references_choice_wherever_it_is_not_a_near_tie(source, checkpoint):
+    # FP8 tensor cores add up in less than float32's precision, so a near tie of the reference may go either way:
+    # each token the engine chose must be the reference's best, or within 1e-3 of it (relative to the logits' scale)
     ours = _greedy(checkpoint, dtype="float32")
     for i, prompt in enumerate(PROMPTS[:3]):
-        ids = list(prompt)
-        for _ in range(12):
-            ids.append(int(reference_logits(source, checkpoint, ids)[-1].argmax()))
-        assert ours[i] == tuple(ids[len(prompt) :])
+        logits = reference_logits(source, checkpoint, list(prompt) + list(ours[i]))[len(prompt) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(ours[i])[:, None])[:, 0]
+        gap = (logits.max(1).values - chosen) / logits.abs().max(1).values
+        assert gap.max().item() < 1e-3, f"prompt {i}: tokens {ours[i]}, gaps {gap.tolist()}"
 
 
+# The engine comparisons run float32 models: their FP8 projections take the Triton matmul, whose tiles do not
+# depend on a step's row count, so a graph's padded bucket computes each row as an eager step does (cuBLASLt's FP8
+# kernels, which bf16 models use, are chosen by row count: a near tie can then go either way).
 @pytest.mark.parametrize("options", [{"cuda_graphs": False}, {"async_loop": False}])
 def test_fp8_graphs_and_the_asynchronous_loop_generate_what_eager_and_sync_steps_do(checkpoint, options):
-    assert _greedy(checkpoint, dtype="bfloat16") == _greedy(checkpoint, dtype="bfloat16", **options)
+    assert _greedy(checkpoint, dtype="float32") == _greedy(checkpoint, dtype="float32", **options)
 
 
-def test_quantization_fp8_runs_a_bf16_model_with_graphs_as_without(source):
-    graphed = _greedy(source, dtype="bfloat16", quantization="fp8")
-    assert graphed == _greedy(source, dtype="bfloat16", quantization="fp8", cuda_graphs=False)
-    assert graphed != _greedy(source, dtype="bfloat16")
+def test_quantization_fp8_runs_a_model_with_graphs_as_without(source):
+    graphed = _greedy(source, dtype="float32", quantization="fp8")
+    assert graphed == _greedy(source, dtype="float32", quantization="fp8", cuda_graphs=False)
+    assert graphed != _greedy(source, dtype="float32")
+    assert _greedy(source, dtype="bfloat16", quantization="fp8")  # the cuBLASLt path, graphed
 
 
 @pytest.mark.parametrize(
@@ -119,9 +127,9 @@ def test_compiled_kernels_store_and_read_an_fp8_cache_as_the_values_it_rounds_to
 
 
 def test_an_fp8_kv_cache_with_graphs_generates_what_eager_steps_do(source):
-    graphed = _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
-    assert graphed == _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", cuda_graphs=False)
-    assert graphed == _greedy(source, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", async_loop=False)
+    graphed = _greedy(source, dtype="float32", kv_cache_dtype="fp8_e4m3")
+    assert graphed == _greedy(source, dtype="float32", kv_cache_dtype="fp8_e4m3", cuda_graphs=False)
+    assert graphed == _greedy(source, dtype="float32", kv_cache_dtype="fp8_e4m3", async_loop=False)
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
@@ -147,5 +155,5 @@ def test_the_compiled_fp8_experts_kernel_computes_their_float32_arithmetic(block
 def test_an_fp8_mixture_of_experts_with_graphs_generates_what_eager_steps_do(tmp_path):
     moe = make_tiny_model(tmp_path / "moe", arch="qwen3_moe")
     checkpoint = handwritten_checkpoint(moe, tmp_path / "moe-fp8", "fp8", (16, 16))
-    graphed = _greedy(checkpoint, dtype="bfloat16")
-    assert graphed == _greedy(checkpoint, dtype="bfloat16", cuda_graphs=False)
+    graphed = _greedy(checkpoint, dtype="float32")
+    assert graphed == _greedy(checkpoint, dtype="float32", cuda_graphs=False)

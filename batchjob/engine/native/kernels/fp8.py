@@ -1,8 +1,10 @@
 """FP8 (float8_e4m3fn) kernels: activations quantized per token or per token and group of channels, and a
 matmul of FP8 operands whose scales change along K (block-quantized weights: DeepSeek-style 128 x 128).
 
-Quantizing: a row's (or group's) scale is its largest magnitude / 448 (the largest finite e4m3 value), at least
-`MIN_SCALE`, and each element is divided by it and rounded to e4m3: one read of the activations, one write of a
+Quantizing: a row's (or group's) scale is its largest magnitude times float32(1 / 448) (448: the largest finite
+e4m3 value; a product, not a quotient, because torch's CUDA division by a scalar multiplies by its reciprocal, and
+every path must compute the same scale), at least `MIN_SCALE`, and each element is divided by it (IEEE division)
+and rounded to e4m3: one read of the activations, one write of a
 byte each plus a float32 scale per group. `plain_quantize` is the same arithmetic in torch: the CPU path, and the
 reference the kernel is tested against.
 
@@ -22,6 +24,7 @@ import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INV_FP8_MAX = 1.0 / FP8_MAX  # taken as float32 by every path (torch's float32 tensors, Triton's constants)
 # A row of zeros still gets a finite scale (the quantized zeros are then exact).
 MIN_SCALE = 1e-12
 
@@ -53,8 +56,8 @@ def _quantize_kernel(
     peak = tl.max(amax, axis=0)
     if HAS_UPPER:
         peak = tl.minimum(peak, upper)
+    scale = tl.maximum(peak * 0.002232142857142857, 1e-12)  # INV_FP8_MAX
     # IEEE division (Triton's `/` may round differently): the quantized values are those of `plain_quantize`
-    scale = tl.maximum(tl.math.div_rn(peak, 448.0), 1e-12)
     tl.store(scale_ptr + row * groups + group, scale)
     for offset in range(0, group_size, BLOCK):
         cols = start + offset + tl.arange(0, BLOCK)
@@ -90,7 +93,7 @@ def plain_quantize(x: torch.Tensor, group_size: int | None = None, upper: float 
     peak = padded.abs().amax(-1)
     if upper is not None:
         peak = peak.clamp(max=upper)
-    scales = (peak / FP8_MAX).clamp(min=MIN_SCALE)
+    scales = (peak * INV_FP8_MAX).clamp(min=MIN_SCALE)
     q = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, groups * group)[:, :cols]
     return q, scales
 

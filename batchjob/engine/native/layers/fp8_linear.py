@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from batchjob.engine.native.kernels import fp8
-from batchjob.engine.native.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
+from batchjob.engine.native.kernels.fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 
 class Fp8Linear(nn.Module):
@@ -84,7 +84,7 @@ class Fp8Linear(nn.Module):
         if self.activations == "static":
             scale = self.input_scale
         else:  # dynamic, one scale for the whole step
-            scale = (x.abs().amax().float() / FP8_MAX).clamp(min=MIN_SCALE).view(1)
+            scale = (x.abs().amax().float() * INV_FP8_MAX).clamp(min=MIN_SCALE).view(1)
         q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return q, scale.view(1, 1).expand(x.shape[0], 1).contiguous()
 
@@ -138,6 +138,6 @@ def quantize_weight(weight: torch.Tensor, block: tuple[int, int] | None = None) 
     nb, kb = -(-n // rows), -(-k // cols)
     padded = torch.nn.functional.pad(weight.float(), (0, kb * cols - k, 0, nb * rows - n))
     blocks = padded.view(nb, rows, kb, cols)
-    scales = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    scales = (blocks.abs().amax((1, 3)) * INV_FP8_MAX).clamp(min=MIN_SCALE)
     q = (blocks / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(nb * rows, kb * cols)[:n, :k].contiguous(), scales
