@@ -203,7 +203,8 @@ def run_workload(
         if kv_budget <= shape.weight_bytes:
             reason = (
                 f"its weights ({shape.weight_bytes / 1e9:.1f} GB) leave no room for a KV cache in "
-                f"{args.kv_budget_fraction:.0%} of {gpus} x {hardware['total_memory'] / 2**30:.1f} GiB: it needs a larger GPU"
+                f"{args.kv_budget_fraction:.0%} of {gpus} x {hardware['total_memory'] / 2**30:.1f} GiB: "
+                "it needs a larger GPU"
             )
             print(f"{spec.name}: skipped, {reason}", flush=True)
             return WorkloadReport(requests, str(model_dir), None, (), dict.fromkeys(systems, reason), {})
