@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from batchjob.engine.api import EngineSetupError
 from batchjob.engine.native.layers import parallel
 from batchjob.engine.native.layers.attention import PagedAttentionBackend
 from batchjob.engine.native.layers.fp8_linear import Fp8Linear, LinearToQuantize
@@ -144,6 +145,7 @@ def load_model(
     spec = read_model_spec(model_dir, dtype, max_model_len, quantization, kv_cache_dtype)
     spec = device_dtype(spec, dtype, device)
     check_tensor_parallel(spec, tp.size)
+    _check_fp8_units(spec, torch.device(device))
     local = rank_spec(spec, tp)
     with torch.device("meta"), _no_random_init():
         model = CausalLM(local, attn, tp)
@@ -156,6 +158,21 @@ def load_model(
         load_checkpoint(model, spec, model_dir, shards, tp)
     quantize_loaded(model)
     return model.eval().requires_grad_(False), local
+
+
+def _check_fp8_units(spec: ModelSpec, device: torch.device) -> None:
+    """FP8 weights or an FP8 KV cache on a GPU need its FP8 units (compute capability 8.9: Ada, Hopper, later)."""
+    if device.type != "cuda" or (spec.quantization is None and spec.kv_cache_dtype is None):
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 9):
+        return
+    raise EngineSetupError(
+        f"{spec.model_dir} runs with FP8 {'weights' if spec.quantization else 'KV cache'}, which needs FP8 units "
+        f"(compute capability 8.9 or newer); {torch.cuda.get_device_name(device)} has {capability[0]}."
+        f"{capability[1]}. Use the model's bf16 checkpoint without engine.quantization=fp8 and "
+        "engine.kv_cache_dtype=fp8_e4m3, or engine=hf"
+    )
 
 
 @torch.no_grad()

@@ -74,7 +74,6 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
     if device.type == "cuda":
         from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
-        _check_fp8_units(model_path, opts, device)
         _hash_triton_beside()
         attn = TritonPagedAttention()
     else:
@@ -88,20 +87,6 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
         opts.load_format,
         quantization=opts.quantization,
         kv_cache_dtype=opts.kv_cache_dtype,
-    )
-
-
-def _check_fp8_units(model_path: str | Path, opts: NativeOptions, device: torch.device) -> None:
-    """An FP8 model needs FP8 tensor cores (compute capability 8.9: Ada, Hopper and later)."""
-    from batchjob.engine.native.loading.model_loader import read_model_spec
-
-    capability = torch.cuda.get_device_capability(device)
-    if capability >= (8, 9) or read_model_spec(model_path, quantization=opts.quantization).quantization is None:
-        return
-    raise EngineSetupError(
-        f"{model_path} runs in FP8, which needs FP8 tensor cores (compute capability 8.9 or newer); "
-        f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}. Use the model's bf16 checkpoint "
-        "(without engine.quantization=fp8), or engine=hf"
     )
 
 
