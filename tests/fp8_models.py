@@ -16,6 +16,7 @@ rounding (which can move a value across an e4m3 rounding boundary now and then).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def handwritten_checkpoint(source: Path, out: Path, method: str, block: tuple[in
     scales, `weight_scale_inv`) or `fbgemm_fp8` (per-row scales)."""
     shutil.copytree(source, out, dirs_exist_ok=True)
     tensors = load_file(source / "model.safetensors")
-    for key in [k for k in tensors if k.endswith("_proj.weight")]:
+    for key in [k for k in tensors if k.endswith("_proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$", k)]:
         weight = tensors[key].float()
         if method == "fp8":
             q, scales = _block_quantize(weight, block)
@@ -107,13 +108,14 @@ def handwritten_checkpoint(source: Path, out: Path, method: str, block: tuple[in
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(block),
-            "modules_to_not_convert": ["lm_head", "mlp.gate"],  # a mixture's routers, as Qwen3's FP8 MoEs list them
+            # a mixture's routers, as Qwen3's FP8 MoEs list them; Mixtral's
+            "modules_to_not_convert": ["lm_head", "mlp.gate", "block_sparse_moe.gate"],
         }
     else:
         config["quantization_config"] = {
             "quant_method": "fbgemm_fp8",
             "activation_scale_ub": 1200.0,
-            "modules_to_not_convert": ["lm_head", "mlp.gate"],
+            "modules_to_not_convert": ["lm_head", "mlp.gate", "block_sparse_moe.gate"],
         }
     (out / "config.json").write_text(json.dumps(config))
     return out

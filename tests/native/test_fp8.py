@@ -245,6 +245,18 @@ def _fake_quant(x: torch.Tensor, group: int | None) -> torch.Tensor:
     return q.double() * scales.double().repeat_interleave(group or x.shape[1], 1)[:, : x.shape[1]]
 
 
+def test_a_mixtral_fp8_checkpoint_naming_its_router_in_mixtral_terms_runs_its_experts_in_fp8(tmp_path):
+    mixtral = make_tiny_model(tmp_path / "mixtral", arch="mixtral")
+    checkpoint = handwritten_checkpoint(mixtral, tmp_path / "fp8", "fp8", (16, 16))
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "block_sparse_moe.gate"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(checkpoint, "float32", "cpu", TorchPagedAttention())
+    sparse = model.layers[0].mlp
+    assert isinstance(sparse.experts, Fp8Experts) and isinstance(sparse.gate, torch.nn.Linear)
+    assert 1e-3 < relative_error(our_logits(checkpoint, PROMPT), our_logits(mixtral, PROMPT)) < 0.5
+
+
 def test_quantization_fp8_leaves_a_mixtures_experts_and_router_in_the_model_dtype(tmp_path):
     moe = make_tiny_model(tmp_path / "moe", arch="qwen3_moe")
     model, _ = load_model(moe, "float32", "cpu", TorchPagedAttention(), quantization="fp8")

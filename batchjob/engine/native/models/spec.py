@@ -95,8 +95,14 @@ class ModelSpec:
     kv_cache_dtype: torch.dtype | None = None  # of the paged KV cache (None: `dtype`); float8_e4m3fn: FP8 K/V
 
     def quantized(self, module: str) -> bool:
-        """Whether the checkpoint module `module` (`model.layers.0.self_attn.q_proj`) holds FP8 weights."""
-        return self.quantization is not None and self.quantization.quantizes(module)
+        """Whether the checkpoint module `module` (`model.layers.0.self_attn.q_proj`) holds FP8 weights: the
+        quantization config quantizes it under every name a family's checkpoints give it (`MODULE_ALIASES`)."""
+        if self.quantization is None:
+            return False
+        names = [module] + [
+            module.removesuffix(ours) + theirs for ours, theirs in MODULE_ALIASES if module.endswith(ours)
+        ]
+        return all(self.quantization.quantizes(name) for name in names)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -107,6 +113,14 @@ class ModelSpec:
         """KV cache bytes one token takes over all layers (K and V) in the cache's dtype."""
         element_size = torch.empty((), dtype=self.cache_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+# Modules whose checkpoint names differ by family, as a quantization config's `ignore` list may name them: a
+# mixture's router and experts in Mixtral's naming (the loader's renames map its tensors onto ours).
+MODULE_ALIASES = (
+    (".mlp.gate", ".block_sparse_moe.gate"),
+    (".mlp.experts.0.gate_proj", ".block_sparse_moe.experts.0.w1"),
+)
 
 
 def _no_change(config: Any, spec: ModelSpec) -> ModelSpec:
