@@ -131,10 +131,8 @@ def dequantize(x: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | N
 def quantize_weight(weight: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight [N, K], float32 scales) of a float weight: a scale per row ([N, 1]), or per block of `block`
     = (rows, columns) ([N / rows, K / columns], partial blocks at the edges)."""
-    if block is None:
-        return fp8.plain_quantize(weight)
     n, k = weight.shape
-    rows, cols = block
+    rows, cols = block or (1, k)
     nb, kb = -(-n // rows), -(-k // cols)
     padded = torch.nn.functional.pad(weight.float(), (0, kb * cols - k, 0, nb * rows - n))
     blocks = padded.view(nb, rows, kb, cols)

@@ -77,7 +77,7 @@ def _place_weight_scale(
     key: str,
 ) -> int:
     """Copy one checkpoint weight's scales into `param` (this rank's part of them); returns the elements written."""
-    block = spec.quantization.block if spec.quantization.weights == "block" else None
+    block = spec.quantization.block
     if block is None:
         if scale.numel() == 1:
             scale = scale.reshape(1, 1).expand(weight_rows, 1)

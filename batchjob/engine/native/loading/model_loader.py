@@ -156,7 +156,8 @@ def load_model(
         fill_dummy_weights(model, shards)
     else:
         load_checkpoint(model, spec, model_dir, shards, tp)
-    quantize_loaded(model)
+    if local.quantization is not None and local.quantization.source == "engine":
+        quantize_loaded(model)
     return model.eval().requires_grad_(False), local
 
 

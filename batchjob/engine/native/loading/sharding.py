@@ -73,7 +73,7 @@ def _scale_shard(weight: ParamShard, spec: ModelSpec, row_dim: int) -> ParamShar
     """The shard of an FP8 weight's scales, from the weight's (whose rows are dimension `row_dim`: 1 for stacked
     experts): per-row scales split with the rows and are whole where the columns split; block scales split with
     the blocks (`check_tensor_parallel` makes the shards whole blocks)."""
-    block = spec.quantization.block if spec.quantization.weights == "block" else None
+    block = spec.quantization.block
     if block is None:
         return weight if weight.dim == row_dim else None
     size = block[weight.dim - row_dim]
@@ -104,7 +104,7 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
         problems.append(f"its MLP width {spec.intermediate_size}")
     if spec.moe is not None and spec.moe.intermediate_size % size:
         problems.append(f"its expert width {spec.moe.intermediate_size}")
-    block = spec.quantization.block if spec.quantization and spec.quantization.weights == "block" else None
+    block = spec.quantization and spec.quantization.block
     if block is not None:
         # Column-parallel projections split rows (q/k/v, gate/up), row-parallel ones columns (o, down).
         local = {

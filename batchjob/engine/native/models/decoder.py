@@ -48,8 +48,7 @@ def make_linear(spec: ModelSpec, modules: list[str], in_features: int, out_featu
     q = spec.quantization
     if q.source == "engine":
         return LinearToQuantize(in_features, out_features, bias=bias)
-    block = q.block if q.weights == "block" else None
-    return Fp8Linear(in_features, out_features, bias, q.activations, block, q.activation_scale_ub, spec.dtype)
+    return Fp8Linear(in_features, out_features, bias, q.activations, q.block, q.activation_scale_ub, spec.dtype)
 
 
 def sharded_rms_norm(norm: RMSNorm, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -127,8 +127,7 @@ class SparseMoE(nn.Module):
         shape = (moe.num_experts, spec.hidden_size, moe.intermediate_size)
         q = spec.quantization
         if spec.quantized(f"model.layers.{layer}.mlp.experts.0.gate_proj"):
-            block = q.block if q.weights == "block" else None
-            self.experts = Fp8Experts(*shape, block, q.activations == "group", q.activation_scale_ub)
+            self.experts = Fp8Experts(*shape, q.block, q.activations == "group", q.activation_scale_ub)
         else:
             self.experts = Experts(*shape)
 

@@ -45,9 +45,10 @@ class UnsupportedQuantizationError(ValueError):
 @dataclass(frozen=True)
 class QuantSpec:
     source: str  # compressed-tensors | fp8 | fbgemm_fp8 | engine (quantized as the weights load)
-    weights: str  # channel | block (per-tensor checkpoints are read into per-channel scales)
     activations: str  # one of ACTIVATIONS
-    block: tuple[int, int] | None = None  # (rows, columns) of a weight block
+    # (rows, columns) of a weight block; None: a scale per output channel (per-tensor checkpoints are read into
+    # per-channel scales)
+    block: tuple[int, int] | None = None
     scale_name: str = "weight_scale"  # the checkpoint's name for a weight's scales (`weight_scale_inv`: fp8)
     activation_scale_ub: float | None = None  # fbgemm_fp8: a token's amax is capped at this
     ignore: tuple[str, ...] = ()  # checkpoint module names (or `re:` patterns) left unquantized
@@ -58,11 +59,6 @@ class QuantSpec:
         if any(_matches(pattern, module) for pattern in self.ignore):
             return False
         return any(target == "Linear" or _matches(target, module) for target in self.targets)
-
-    @property
-    def group_size(self) -> int | None:
-        """Channels per activation scale for "group" activations."""
-        return self.block[1] if self.activations == "group" and self.block else None
 
 
 def _matches(pattern: str, module: str) -> bool:
@@ -75,7 +71,6 @@ def engine_fp8() -> QuantSpec:
     """`engine.quantization=fp8`: per-channel weights quantized at load, dynamic per-token activations."""
     return QuantSpec(
         source="engine",
-        weights="channel",
         activations="token",
         ignore=("lm_head", r"re:.*\.mlp\.gate$", r"re:.*\.mlp\.experts\."),
     )
@@ -115,7 +110,6 @@ def _block_fp8(config: dict[str, Any], model_dir: str) -> QuantSpec:
         raise _refuse(model_dir, "fp8 without weight_block_size (per-tensor fp8 in transformers' own layout)")
     return QuantSpec(
         source="fp8",
-        weights="block",
         activations="group",
         block=_block_shape(block, model_dir),
         scale_name="weight_scale_inv",
@@ -127,7 +121,6 @@ def _fbgemm_fp8(config: dict[str, Any], model_dir: str) -> QuantSpec:
     upper = config.get("activation_scale_ub")
     return QuantSpec(
         source="fbgemm_fp8",
-        weights="channel",
         activations="token",
         activation_scale_ub=None if upper is None else float(upper),
         ignore=("lm_head", *_ignored(config, "modules_to_not_convert")),
@@ -171,7 +164,6 @@ def _compressed_tensors(config: dict[str, Any], model_dir: str) -> QuantSpec:
         raise _refuse(model_dir, "a compressed-tensors kv_cache_scheme (FP8 KV scales in the checkpoint)")
     return QuantSpec(
         source="compressed-tensors",
-        weights="block" if block else "channel",
         activations=activations,
         block=block,
         ignore=_ignored(config, "ignore"),
