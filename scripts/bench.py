@@ -1,65 +1,36 @@
-"""Benchmark batchjob's engine against transformers and against the hardware's roofline, each system in its own
-fresh process, cold and warm.
+"""Benchmark batchjob's engine against transformers and against the GPU's roofline, every run in a fresh process.
 
-    python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU (docs/benchmarks.md)
+    python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU
     python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model
     python scripts/bench.py --workloads W2 --constrained --out bench-json   # structured outputs vs none
     python scripts/bench.py --workloads W1 --systems native --against ../base --repeat 3   # this checkout vs another
 
-For each workload it builds (or reuses from --model-cache) a model with the real architecture and seeded random
-bf16 weights, measures copy bandwidth and bf16 matmul rate, computes the roofline, then runs every system on
-identical requests (EOS ignored), each run a fresh Python process: "cold" with empty compile and start-up caches
-(a user's first job, a fresh node), then "warm" with the caches the cold run filled (a second job). The parent
-process never touches the GPU. Writes OUT/bench.json and OUT/bench.png and prints a table; OUT/runs.jsonl gets
-each run's result (engine statistics included) the moment it finishes. Exits 1 if any
-run failed (after writing everything else).
-
-`--constrained` measures structured outputs: the workload's model gets a byte-level BPE tokenizer (the weights are
-the same), and `native` runs unconstrained, `native_json` with every request under a realistic JSON schema,
-`native_json_mixed` with every other one. `--tokenizer bpe` (the default) is a 128k BPE trained on first use on
-generated text (`bench_lib/bpe.py`), whose pseudo-word tokens are long; `--tokenizer cl100k` is tiktoken's
-cl100k_base, a real vocabulary (the first 100,256 tokens of Llama 3's; needs `pip install tiktoken` and its
-download, or TIKTOKEN_CACHE_DIR holding it).
-
-`--against DIR` compares two versions of the engine on one machine: every native system runs a second time in
-each round from the checkout at DIR (its `batchjob`, this checkout's harness), right after this checkout's run,
-as `SYSTEM@against`; the table gives each run's throughput against the other checkout's run of the same round,
-and with `--repeat` the median of those ratios. Machines of one kind differ by more than a small change gains,
-so a change is measured this way, not against a figure taken elsewhere.
+Each workload's model has its architecture's real config and seeded random weights; every system runs identical
+requests (EOS ignored), "cold" (empty compile and start-up caches, a first job) then "warm" (the caches its cold
+run filled). Writes OUT/runs.jsonl as each run finishes, then OUT/bench.json and OUT/bench.png, and prints a
+table; exits 1 if any run failed. `--against DIR` runs every native system a second time in each round from the
+checkout at DIR (its `batchjob`, this harness) as `SYSTEM@against`, and gives each run's throughput against it:
+machines of one kind differ by more than a small change gains. Method and flags: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from bench_lib.hardware import HardwareRates
-from bench_lib.isolation import ChildFailed, run_cache_env, run_child
-from bench_lib.models import (
-    BENCH_SPECIAL_IDS,
-    DEFAULT_CACHE,
-    TINY_SPECIAL_IDS,
-    config_model_dir,
-    text_tokens,
-    tiny_model_dir,
-)
-from bench_lib.options import engine_options
+from bench_lib.isolation import ChildFailed, model_dir, run_cache_env, run_child
+from bench_lib.models import BENCH_SPECIAL_IDS, DEFAULT_CACHE, TINY_SPECIAL_IDS, text_tokens
 from bench_lib.report import AGAINST, WorkloadReport, plot, provenance, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
-from bench_lib.systems import (
-    CONSTRAINED_SYSTEMS,
-    NATIVE_ENGINES,
-    NATIVE_SYSTEMS,
-    SYSTEMS,
-    RunSettings,
-    SystemResult,
-    run_label,
-)
+from bench_lib.systems import CONSTRAINED_SYSTEMS, NATIVE_ENGINES, NATIVE_SYSTEMS, SYSTEMS, RunSettings, run_label
 from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests, workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,54 +59,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-max-batch-tokens", type=int, default=8192, help="tokens per hf_batch_* step")
     parser.add_argument("--hf-attn-implementation", default=None, help="transformers attn_implementation")
     parser.add_argument(
-        "--kv-budget-fraction",
-        type=float,
-        default=0.9,
-        help="share of GPU memory (less the weights) the roofline lets the KV cache use",
+        "--kv-budget-fraction", type=float, default=0.9, help="share of GPU memory less the weights for the KV cache"
     )
     parser.add_argument(
         "--runs",
         default="cold,warm",
-        help="cold (empty compile and start-up caches), warm (the caches the cold run filled; without a cold run "
-        "in this command, the usual ones), or both",
+        help="cold (empty compile and start-up caches), warm (the caches the cold run filled, or without one the "
+        "usual ones), or both",
     )
-    parser.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="run every system this many times, round by round (each round every system once, in order, each "
-        "with caches of its own); the table adds each system's median. Host-bound runs vary from process to "
-        "process, so compare systems over several rounds",
-    )
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every system; the table adds medians")
     parser.add_argument(
         "--load-format",
         choices=("auto", "dummy"),
         default=None,
-        help="dummy: the model directory holds only config.json and a tokenizer, and the native engines make "
-        "seeded random weights on the GPU and transformers its own random initialisation there (no disk). "
-        "Default: the workload's "
-        "(W7: dummy), else auto",
+        help="dummy: no weight files (default: the workload's)",
     )
+    parser.add_argument("--profile", action="store_true", help="cProfile each run into OUT/profile-*.txt (slower)")
     parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="write OUT/profile-WORKLOAD-SYSTEM-RUN.txt: where each run spent its time (cProfile, start-up "
-        "included; every thread from Python 3.12; it slows the host side, so its tok/s is not comparable)",
+        "--against", type=Path, default=None, metavar="DIR", help="also run the native systems from the checkout at DIR"
     )
-    parser.add_argument(
-        "--against",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="also run every native system from the checkout at DIR (its batchjob package), alternating with "
-        "this checkout's run in each round, as SYSTEM@against",
-    )
-    parser.add_argument(
-        "--greedy",
-        action="store_true",
-        help="decode every workload greedily (W5 without its sampling: the same requests and floor, for the "
-        "sampler's cost)",
-    )
+    parser.add_argument("--greedy", action="store_true", help="decode every workload greedily (W5: the sampler's cost)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
     parser.add_argument(
         "--constrained",
@@ -146,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokenizer",
         choices=("bpe", "cl100k"),
         default="bpe",
-        help="with --constrained: the generated 128k BPE, or tiktoken's cl100k_base (a real vocabulary)",
+        help="with --constrained: a generated 128k BPE, or tiktoken's cl100k_base (needs tiktoken and its download)",
     )
     return parser.parse_args(argv)
 
@@ -177,17 +120,13 @@ def run_workload(
     settings = dataclasses.replace(settings, engine_options=options)
     gpus = int(options.get("tensor_parallel", 1))
     if args.tiny:
-        model_dir = tiny_model_dir(args.model_cache)  # with dummy weights its weight file is simply not read
-        vocab, special_ids = int(_read_json(model_dir / "config.json")["vocab_size"]), TINY_SPECIAL_IDS
+        model = model_dir(None, args.model_cache)  # with dummy weights its weight file is simply not read
+        vocab, special_ids = int(json.loads((model / "config.json").read_text())["vocab_size"]), TINY_SPECIAL_IDS
         requests = draw_requests(spec, vocab, special_ids)
         floor = None
     else:
-        if dummy and not args.constrained:
-            model_dir = config_model_dir(spec.architecture, args.model_cache)
-        else:
-            task = {"kind": "model", "architecture": spec.architecture, "cache": str(args.model_cache)}
-            tokenizer = args.tokenizer if args.constrained else None
-            model_dir = Path(run_child({**task, "tokenizer": tokenizer})["model_dir"])
+        tokenizer = args.tokenizer if args.constrained else None
+        model = model_dir(spec.architecture, args.model_cache, dummy, tokenizer)
         shape = model_shape(
             ARCHITECTURES[spec.architecture],
             str(options.get("quantization", "auto")),
@@ -207,7 +146,7 @@ def run_workload(
                 "it needs a larger GPU"
             )
             print(f"{spec.name}: skipped, {reason}", flush=True)
-            return WorkloadReport(requests, str(model_dir), None, (), dict.fromkeys(systems, reason), {})
+            return WorkloadReport(requests, str(model), None, (), dict.fromkeys(systems, reason), {})
         floor = roofline(
             shape,
             requests,
@@ -221,7 +160,7 @@ def run_workload(
             + (f" ({gpus} GPUs' bandwidth)" if gpus > 1 else ""),
             flush=True,
         )
-    results: list[SystemResult] = []
+    results = []
     skipped, errors = {}, {}
     runnable = []
     for system in systems:
@@ -246,7 +185,7 @@ def run_workload(
                     "system": system,
                     "workload": spec.name,
                     "greedy": args.greedy,
-                    "model_dir": str(model_dir),
+                    "model_dir": str(model),
                     "vocab": vocab,
                     "special_ids": special_ids,
                     "settings": dataclasses.asdict(settings),
@@ -277,17 +216,27 @@ def run_workload(
                     flush=True,
                 )
     return WorkloadReport(
-        requests=requests, model=str(model_dir), floor=floor, results=tuple(results), skipped=skipped, errors=errors
+        requests=requests, model=str(model), floor=floor, results=tuple(results), skipped=skipped, errors=errors
     )
+
+
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """`--engine-option KEY=VALUE` pairs: VALUE a Python literal, `true`/`false`/`null` in any case, or a string."""
+    options = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-option {pair!r}: expected KEY=VALUE, e.g. --engine-option max_num_seqs=256")
+        try:
+            options[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            options[key] = {"true": True, "false": False, "null": None}.get(raw.lower(), raw)
+    return options
 
 
 def _sources(system: str, against: Path | None) -> list[tuple[str, Path | None]]:
     """Where each round runs `system` from: this checkout, then (a native system, with `--against`) the other."""
     return [(system, None)] + ([(system, against)] if against is not None and system in NATIVE_SYSTEMS else [])
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def _select(raw: str, known: dict | tuple, flag: str) -> list[str]:
@@ -319,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         specs = [TINY_WORKLOAD]
         settings = RunSettings("cpu", "float32", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens)
-        hardware = None
+        hardware = rates = None
     else:
         if not torch.cuda.is_available():
             raise SystemExit("the benchmark needs a CUDA GPU; use --tiny for the CPU smoke run")
@@ -328,12 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             "cuda", "bfloat16", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens, args.hf_attn_implementation
         )
         hardware = run_child({"kind": "hardware"})
-        print(
-            f"{hardware['device']}: copy {hardware['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-            f"bf16 matmul {hardware['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
-            + (f", fp8 {hardware['fp8_matmul_flops_per_s'] / 1e12:.0f}" if hardware["fp8_matmul_flops_per_s"] else ""),
-            flush=True,
-        )
+        rates = HardwareRates(**{field.name: hardware[field.name] for field in dataclasses.fields(HardwareRates)})
+        print(rates.summary(), flush=True)
     settings = dataclasses.replace(settings, engine_options=options)
     for system in systems:
         if system in NATIVE_SYSTEMS and unavailable_reason(system) is None:
@@ -346,16 +291,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--engine-option: {error}") from None
     args.out.mkdir(parents=True, exist_ok=True)
     reports = [run_workload(spec, systems, runs, settings, args, hardware) for spec in specs]
-    rates = (
-        None
-        if hardware is None
-        else HardwareRates(
-            **{
-                f: hardware.get(f)
-                for f in ("copy_bytes_per_s", "matmul_flops_per_s", "device", "fp8_matmul_flops_per_s")
-            }
-        )
-    )
     run = {
         **provenance(sys.argv[1:] if argv is None else argv),
         "device": rates.device if rates else "cpu",

@@ -6,13 +6,11 @@ job, per layout D x T.
     python scripts/bench_data_parallel.py --layouts 1x1,1x2,2x1 --architecture llama-3.1-8b --load-format dummy \
         --out bench-tp     # one 8B GPU vs the model split over two vs two copies (tok/s per GPU)
 
-One model (by default W2's architecture, Llama-3.2-1B, with seeded random bf16 weights, cached in --model-cache;
---load-format dummy: only its config and tokenizer, the engine makes the weights; --tiny: batchjob's tiny llama
-on the CPU) and one Parquet file of --rows seeded text prompts that the model's tokenizer encodes to about
-U(--prompt-tokens) tokens each. For each layout the same job runs into its own output dir with EOS ignored, so
-every layout does the same work; the clock is the whole command (start-up included). Per-shard reports give
-each shard's own wall time and engine start-up. Every input row must be in the output exactly once.
-Writes OUT/data_parallel.json and prints a table last; exits 1 if any run failed or lost or repeated a row.
+One model (by default W2's Llama-3.2-1B, built as scripts/bench.py builds them; --tiny: batchjob's tiny llama on
+the CPU) and one Parquet file of --rows seeded text prompts of about U(--prompt-tokens) tokens. Each layout runs
+the same job from scratch, EOS ignored, timed as a whole command (start-up included); the shards' reports give
+their own wall and start-up times. Every input row must be in the output exactly once. Writes
+OUT/data_parallel.json and prints a table; exits 1 if any run failed or lost or repeated a row.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_lib.isolation import model_dir
 from bench_lib.models import DEFAULT_CACHE
 from bench_lib.report import provenance
 from bench_lib.workloads import ARCHITECTURES, SEED, WORKLOADS
@@ -40,63 +39,26 @@ ARCHITECTURE = WORKLOADS["W2"].architecture
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", default="1,2", help="comma-separated values of engine.data_parallel")
-    parser.add_argument(
-        "--layouts",
-        default=None,
-        help="comma-separated DxT: engine.data_parallel=D with engine.tensor_parallel=T (replaces --gpus), "
-        "e.g. 1x1,1x2,2x1",
-    )
+    parser.add_argument("--layouts", default=None, help="comma-separated DxT, e.g. 1x1,1x2,2x1 (replaces --gpus)")
     parser.add_argument("--architecture", default=ARCHITECTURE, help=f"one of {', '.join(ARCHITECTURES)}")
     parser.add_argument(
-        "--load-format",
-        choices=("auto", "dummy"),
-        default="auto",
-        help="dummy: write only the config and tokenizer; the engine makes seeded random weights (no disk)",
+        "--load-format", choices=("auto", "dummy"), default="auto", help="dummy: the engine makes random weights"
     )
     parser.add_argument("--rows", type=int, default=8192, help="prompts in the input file")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per row (EOS ignored)")
     parser.add_argument("--prompt-tokens", default="64,512", help="LOW,HIGH: prompt lengths drawn uniformly")
     parser.add_argument("--max-model-len", type=int, default=None, help="engine.max_model_len (2048; --tiny 1024)")
     parser.add_argument("--engine", default="native", help="engine preset (conf/engine)")
-    parser.add_argument(
-        "--override", action="append", default=[], metavar="KEY=VALUE", help="extra batchjob override (repeatable)"
-    )
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="override (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="data_parallel.json, inputs, runs")
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE, help="random-weight models, reused")
-    parser.add_argument(
-        "--timeout-s", type=float, default=240.0, help="per run; one stuck run still leaves the others' results"
-    )
+    parser.add_argument("--timeout-s", type=float, default=240.0, help="per run: a stuck run leaves the others")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on batchjob's tiny llama")
     return parser.parse_args(argv)
 
 
-def model_dir(args: argparse.Namespace) -> Path:
-    """The model, built on first use. The random model is built in a child process so that this one never holds
-    a CUDA context on GPU 0, which would shrink the KV cache of the N=1 run and of one child of every other N."""
-    if args.tiny:
-        from bench_lib.models import tiny_model_dir
-
-        return tiny_model_dir(args.model_cache)
-    if args.load_format == "dummy":
-        from bench_lib.models import config_model_dir
-
-        return config_model_dir(args.architecture, args.model_cache)
-    code = (
-        "import sys; from pathlib import Path; from bench_lib.models import random_model_dir; "
-        "print(random_model_dir(sys.argv[1], Path(sys.argv[2])))"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")])}
-    built = subprocess.run(
-        [sys.executable, "-c", code, args.architecture, str(args.model_cache)], env=env, capture_output=True, text=True
-    )
-    if built.returncode != 0:
-        raise SystemExit(f"building the {args.architecture} model failed:\n{built.stderr[-3000:]}")
-    return Path(built.stdout.strip().splitlines()[-1])
-
-
 def single_token_words(tokenizer: Any, rng: np.random.Generator, candidates: int = 4096) -> list[str]:
-    """Words that encode to exactly one token after a space, so a prompt of L such words is ~L tokens. A seeded
-    sample of the vocabulary is enough (the 128k-word vocabulary would take long to check one by one)."""
+    """Words of one token after a space, from a seeded sample of the vocabulary: L of them make about L tokens."""
     special = set(tokenizer.all_special_ids)
     ids = [i for i in range(len(tokenizer)) if i not in special]
     picked = rng.choice(ids, size=min(candidates, len(ids)), replace=False)
@@ -127,12 +89,6 @@ def write_prompts(path: Path, model: Path, rows: int, lengths: tuple[int, int]) 
     return {"rows": rows, "min": int(tokens.min()), "mean": float(tokens.mean()), "max": int(tokens.max())}
 
 
-def data_rows(path: Path) -> int:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).metadata.num_rows
-
-
 def job_command(
     args: argparse.Namespace, model: Path, data: Path, out_dir: Path, data_parallel: int, tensor_parallel: int
 ) -> list[str]:
@@ -159,8 +115,7 @@ def job_command(
 def run_one(
     args: argparse.Namespace, model: Path, data: Path, data_parallel: int, tensor_parallel: int
 ) -> dict[str, Any]:
-    """One whole job with `engine.data_parallel=D engine.tensor_parallel=T`, from scratch, timed end to end and
-    then checked."""
+    """One whole job of the layout, from scratch, timed end to end and then checked."""
     gpus = data_parallel * tensor_parallel
     name = f"dp{data_parallel}" + (f"tp{tensor_parallel}" if tensor_parallel > 1 else "")
     from batchjob.io.inputs import InputSpec
@@ -208,7 +163,9 @@ def run_one(
         job = job_status(str(out_dir), InputSpec(path=str(data)))
     except ValueError as error:  # no job record: the command failed before writing anything
         result.update(exactly_once=False, complete=False, completion_tokens=0, tok_per_s=0.0, error=str(error))
-        result.update(rows_committed=0, rows_expected=data_rows(data))
+        import pyarrow.parquet as pq
+
+        result.update(rows_committed=0, rows_expected=pq.ParquetFile(data).metadata.num_rows)
         return result
     reports = [json.loads(p.read_text()) for p in sorted(Path(bookkeeping_dir(str(out_dir))).glob("_report-*.json"))]
     tokens = sum(s.completion_tokens for s in job.shards)
@@ -239,16 +196,15 @@ def run_one(
     )
     if reports:
         # The slowest shard decides the job; the rest of the command's time is process and model start-up.
-        result["shard_wall_s_max"] = max(r["wall_s"] for r in reports)
-        shards = result["shards"]
+        slowest = max(r["wall_s"] for r in reports)
+        result["shard_wall_s_max"] = slowest
         for key in ("engine_startup_s", "process_startup_s"):
-            values = [sh[key] for sh in shards if sh[key] is not None]
-            result[f"{key}_max"] = max(values) if values else None
-        result["outside_shard_loop_s"] = wall_s - result["shard_wall_s_max"]
+            result[f"{key}_max"] = max((s[key] for s in result["shards"] if s[key] is not None), default=None)
+        result["outside_shard_loop_s"] = wall_s - slowest
         # Start-up excluded: what N GPUs give once every shard is generating.
-        result["generation_tok_per_s"] = tokens / result["shard_wall_s_max"] if result["shard_wall_s_max"] else None
-        gen = result["generation_tok_per_s"]
-        result["generation_tok_per_s_per_gpu"] = gen / gpus if gen else None
+        generation = tokens / slowest if slowest else None
+        result["generation_tok_per_s"] = generation
+        result["generation_tok_per_s_per_gpu"] = generation / gpus if generation else None
     return result
 
 
@@ -263,9 +219,8 @@ def add_efficiency(results: list[dict[str, Any]]) -> None:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """N is the GPUs (D x T: data x tensor parallel); tok/s and eff are of the whole command; gen tok/s, per GPU
-    and gen eff over the slowest shard's generation loop; startup s is the slowest shard's process start to first
-    generate."""
+    """tok/s and eff are of the whole command; gen tok/s, per GPU and gen eff of the slowest shard's generation
+    loop; startup s is the slowest shard's process start to first generate."""
     header = (
         f"{'N':>3} {'DxT':>5} {'wall s':>8} {'startup s':>9} {'tokens':>10} {'tok/s':>10} {'eff':>5} "
         f"{'gen tok/s':>10} {'per GPU':>9} {'gen eff':>7}  rows"
@@ -318,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.architecture not in ARCHITECTURES:
         raise SystemExit(f"--architecture: choose one of {', '.join(ARCHITECTURES)}")
     args.out = args.out.resolve()
-    model = model_dir(args)
+    architecture = None if args.tiny else args.architecture
+    model = model_dir(architecture, args.model_cache, args.load_format == "dummy")
     data = args.out / "prompts.parquet"
     prompt_tokens = write_prompts(data, model, args.rows, (low, high))
     print(f"{args.rows} prompts, {prompt_tokens['min']}-{prompt_tokens['max']} tokens; model {model}", flush=True)

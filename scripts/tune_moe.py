@@ -3,14 +3,12 @@ the kernel reads (batchjob/engine/native/kernels/moe_configs.json) and a JSON re
 
     python scripts/tune_moe.py [--out DIR] [--tokens 1,16,...] [--experts 128 --inter 768 --hidden 2048 --top-k 8]
 
-Defaults are Qwen3-30B-A3B's experts in bf16. For each token count, random top-k routing: every candidate tile
-of each projection (gate/up [E, 2I, H] with SiLU-and-mul, down [E, H, I] with the routing weight) is checked
-once against a float reference and timed from a CUDA graph, for each row-block size; the best pair sharing a
-block size wins. Then the whole layer (alignment, both GEMMs, the sum over choices) is timed with the winner and
-with the untuned default, and its parts apart: the alignment (and the torch ops it replaced), the sum, and the
-router's softmax/top-k, so a step's time can be accounted for. Bandwidth counts the weights of the experts the
-routing touches, against a device-to-device copy measured in the same run. Candidates compile in parallel
-worker processes first. `--tiny` runs a toy shape, on CPU through the Triton interpreter where there is no GPU.
+Defaults are Qwen3-30B-A3B's experts in bf16. For each token count and row-block size, every candidate tile of
+each projection (gate/up with SiLU-and-mul, down with the routing weight) is checked against a float reference
+and timed from a CUDA graph under random top-k routing; the best pair sharing a block size wins. The whole layer
+is then timed with the winner and with the untuned default, and its parts apart (alignment, sum, router).
+Bandwidth counts the weights of the experts the routing touches, against a copy measured in the same run.
+`--tiny` runs a toy shape, on CPU through the Triton interpreter where there is no GPU.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ def candidates(tokens: int, shape: ExpertShape, gated: bool, block_m: int, tiny:
 
 
 def sweep_projection(problem, shape, w, alignments, block_m, gated, tiles) -> list[dict]:
-    """Check and time each tile of one projection; a tile the GPU cannot run or that computes wrong is kept
-    out of the choice and reported."""
+    """Check and time each tile of one projection; one the GPU cannot run or that computes wrong is reported."""
     from batchjob.engine.native.kernels.fused_moe import grouped_gemm
 
     a = problem.hidden if gated else problem.gated_input
@@ -201,12 +198,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--routings", type=int, default=8, help="random routings cycled per timed sequence")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compile processes")
-    parser.add_argument(
-        "--table",
-        type=Path,
-        default=None,
-        help="table to merge into (default: the package's;\nwith --tiny, none: only --out gets one)",
-    )
+    parser.add_argument("--table", type=Path, help="table to merge into (default: the package's; --tiny: none)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table and report here")
     parser.add_argument("--tiny", action="store_true", help="toy shape, two tokens counts, two tiles each")
     args = parser.parse_args()

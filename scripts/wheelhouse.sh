@@ -8,11 +8,8 @@
 #   -o DIR              where the wheels go (default: wheelhouse)
 #   --extras LIST       optional dependency groups to include, comma-separated (e.g. slurm)
 #   --without-torch     leave torch out (the node already has it, e.g. from a cluster module)
-#   --python-version, --platform
-#                       the node's Python and platform when they differ from this machine's; only binary
-#                       wheels are fetched then (pure-Python packages published as source only are built here)
-#   --only PKG==VER     fetch just these packages, without their dependencies (the node has the rest);
-#                       repeatable. batchjob's own wheel is still built.
+#   --python-version, --platform   the node's, when they differ from this machine's: binary wheels only then
+#   --only PKG==VER     just these packages, without their dependencies (repeatable); batchjob's wheel is still built
 #   PIP=...             the pip to use (default: python3 -m pip)
 #
 # On the node:

@@ -334,24 +334,6 @@ def test_against_a_directory_without_an_engine_stops_before_any_run(tmp_path):
     assert not (tmp_path / "runs.jsonl").exists()
 
 
-def test_step_kinds_prices_the_replayed_schedule_of_w1_as_one_prefill_step_and_1023_decode_steps(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
-    from bench_lib.roofline import model_shape
-    from bench_lib.workloads import ARCHITECTURES
-    from step_kinds import step_floors
-
-    copy, flops = 4.27e12, 7.9e14
-    steps = list(step_floors("W1", 60_000, 512, 8192, copy, flops))
-    # 32 prompts of 128 tokens fill the 4,096-token bucket at once; each of the 1,024 output tokens but the
-    # prefill's then takes a decode step of 32 rows, reading every weight once.
-    assert [kind for kind, _ in steps] == ["mixed 4096"] + ["decode"] * 1023
-    weights_s = model_shape(ARCHITECTURES["llama-3.1-8b"]).weight_bytes / copy
-    decode = [seconds for kind, seconds in steps if kind == "decode"]
-    assert all(seconds > weights_s for seconds in decode) and decode[-1] > decode[0]
-    assert sum(decode) == pytest.approx(4.5, abs=0.1)  # W1's decode floor (docs/benchmarks.md)
-
-
 def test_mixed_padding_counts_the_tokens_each_step_pads_to_its_bucket(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
     monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
@@ -373,43 +355,3 @@ def test_mixed_padding_counts_the_tokens_each_step_pads_to_its_bucket(monkeypatc
     assert padding(requests, (256, 512, 8192), 1000, 8, 8192) == {
         "steps": 8, "mixed": 1, "padded": 212, "buckets": {512: 1}
     }  # fmt: skip
-
-
-def test_startup_spy_puts_each_sample_of_a_real_job_in_its_phase(monkeypatch, tmp_path):
-    import gzip
-
-    monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
-    from startup_spy import summarise
-
-    # py-spy's samples of a GPU job holding the interpreter lock (`--gil`), as recorded.
-    spy = tmp_path / "spy.json"
-    spy.write_bytes(gzip.decompress((SCRIPTS.parent / "docs" / "bench" / "startup-spy-gil.json.gz").read_bytes()))
-    text = summarise(spy, top=3)
-    main = dict(re.findall(r"^  (\S[\w ()-]*?)\s+([\d.]+) s: holding the lock", text, flags=re.MULTILINE))
-    assert {"imports", "weights", "KV sizing", "CUDA graphs", "warm-up", "generation"} <= set(main)
-    total = float(re.search(r"main thread \(([\d.]+) s sampled\)", text).group(1))
-    assert sum(map(float, main.values())) == pytest.approx(total, abs=0.05)
-    assert re.search(r"batchjob-checks_0\s+[\d.]+", text) and "batchjob-engine-tokenizer_0" in text
-
-
-def test_startup_spy_tells_a_wait_for_the_interpreter_lock_from_running(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(SCRIPTS / "dev"))
-    from startup_spy import summarise
-
-    names = ["<module>", "load_on_device", "WeightReader.read", "0x7f00", "pthread_cond_timedwait"]
-    names.append("cuEventSynchronize")
-    frames = [{"name": name, "file": "x.py", "line": 1, "col": None} for name in names]
-    profile = {
-        "type": "sampled",
-        "name": 'Thread 1 ""',
-        "unit": "seconds",
-        "startValue": 0,
-        "endValue": 0.03,
-        "samples": [[0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 5]],
-        "weights": [0.01, 0.01, 0.01],
-    }
-    spy = tmp_path / "spy.json"
-    spy.write_text(json.dumps({"shared": {"frames": frames}, "profiles": [profile]}))
-    text = summarise(spy, top=1)
-    assert "weights" in text and "waiting for the interpreter lock 0.01" in text
-    assert "running 0.01" in text and "in the CUDA driver 0.01" in text

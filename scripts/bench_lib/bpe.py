@@ -1,11 +1,7 @@
-"""A realistic large byte-level BPE tokenizer, trained offline in a minute or two on generated text.
-
-Real tokenizers cannot be downloaded here, and a grammar library's cost depends on the vocabulary: how many
-tokens, how long, and how many of them mix JSON punctuation with letters (`{"`, `":"`, `"},{"`), which is
-what makes a token mask hard. This trains a byte-level BPE with Llama 3's pre-tokenizer split on Zipf-
-distributed pseudo-words mixed with JSON records, numbers and code-like lines, so its merges include such
-multi-character punctuation tokens. 128,000 merges plus 256 special tokens give Llama 3's 128,256 ids.
-"""
+"""Large byte-level BPE tokenizers for structured outputs, whose masks cost what the vocabulary makes them: a BPE
+trained offline (a minute or two) with Llama 3's split on Zipf-distributed pseudo-words, JSON records and code-like
+lines, so that its merges mix JSON punctuation with letters (`{"`, `":"`) as real ones do, 128,256 ids as Llama 3;
+and tiktoken's cl100k_base, a real vocabulary."""
 
 from __future__ import annotations
 
@@ -93,9 +89,8 @@ def train_bpe(vocab_size: int = 128_256, seed: int = 0, documents: int = 1500, w
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-# tiktoken's cl100k_base: its 100,256 tokens are the first 100,256 of Llama 3's vocabulary (which adds 28,000
-# mostly non-English ones), so it is a real vocabulary of the benchmark models' size class. tiktoken reads it from
-# its cache (TIKTOKEN_CACHE_DIR) or downloads it.
+# cl100k_base's 100,256 tokens are the first of Llama 3's 128,256; tiktoken reads it from TIKTOKEN_CACHE_DIR or
+# downloads it.
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
 CL100K_TOKENS = 100_256
 

@@ -1,6 +1,5 @@
-"""The numbers the roofline needs, measured in the same run as the systems: device-to-device copy bandwidth, the
-bf16 matmul rate and (where the GPU has FP8 tensor cores) the FP8 one; and `graph_ms`, the profiling scripts' timer
-of one CUDA-graph replay."""
+"""The rates the roofline needs, measured in the same run as the systems (copy bandwidth, bf16 and FP8 matmul), and
+`graph_ms`, a timer of one CUDA-graph replay."""
 
 from __future__ import annotations
 
@@ -14,6 +13,11 @@ class HardwareRates:
     matmul_flops_per_s: float  # dense bf16 matmul rate
     device: str
     fp8_matmul_flops_per_s: float | None = None  # e4m3 x e4m3 -> bf16 with row-wise scales; None: no FP8 units
+
+    def summary(self) -> str:
+        fp8 = f", fp8 {self.fp8_matmul_flops_per_s / 1e12:.0f}" if self.fp8_matmul_flops_per_s else ""
+        bf16 = f"bf16 matmul {self.matmul_flops_per_s / 1e12:.0f} TFLOP/s"
+        return f"{self.device}: copy {self.copy_bytes_per_s / 1e12:.2f} TB/s, {bf16}{fp8}"
 
 
 def graph_ms(fn, reps: int = 20) -> float:
@@ -57,8 +61,7 @@ def _median_seconds(fn, repeats: int, warmup: int = 3) -> float:
 
 
 def measure_copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> float:
-    """Bytes moved (read + written) per second by `dst.copy_(src)` of `gib` GiB: the rate at which a decode
-    step can stream weights and KV cache from HBM."""
+    """Bytes read and written per second by a copy of `gib` GiB: how fast a decode step can stream from HBM."""
     import torch
 
     n = int(gib * 2**30)
@@ -79,8 +82,8 @@ def measure_matmul_rate(size: int = 8192, repeats: int = 20) -> float:
 
 
 def measure_fp8_matmul_rate(size: int = 8192, repeats: int = 20) -> float | None:
-    """FLOPs per second of a `size`^3 FP8 matmul with row-wise scales (as the engine's FP8 projections run it),
-    or None on a GPU without FP8 tensor cores (before compute capability 8.9)."""
+    """FLOPs per second of a `size`^3 FP8 matmul with row-wise scales, as the engine's FP8 projections run it; None
+    before compute capability 8.9."""
     import torch
 
     if torch.cuda.get_device_capability() < (8, 9):

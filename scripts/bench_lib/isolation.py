@@ -1,17 +1,10 @@
 """Each measurement in its own fresh process, so no system inherits another's compiled kernels, allocator
 state or warm imports, and a cold run really starts cold.
 
-The parent (scripts/bench.py) never touches the GPU: it writes a task as JSON, starts
-`python -m bench_lib.isolation TASK OUT` and reads the result back from OUT. A task is one of
-
-- `hardware`: measure copy bandwidth and matmul rate (and the card's memory, for the roofline's KV budget);
-- `model`: build (or find cached) the workload's random-weight model directory;
-- `system`: run one system on one workload (requests drawn in the child, from the same seed) and return its
-  `SystemResult`.
-
-`run_cache_env` gives a run its caches: "cold" runs point the compile caches (Triton's, torch's, the CUDA
-driver's) and batchjob's start-up caches (`$BATCHJOB_CACHE`: model specs, tokenizer classes, the package listing,
-kept bytecode) at an empty directory, "warm" runs reuse the directory the cold run of the same system just filled.
+The parent never touches the GPU: it writes a task as JSON, starts `python -m bench_lib.isolation TASK OUT` and
+reads the result back from OUT. A task measures the `hardware` (rates, and the card's memory for the roofline's KV
+budget), builds a `model` directory, or runs one `system` on one workload (its requests drawn in the child, from
+the same seed). `run_cache_env` gives a cold run empty caches; the warm run reuses the ones its cold run filled.
 """
 
 from __future__ import annotations
@@ -46,9 +39,8 @@ class ChildFailed(RuntimeError):
 
 
 def run_cache_env(directory: Path) -> dict[str, str]:
-    """Every cache a run fills, inside `directory`: Triton's kernels, torch inductor's, the CUDA driver's JIT, and
-    batchjob's start-up caches. Sharing the last between systems made a command's first cold run read each model's
-    config through transformers and the others find it read (6-7 s of the first run's start-up on a GPU node)."""
+    """Every cache a run fills, inside `directory`: Triton's, torch inductor's, the CUDA driver's JIT and batchjob's
+    start-up caches (shared between systems, only the first cold run would read the model's config)."""
     return {
         "TRITON_CACHE_DIR": str(directory / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
@@ -79,6 +71,20 @@ def run_child(
         if "error" in result:
             raise ChildFailed(result["error"])
         return result
+
+
+def model_dir(architecture: str | None, cache: Path, dummy: bool = False, tokenizer: str | None = None) -> Path:
+    """The model a run measures, built on first use: the tiny llama (no `architecture`), the config alone (`dummy`
+    weights), or seeded random weights (with a BPE `tokenizer` for structured outputs), built in a child process so
+    that this one never holds a CUDA context: it would shrink the measured runs' KV cache."""
+    from bench_lib.models import config_model_dir, tiny_model_dir
+
+    if architecture is None:
+        return tiny_model_dir(cache)
+    if dummy and tokenizer is None:
+        return config_model_dir(architecture, cache)
+    task = {"kind": "model", "architecture": architecture, "cache": str(cache), "tokenizer": tokenizer}
+    return Path(run_child(task)["model_dir"])
 
 
 def _hardware() -> dict[str, Any]:

@@ -1,9 +1,6 @@
-"""Model directories for the benchmark: real architectures with seeded random bf16 weights.
-
-Weights cannot be downloaded here, and throughput does not depend on their values, so a model is the real
-config, weights drawn from a seeded generator on the GPU, and a word-level tokenizer with exactly
-`vocab_size` entries (every id decodes). Directories are cached under `--model-cache` and reused.
-"""
+"""Model directories for the benchmark: the real config of an architecture, seeded random bf16 weights (throughput
+does not depend on their values) and a word-level tokenizer of exactly `vocab_size` ids, cached under
+`--model-cache`."""
 
 from __future__ import annotations
 
@@ -59,8 +56,8 @@ def model_config(architecture: str):
 
 @contextmanager
 def _staged(out_dir: Path) -> Iterator[Path]:
-    """A directory beside `out_dir` for the block to fill, renamed to `out_dir` once it is complete: a build
-    stopped half-way leaves nothing a later run would take for a cached model."""
+    """A directory beside `out_dir` for the block to fill, renamed to `out_dir` once complete: a build stopped
+    half-way leaves nothing a later run would take for a cached model."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -72,8 +69,7 @@ def _staged(out_dir: Path) -> Iterator[Path]:
 
 
 def _fill_random(model, seed: int) -> None:
-    """Small normals (std 0.02, like the architectures' own init) for matrices, ones for norms, so
-    activations stay finite in bf16 through every layer."""
+    """Normals of std 0.02 (the architectures' own init) for matrices, ones for norms: finite activations in bf16."""
     import torch
 
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -94,8 +90,7 @@ def _generation_config(config):
 
 
 def random_model_dir(architecture: str, cache_dir: Path) -> Path:
-    """The cached directory of `architecture` with seeded random bf16 weights, created on the GPU (an 8B model
-    would take minutes to initialise on the CPU) on first use, written atomically."""
+    """The cached directory of `architecture` with seeded random bf16 weights, made on the GPU on first use."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,9 +116,8 @@ def random_model_dir(architecture: str, cache_dir: Path) -> Path:
 
 
 def config_model_dir(architecture: str, cache_dir: Path) -> Path:
-    """The cached directory of `architecture` without weights (config.json, generation config, tokenizer), for
-    `engine.load_format=dummy`: the engine makes seeded random weights on the GPU, so a 70B model needs no disk
-    and no build step. Written atomically; needs no GPU."""
+    """The cached directory of `architecture` without weights, for `engine.load_format=dummy` (the engine makes
+    seeded random weights on the GPU, so a 70B model needs no disk); needs no GPU."""
     out_dir = Path(cache_dir) / f"{architecture}-config-only"
     if (out_dir / "config.json").exists():
         return out_dir
@@ -146,10 +140,8 @@ def tiny_model_dir(cache_dir: Path) -> Path:
 
 
 def bpe_model_dir(architecture: str, cache_dir: Path, tokenizer_name: str = "bpe") -> Path:
-    """`random_model_dir(architecture)` with a byte-level BPE tokenizer instead of the word-level one, for
-    structured outputs (a word-level vocabulary cannot spell JSON): `bench_lib.bpe`'s generated one ("bpe") or
-    cl100k_base's real vocabulary ("cl100k"). The weights are linked, not copied; prompts must then stay below
-    the tokenizer's special ids (`text_tokens`)."""
+    """`random_model_dir(architecture)` with a byte-level BPE tokenizer ("bpe" or "cl100k", `bench_lib.bpe`) for
+    structured outputs: a word-level vocabulary cannot spell JSON. The weights are linked, not copied."""
     from bench_lib.bpe import bpe_tokenizer, cl100k_tokenizer
 
     base = random_model_dir(architecture, cache_dir)

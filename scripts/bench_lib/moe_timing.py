@@ -1,6 +1,5 @@
-"""What scripts/tune_moe.py measures with: a random-routing MoE problem with its float reference, a timer that
-replays a launch sequence from a CUDA graph, parallel precompilation of the candidate kernels, and the torch
-alignment the Triton one replaced (timed next to it)."""
+"""What scripts/tune_moe.py measures with: a random-routing MoE problem with its float reference, a CUDA-graph timer,
+parallel precompilation of the candidates, and the torch alignment the Triton one replaced (its reference)."""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ class ExpertShape:
 
 @dataclass
 class Problem:
-    """One token count's inputs: `routings` independent random routings (each launch of a timed sequence uses
-    the next, so the experts one launch reads are mostly not in L2 from the one before, as in a real model whose
-    layers each have their own experts), and the float reference of routing 0."""
+    """One token count's inputs: `routings` random routings (each launch of a timed sequence takes the next, so its
+    experts are mostly not in L2 from the launch before, as with a model's layers), and routing 0's reference."""
 
     hidden: torch.Tensor
     ids: list[torch.Tensor]
@@ -84,8 +82,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def time_launches(launches: list[Callable[[], object]], replays: int = 3) -> float:
-    """Microseconds per launch: on CUDA the sequence is captured in one graph (as the engine's decode steps run)
-    and replayed; on CPU (the interpreter smoke run) each launch is timed once."""
+    """Microseconds per launch: replayed from one CUDA graph, or on the CPU (the interpreter) each timed once."""
     if not torch.cuda.is_available():
         start = time.perf_counter()
         for launch in launches:
@@ -100,8 +97,7 @@ def time_launches(launches: list[Callable[[], object]], replays: int = 3) -> flo
 
 
 def torch_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple:
-    """The alignment as plain torch ops (a stable sort and some twenty small kernels): the baseline whose fixed
-    per-layer cost the Triton alignment removes."""
+    """The alignment as plain torch ops (a stable sort and some twenty small kernels), which the Triton one replaced."""
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
     max_blocks = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
@@ -123,7 +119,7 @@ def torch_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 def _compile_jobs(shape: ExpertShape, jobs: list[tuple]) -> list[str]:
     """Run each (gated, block_m, tile) once on a two-expert problem of the real row sizes, filling Triton's disk
-    cache; the specialisations (divisibility of sizes and strides) are those of the full problem."""
+    cache with the full problem's specialisations."""
     from batchjob.engine.native.kernels.fused_moe import grouped_gemm
     from batchjob.engine.native.kernels.moe_align import moe_align_block_size
 
@@ -149,8 +145,7 @@ def _compile_jobs(shape: ExpertShape, jobs: list[tuple]) -> list[str]:
 
 
 def precompile(shape: ExpertShape, jobs: list[tuple], workers: int) -> list[str]:
-    """Compile the candidates in `workers` processes at once (Triton compiles one kernel at a time per process);
-    the timing process then finds them in the cache."""
+    """Compile the candidates in `workers` processes (Triton compiles one kernel at a time per process)."""
     if workers <= 1 or not torch.cuda.is_available():
         return []
     import multiprocessing

@@ -1,6 +1,5 @@
-"""What a benchmark run leaves behind: `bench.json` (everything measured), `bench.png` (tok/s per system per
-workload against the roofline; the GPU-busy timeline of native vs native_sync when the engine reports one)
-and the printed table."""
+"""What a benchmark run leaves behind: `bench.json` (everything measured), `bench.png` (tok/s against the roofline,
+and the GPU-busy timelines of native and native_sync) and the printed table."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ class WorkloadReport:
     errors: dict[str, str] = field(default_factory=dict)  # system -> the exception it raised
 
     def fraction_of_roofline(self, result: SystemResult) -> float | None:
-        """Floor time over measured time, as a throughput ratio so that a run cut by the time limit (which did
-        only part of the work) is compared fairly too."""
+        """Floor time over measured time, as a throughput ratio so that a run cut by the time limit compares too."""
         if self.floor is None:
             return None
         return result.tok_per_s / self.floor.tok_per_s
@@ -131,12 +129,7 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
         f"{'workload':<9}{'system':<24}{'seconds':>9}{'tokens':>10}{'tok/s':>10}{'roofline':>10}"
         f"{'GPU-busy':>10}{'prep ms':>9}{'host ms':>9}{'start-up':>10}  note"
     )
-    lines = []
-    if hardware is not None:
-        lines.append(
-            f"{hardware.device}: copy {hardware.copy_bytes_per_s / 1e12:.2f} TB/s, "
-            f"bf16 matmul {hardware.matmul_flops_per_s / 1e12:.0f} TFLOP/s"
-        )
+    lines = [] if hardware is None else [hardware.summary()]
     lines += [header, "-" * len(header)]
     for report in reports:
         name = report.requests.spec.name

@@ -1,16 +1,10 @@
-"""The physical floor of a workload's time on the measured hardware.
+"""The physical floor of a workload's time on the measured hardware (the method: docs/benchmarks.md).
 
-Decode: every step reads every weight it uses once plus the live KV cache of every running sequence, so a step
-lasts at least `(weight bytes + KV bytes) / copy bandwidth` (and at least its FLOPs / matmul rate, which only
-matters for very large batches). A mixture-of-experts layer's step reads only the experts its tokens were
-routed to: for a router that spreads tokens uniformly (random weights), the expected number of distinct experts
-hit by T tokens choosing K of E each is E * (1 - (1 - K/E)^T). Steps are simulated from the request lengths
-assuming every request runs concurrently as long as the KV cache holds it (first come, first served). Prefill:
-at least its FLOPs / matmul rate, with a shared prefix counted once (the best any prefix cache can do).
-`fraction_of_roofline = floor / measured`.
-
-The model's shape comes from the native engine's own description of the architecture (its `ModelSpec`, and
-its parameters counted on the meta device), so the floor counts exactly the weights the engine holds.
+A decode step reads the weights it uses (for a mixture of experts, the experts its tokens hit) and the live KV
+cache of every running sequence, at the copy rate, unless its FLOPs at the matmul rate take longer; steps are
+simulated from the request lengths, requests running together while the KV budget holds them. Prefill is its
+FLOPs at the matmul rate, a shared prefix counted once. The model's shape is the native engine's own (its
+`ModelSpec`, and its parameters counted on the meta device), so the floor counts the weights the engine holds.
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ BF16_BYTES = 2
 
 
 def expected_experts_hit(tokens: int, experts: int, experts_per_token: int) -> float:
-    """Expected distinct experts among `experts` that `tokens` tokens hit when each picks `experts_per_token`
-    distinct ones uniformly at random."""
+    """Expected distinct experts hit by `tokens` tokens, each picking `experts_per_token` of them at random."""
     if experts == 0 or tokens == 0:
         return 0.0
     return experts * (1.0 - (1.0 - experts_per_token / experts) ** tokens)
@@ -67,8 +60,7 @@ class ModelShape:
         self, linear_tokens: float, head_tokens: float, pairs: float, bf16_rate: float, fp8_rate: float | None = None
     ) -> float:
         """Seconds of the matmuls of `linear_tokens` tokens through every layer, `head_tokens` through the lm_head
-        and `pairs` (query, key) pairs of attention: FP8 projections at the FP8 rate (None: bf16's), the rest at
-        bf16's."""
+        and `pairs` (query, key) pairs of attention, FP8 projections at the FP8 rate."""
         head = self.vocab * self.hidden
         layers = self.matmul_parameters_per_token - head - self.fp8_parameters
         bf16 = 2.0 * layers * linear_tokens + 2.0 * head * head_tokens + self.attention_flops(pairs)
@@ -85,8 +77,7 @@ class ModelShape:
 
     @property
     def matmul_parameters_per_token(self) -> int:
-        """Parameters a token is multiplied with (every layer, its experts only, and the lm_head), for FLOP
-        counts."""
+        """Parameters a token is multiplied with: every layer (its own experts only) and the lm_head."""
         unused_experts = self.moe_layers * (self.experts - self.experts_per_token) * self.expert_parameters
         return self.parameters - (0 if self.tied_embeddings else self.embedding_parameters) - unused_experts
 
@@ -96,10 +87,8 @@ class ModelShape:
 
 
 def model_shape(architecture: dict[str, Any], quantization: str = "auto", kv_cache_dtype: str = "auto") -> ModelShape:
-    """The shape of an architecture from `bench_lib.workloads.ARCHITECTURES`, through the native engine's
-    description of it, counting parameters and their bytes exactly by building its model on the meta device (no
-    memory); `quantization` and `kv_cache_dtype`: the engine options (fp8: its projections quantized as they load;
-    fp8_e4m3: a byte a cached key or value)."""
+    """The shape of an architecture of `bench_lib.workloads.ARCHITECTURES` as the native engine builds it (on the
+    meta device) with those engine options: fp8 quantizes its projections, fp8_e4m3 caches a byte a value."""
     import torch
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -1,13 +1,7 @@
-"""The systems under test, each run the same way: start it up (timed apart), feed it the workload's requests,
-time the generation, stop at `time_limit_s` with the work done so far, and free the GPU for the next one.
-
-- `native`, `native_sync`: batchjob's engine through `batchjob.engine.create_engine`;
-- `native_json`, `native_json_mixed`: `native` with every request, or every other one, under
-  `workloads.RECORDS_SCHEMA` (structured outputs; the model needs a tokenizer that can spell JSON);
-- `hf_generate`: transformers `model.generate`, static batches of `hf_batch` requests with left padding;
-- `hf_batch_sync`, `hf_batch_async`: transformers continuous batching (the manager behind `generate_batch`)
-  with per-request lengths, without and with its asynchronous double buffering.
-"""
+"""The systems under test (docs/benchmarks.md), each run the same way: start it up (timed apart), feed it the
+workload's requests, time the generation, stop at `time_limit_s` with the work done so far, and free the GPU.
+`native_json` and `native_json_mixed` are `native` with every request, or every other one, under
+`workloads.RECORDS_SCHEMA`."""
 
 from __future__ import annotations
 
@@ -69,8 +63,7 @@ class SystemResult:
     @property
     def host_ms_per_step(self) -> float | None:
         """The native loop thread's own work a step (admitting, scheduling, processing less its wait for tokens,
-        laying out and launching): the GPU waits for the host when it nears the GPU's time a step. None for a
-        system that does not report it."""
+        laying out and launching), or None: the GPU waits for the host when it nears the GPU's time a step."""
         stats = self.engine_stats
         parts = ("admit_ms_per_step", "schedule_ms_per_step", "process_ms_per_step", "prep_ms_per_step")
         if not all(part in stats for part in (*parts, "collect_wait_ms_per_step")):
@@ -272,8 +265,7 @@ def kv_blocks_for(requests: BenchRequests, block_size: int) -> int:
 
 
 def run_hf_continuous(model_dir: Path, requests: BenchRequests, settings: RunSettings, use_async: bool) -> SystemResult:
-    """transformers continuous batching through its manager API (what `generate_batch` wraps), which takes
-    a `max_new_tokens` per request. Start-up (load, cache allocation, warm-up / graph capture) is excluded."""
+    """transformers continuous batching (the manager behind `generate_batch`), with per-request max_new_tokens."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 

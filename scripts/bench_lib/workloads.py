@@ -1,8 +1,5 @@
-"""The benchmark workloads (docs/benchmarks.md): which architecture, how many requests, which lengths.
-
-Every length and token id is drawn from a numpy generator seeded with 1234 per workload, so every system in
-every run sees the same requests; EOS is ignored, so every system does the same work.
-"""
+"""The benchmark workloads (docs/benchmarks.md): which architecture, how many requests, which lengths, drawn from
+a generator seeded per workload so that every system in every run sees the same requests."""
 
 from __future__ import annotations
 
@@ -93,6 +90,7 @@ ARCHITECTURES["llama-3.1-70b"] = {
 
 # Llama 3.1 70B in FP8 as llm-compressor's FP8_DYNAMIC scheme exports it (compressed-tensors: per-channel weights,
 # dynamic per-token activations, the lm_head in bf16), the usual FP8 release of such a model.
+_FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
 ARCHITECTURES["llama-3.1-70b-fp8"] = {
     **ARCHITECTURES["llama-3.1-70b"],
     "quantization_config": {
@@ -101,14 +99,8 @@ ARCHITECTURES["llama-3.1-70b-fp8"] = {
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": "token",
-                    "symmetric": True,
-                    "dynamic": True,
-                },
+                "weights": {**_FP8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**_FP8, "strategy": "token", "dynamic": True},
             }
         },
         "ignore": ["lm_head"],
@@ -169,8 +161,7 @@ TINY_WORKLOAD = WorkloadSpec("tiny", "tiny smoke", "tiny-llama", 8, (8, 24), (16
 
 @dataclass(frozen=True)
 class BenchRequests:
-    """One workload's drawn requests: `prompts[i]` are request i's token ids, `new_tokens[i]` its forced
-    output length."""
+    """One workload's drawn requests: request i's prompt token ids and forced output length."""
 
     spec: WorkloadSpec
     prompts: tuple[tuple[int, ...], ...]

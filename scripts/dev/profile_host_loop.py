@@ -1,24 +1,17 @@
-"""The native engine's host work per step in steady state, without a model: the real scheduler, block manager,
-step layout, IO slot fill and output processing run over `--seqs` sequences decoding at `--context` tokens, and
-each step's sampled tokens come back at once (no forward, no GPU). Prints the median milliseconds of each part
-a step, the work the loop's thread must finish within one GPU step to keep the GPU busy.
+"""The native engine's host work a step in steady state, without a model or GPU: the real scheduler, block
+manager, step layout, IO slot fill and output processing over `--seqs` sequences decoding at `--context` tokens,
+each step's tokens coming back at once. Prints each part's median milliseconds a step: what the loop's thread
+must finish within one GPU step to keep the GPU busy. Every `--finish-every` steps the oldest sequence finishes
+and a new one is admitted, so admission and prefill chunks are in the mix.
 
     python scripts/dev/profile_host_loop.py [--seqs 256] [--context 1300] [--steps 300] [--sampling]
         [--constrained-every K] [--processes N] [--against DIR]
 
-`--against DIR` compares this version with another one's source tree in DIR (a checkout holding `batchjob/` and
-this script): N pairs of fresh processes, the two versions alternating, and each part's median for both with the
-median of the pairs' ratios. A host's Python speed drifts between processes and over minutes, so only processes
-run side by side compare.
-
-Every `--finish-every` steps the oldest sequence finishes and a new one is admitted with a `--context`-token
-prompt, so admission and prefill chunks are in the mix as in a long job.
-
-`--constrained-every K` puts every K-th sequence under the benchmark's records schema (structured outputs, the
-generated 128k BPE as the vocabulary, kept under --cache): each step's masks are handed to the mask worker as
-the asynchronous loop does (`StepMasks.start`, timed as the loop's share) and waited for (`finish`, the worker's
-fill, timed apart: on a GPU it runs beside the loop), and a constrained row samples one of the tokens its mask
-allows. A constrained sequence that completes its record is replaced like a finished one.
+`--against DIR` alternates N pairs of fresh processes between this version and the source tree in DIR (holding
+`batchjob/` and this script) and prints both medians and the median of the pairs' ratios: a host's Python speed
+drifts between processes, so only processes run side by side compare. `--constrained-every K` puts every K-th
+sequence under the benchmark's records schema (over the generated 128k BPE): the loop's hand-over of the masks
+and the worker's fill are timed apart.
 """
 
 from __future__ import annotations
@@ -68,8 +61,7 @@ def _sequence(seq_id: int, prompt_len: int, max_new: int, sampling: bool, schema
 
 
 class _Runner:
-    """What the mask worker needs of a model runner, without a GPU: a step's host bitmask rows, and a sampler
-    that counts as enqueued once they are filled."""
+    """What the mask worker needs of a model runner, without a GPU."""
 
     def bitmask_rows(self, step: StepHandle) -> torch.Tensor:
         return step.slot.host_bitmask[: step.masked_rows]
@@ -115,18 +107,8 @@ def main() -> None:
     parser.add_argument("--constrained-every", type=int, default=0, help="every K-th sequence under a JSON schema")
     default_cache = Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "bench"
     parser.add_argument("--cache", type=Path, default=default_cache, help="where the generated BPE is kept")
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=1,
-        help="measure in this many fresh processes, one after another, and print each part's median and range "
-        "(a process's host speed varies, up to 2x for the same Python work on some machines)",
-    )
-    parser.add_argument(
-        "--against",
-        type=Path,
-        help="another version's source tree: alternate --processes pairs of processes between the two versions",
-    )
+    parser.add_argument("--processes", type=int, default=1, help="fresh processes measured: each part's median, range")
+    parser.add_argument("--against", type=Path, help="another version's source tree, alternating with this one")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's medians, for the parent
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "scripts"))  # bench_lib: the constrained rows' schema and vocabulary

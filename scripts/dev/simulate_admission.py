@@ -1,12 +1,10 @@
-"""How many sequences run at once, and what preemption costs, for a workload's lengths on a KV cache of a given
-size: the engine's real scheduler and block manager, stepped without a model (each sampled token comes back at
-once). No GPU, a few seconds.
+"""How many sequences run at once, and the tokens preemption recomputes, for a workload's lengths on a KV cache of
+a given size: the engine's real scheduler and block manager stepped without a model or GPU, in seconds.
 
-    python scripts/dev/simulate_admission.py [--workload W5] [--kv-blocks 53570] [--max-num-seqs 512]
+    python scripts/dev/simulate_admission.py [--workload W5] [--kv-blocks 53570] [--max-num-seqs 256,512]
 
-A sequence preempted when the cache runs out loses its KV blocks and computes its prompt and its output so far
-again later; the "recomputed" column counts those tokens. `--kv-blocks` is what the engine logs at start-up
-("KV cache: N blocks of 16 tokens"): 53,570 for Llama-3.1-8B on a 141 GB card at the default memory share.
+`--kv-blocks` is what the engine logs at start-up ("KV cache: N blocks of 16 tokens"): 53,570 for Llama-3.1-8B
+on a 141 GB card at the default memory share.
 """
 
 from __future__ import annotations
