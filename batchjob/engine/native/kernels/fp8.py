@@ -27,6 +27,8 @@ FP8_MAX = 448.0
 INV_FP8_MAX = 1.0 / FP8_MAX  # taken as float32 by every path (torch's float32 tensors, Triton's constants)
 # A row of zeros still gets a finite scale (the quantized zeros are then exact).
 MIN_SCALE = 1e-12
+# The K depth of an FP8 tensor-core dot (Triton refuses less on Hopper).
+FP8_DOT_DEPTH = 32
 
 
 @triton.jit
@@ -119,6 +121,7 @@ def _scaled_matmul_kernel(
     b_block_k,
     b_scale_stride,
     HAS_BIAS: tl.constexpr,
+    NARROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -138,11 +141,18 @@ def _scaled_matmul_kernel(
         b = tl.load(
             b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
         )
-        a_scale = tl.load(a_scale_ptr + rows * a_groups + k0 // a_group, mask=row_mask, other=0.0)
-        b_scale = tl.load(
-            b_scale_ptr + (cols // b_block_n) * b_scale_stride + k0 // b_block_k, mask=col_mask, other=0.0
-        )
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        if NARROW:  # groups narrower than the FP8 dot's depth: each element scaled, multiplied in float32
+            a_mask, b_mask = row_mask[:, None] & k_mask[None, :], col_mask[None, :] & k_mask[:, None]
+            a_scale = tl.load(a_scale_ptr + rows[:, None] * a_groups + ks[None, :] // a_group, a_mask, other=0.0)
+            b_scales = b_scale_ptr + (cols[None, :] // b_block_n) * b_scale_stride
+            b_scale = tl.load(b_scales + ks[:, None] // b_block_k, b_mask, other=0.0)
+            acc = tl.dot(a.to(tl.float32) * a_scale, b.to(tl.float32) * b_scale, acc, input_precision="ieee")
+        else:
+            a_scale = tl.load(a_scale_ptr + rows * a_groups + k0 // a_group, mask=row_mask, other=0.0)
+            b_scale = tl.load(
+                b_scale_ptr + (cols // b_block_n) * b_scale_stride + k0 // b_block_k, mask=col_mask, other=0.0
+            )
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     c = acc.to(c_ptr.dtype.element_ty)
@@ -160,15 +170,16 @@ def scaled_matmul(
 ) -> torch.Tensor:
     """C [M, N] = dequant(a) @ dequant(b)^T for e4m3 a [M, K] with float32 `a_scales` [M, groups] (a group:
     K / groups channels) and e4m3 b [N, K] with float32 `b_scales` [N / rows, K / cols] for `b_block` = (rows,
-    cols). The activation group and the weight block's columns must be multiples of the tile's K (16 at least)."""
+    cols). A depth tile lies inside one activation group and one weight block; groups or blocks narrower than the
+    FP8 dot's 32 (tiny test models, no real checkpoint) scale each element and multiply in float32 instead."""
     m, k = a.shape
     n = b.shape[0]
     a_group = k if a_scales.shape[1] == 1 else k // a_scales.shape[1]
-    # A tile must not straddle two activation groups or two weight blocks along K.
     widths = [width for width in (a_group, b_block[1]) if width < k]
     block_k = math.gcd(64, *widths)  # a power of two that divides them
-    if block_k < 16:
-        raise ValueError(f"FP8 matmul: activation groups of {a_group} and weight blocks {b_block} need tiles of 16")
+    if block_k < 8:
+        raise ValueError(f"FP8 matmul: activation groups of {a_group} and weight blocks {b_block} need tiles of 8")
+    narrow = block_k < FP8_DOT_DEPTH
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return c
@@ -178,6 +189,7 @@ def scaled_matmul(
     _scaled_matmul_kernel[grid](
         a, a_scales, b, b_scales, a if bias is None else bias, c, m, n, k,
         a.stride(0), b.stride(0), c.stride(0), a_scales.shape[1], a_group, b_block[0], b_block[1],
-        b_scales.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        b_scales.stride(0), HAS_BIAS=bias is not None, NARROW=narrow, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=FP8_DOT_DEPTH if narrow else block_k,
     )  # fmt: skip
     return c

@@ -70,6 +70,7 @@ def _grouped_gemm_kernel(
     ROUTED_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_NARROW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -110,7 +111,13 @@ def _grouped_gemm_kernel(
             k_ok = ks < k_dim - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if FP8:
+        if FP8_NARROW:  # groups narrower than the FP8 dot's depth: each element scaled, multiplied in float32
+            k_in = (ks < k_dim - k0)[None, :]
+            a_s = tl.load(a_scales[:, None] + (k0 + ks)[None, :] // a_group, mask=k_in, other=0.0)
+            a32 = a.to(tl.float32) * a_s
+            b_s = tl.load(b_scales[None, :] + (k0 + ks)[:, None] // b_block_k, mask=tl.trans(k_in), other=0.0)
+            acc = tl.dot(a32, b.to(tl.float32) * b_s, acc, input_precision="ieee")
+        elif FP8:
             a_s = tl.load(a_scales + k0 // a_group)[:, None]
             acc += tl.dot(a, b) * a_s * tl.load(b_scales + k0 // b_block_k)[None, :]
         else:
@@ -120,7 +127,10 @@ def _grouped_gemm_kernel(
                 b_up = tl.load(b_ptrs + n_cols * stride_bn)
             else:
                 b_up = tl.load(b_ptrs + n_cols * stride_bn, mask=k_ok[:, None], other=0.0)
-            if FP8:
+            if FP8_NARROW:
+                b_s = tl.load(b_up_scales[None, :] + (k0 + ks)[:, None] // b_block_k, mask=tl.trans(k_in), other=0.0)
+                acc_up = tl.dot(a32, b_up.to(tl.float32) * b_s, acc_up, input_precision="ieee")
+            elif FP8:
                 acc_up += tl.dot(a, b_up) * a_s * tl.load(b_up_scales + k0 // b_block_k)[None, :]
             else:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
@@ -171,15 +181,19 @@ def grouped_gemm(
     k_dim = a.shape[1]
     num_m_blocks = block_experts.numel()
     grid = (num_m_blocks * triton.cdiv(n_cols, tile.block_n),)
+    narrow = False
     if scales is None:
         a_scales = b_scales = routing_weights  # not read
         a_group, b_block = k_dim, (1, k_dim)
     else:
         a_scales, b_scales, b_block = scales
         a_group = k_dim if a_scales.shape[1] == 1 else k_dim // a_scales.shape[1]
-        # A depth tile must lie inside one activation group and one weight block.
+        # A depth tile must lie inside one activation group and one weight block, or (narrower groups than the FP8
+        # dot's depth: tiny test models) scale each element and multiply in float32.
         widths = [width for width in (a_group, b_block[1]) if width < k_dim]
-        tile = dataclasses.replace(tile, block_k=math.gcd(tile.block_k, *widths))
+        block_k = math.gcd(tile.block_k, *widths)
+        narrow = block_k < fp8.FP8_DOT_DEPTH
+        tile = dataclasses.replace(tile, block_k=fp8.FP8_DOT_DEPTH if narrow else block_k)
     _grouped_gemm_kernel[grid](
         a, b, out, routing_weights, a_scales, b_scales, sorted_pairs, block_experts, padded_rows,
         n_cols, k_dim, out.shape[0], num_m_blocks,
@@ -187,7 +201,8 @@ def grouped_gemm(
         a_scales.shape[1] if scales else 1, a_group, b_block[0], b_block[1],
         b_scales.stride(0) if scales else 0, b_scales.stride(1) if scales else 0,
         A_ROW_DIVISOR=top_k if gated else 1, GATED=gated, ROUTED_WEIGHT=not gated,
-        EVEN_K=k_dim % tile.block_k == 0, FP8=scales is not None, DOT_PRECISION=dot_precision(a.dtype),
+        EVEN_K=k_dim % tile.block_k == 0, FP8=scales is not None, FP8_NARROW=narrow,
+        DOT_PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,
         # fp32 tiles are twice as wide: two stages keep the gate/up GEMM's three tiles in shared memory.
