@@ -51,7 +51,7 @@ OPTION_CHECKS: dict[str, str] = {
     "hf": "batchjob.engine.hf_options:check_options",
 }
 AUTO = "auto"
-SHARED_OPTIONS = ("dtype", "device", "max_model_len")
+SHARED_OPTIONS = ("dtype", "device", "max_model_len", "deterministic")
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ class HFEngine:
         self._cache_kwarg = cache_keyword(self.model)
         config = self.model.config
         self.max_model_len = int(opts["max_model_len"] or config.max_position_embeddings)
-        self.max_batch_size = opts["max_batch_size"]
+        # engine.deterministic: one request a micro-batch, so a row is never padded or batched with another's
+        self.max_batch_size = 1 if opts["deterministic"] else opts["max_batch_size"]
         self.max_batch_tokens = opts["max_batch_tokens"]
         self.window = opts["max_batch_size"] * opts["lookahead"]
         eos = self.model.generation_config.eos_token_id

@@ -18,6 +18,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "max_model_len": None,
     "attn_implementation": "sdpa",
     "tensor_parallel": 1,
+    "deterministic": False,
 }
 
 
@@ -32,6 +33,8 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise ValueError(f"engine.dtype={opts['dtype']!r}: use auto, {', '.join(DTYPE_NAMES)}")
     if opts["device"] not in ("auto", "cpu") and not str(opts["device"]).startswith("cuda"):
         raise ValueError(f"engine.device={opts['device']!r}: use auto, cpu, cuda or cuda:N")
+    if not isinstance(opts["deterministic"], bool):
+        raise ValueError(f"engine.deterministic must be true or false, got {opts['deterministic']!r}")
     for key in ("max_batch_size", "max_batch_tokens", "lookahead"):
         if not isinstance(opts[key], int) or opts[key] < 1:
             raise ValueError(f"engine.{key} must be a positive integer, got {opts[key]!r}")

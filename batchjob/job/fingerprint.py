@@ -97,6 +97,9 @@ def _engine_record(options: dict[str, Any], name: str) -> dict[str, Any]:
     # them: other outputs, so a job run with it never resumes one run without (nor the other way round).
     if options.get("jump_forward"):
         record["jump_forward"] = True
+    # Deterministic arithmetic gives other bits than the default: a run with it never resumes one without.
+    if options.get("deterministic"):
+        record["deterministic"] = True
     return record
 
 

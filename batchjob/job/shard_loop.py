@@ -251,6 +251,10 @@ class ShardRun:
                 "tokenize": self.feeder.tokenize_s,
                 **counts.stage_s,
             },
-            "engine": {"name": self.settings.engine_name, **self.engine.stats()},
+            "engine": {
+                "name": self.settings.engine_name,
+                "deterministic": bool(self.settings.engine_options.get("deterministic", False)),
+                **self.engine.stats(),
+            },
             "shard": {"index": self.settings.shard_index, "count": self.settings.shard_count},
         }

@@ -115,10 +115,13 @@ class NativeEngine:
         do not fit it (max_model_len beyond the model's)."""
         from batchjob.engine.native.loading.model_loader import read_model_spec
         from batchjob.engine.native.loading.sharding import check_tensor_parallel
+        from batchjob.engine.native.models.spec import check_batch_invariant
 
         opts = NativeOptions.from_mapping(options)
         spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
         check_tensor_parallel(spec, opts.tensor_parallel)
+        if opts.deterministic:
+            check_batch_invariant(spec)
         _check_gpu_count(opts)
         return spec.architecture
 

@@ -61,6 +61,7 @@ class NativeOptions:
     warmup: bool | None = None
     detokenize: bool = True
     seed: int = 0
+    deterministic: bool = False
     debug_poison_slots: bool = False
 
     @classmethod

@@ -46,8 +46,8 @@ def _start(setup: RankSetup, rank: int) -> tuple[Any, int, dict[str, float]]:
     from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
 
     device = torch.device(f"cuda:{rank}" if setup.cuda else "cpu")
-    parallel.join(rank, setup.size, setup.store_path, device, setup.timeout_s)
     opts = NativeOptions.from_mapping({**setup.options, "device": str(device)})
+    parallel.join(rank, setup.size, setup.store_path, device, setup.timeout_s, ordered_sums=opts.deterministic)
     started = time.perf_counter()
     with short_thread_switches():
         model, spec = load_on_device(setup.model_path, opts, device)

@@ -72,6 +72,7 @@ def _prefill_kernel(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -130,6 +131,8 @@ def _prefill_kernel(
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION,
             )  # fmt: skip
     full_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, full_start)
+    if MASK_EVERY_TILE:
+        full_end = full_start
     for n0 in range(full_start, full_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
@@ -187,6 +190,7 @@ def paged_prefill_attention(
     window: int = 0,
     softcap: float = 0.0,
     skip_single: bool = False,
+    mask_every_tile: bool = False,
 ) -> torch.Tensor:
     """Causal varlen attention of `q` [T, Hq, D] over the paged cache; writes `out` [T, Hq, D] and returns it.
 
@@ -194,6 +198,11 @@ def paged_prefill_attention(
     [0, that position], or with `window` > 0 only the last `window` of them; `softcap` > 0 caps scores with
     a tanh. Any mix of query lengths (decodes included) and context lengths is allowed; `skip_single` leaves
     the rows of one-token sequences unwritten (the decode kernel reads their context faster).
+
+    `mask_every_tile` (engine.deterministic) runs every key tile through the one masked path: a token's sums then
+    take the same steps whether it is a decode, a prompt's first token or one in the middle of a chunk (the
+    unmasked path, for tiles a whole query tile sees, may round differently: another compiled expression).
+    Key tiles always start at multiples of the tile from position 0, so their order is the token's own.
     """
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -237,6 +246,7 @@ def paged_prefill_attention(
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
         DOT_PRECISION=dot_precision(q.dtype),
+        MASK_EVERY_TILE=mask_every_tile,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -127,9 +127,15 @@ class TorchPagedAttention:
     sequence's blocks gathered to [B, max_seq_len], with a mask that is causal with the per-sequence offset
     (and the sliding window, if any). Soft-capped scores are computed without SDPA, which cannot cap them.
     The host bounds in the metadata size the padding, so this path is not for CUDA-graph capture.
+
+    `deterministic` (engine.deterministic): each query token is computed on its own, the same way whatever the
+    step holds (one padded SDPA call over the step would round a token's sums by the step's shape).
     """
 
     kv_from_rope = False
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
 
     def forward(
         self,
@@ -146,6 +152,8 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.deterministic:
+            return _per_token_attention(q, k_cache, v_cache, meta, scale, window, softcap)
         num_tokens, num_heads, head_dim = q.shape
         num_seqs = meta.seq_lens.shape[0]
         block_size = k_cache.shape[1]
@@ -189,6 +197,41 @@ class TorchPagedAttention:
             )
         out = out.transpose(1, 2)[token_seq, token_idx]
         return F.pad(out, (0, 0, 0, 0, 0, num_tokens - owned))
+
+
+def _per_token_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Each query token's attention alone, its sums over head_dim and over its keys shaped by its position only
+    (elementwise products summed by torch's reductions: no BLAS kernel chosen by the step's shape). Tokens past
+    the sequences' (a padded step's spare ones) are 0."""
+    out = torch.zeros_like(q)
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    cu = meta.cu_query_lens.tolist()
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        positions = torch.arange(seq_len, device=q.device)
+        slots = meta.block_tables[b].long()[positions // block_size] * block_size + positions % block_size
+        keys = _bytes(k_cache).flatten(0, 1)[slots].view(k_cache.dtype).to(q.dtype).repeat_interleave(group, dim=1)
+        values = _bytes(v_cache).flatten(0, 1)[slots].view(v_cache.dtype).to(q.dtype).repeat_interleave(group, dim=1)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1).float()  # [Hq, S, D]
+        q_len = cu[b + 1] - cu[b]
+        for j in range(q_len):
+            position = seq_len - q_len + j
+            first = max(0, position - window + 1) if window > 0 else 0
+            token = cu[b] + j
+            scores = (q[token][:, None, :] * keys[:, first : position + 1]).sum(-1).float() * scale  # [Hq, S]
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
+            probs = torch.softmax(scores, dim=-1)
+            out[token] = (probs[..., None] * values[:, first : position + 1]).sum(1).to(q.dtype)
+    return out
 
 
 def _softcapped_attention(

@@ -19,6 +19,7 @@ from torch import nn
 
 from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.kernels.fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
+from batchjob.engine.native.layers import batch_invariant
 
 
 class Fp8Linear(nn.Module):
@@ -48,6 +49,9 @@ class Fp8Linear(nn.Module):
         )
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.out_dtype = dtype
+        # engine.deterministic: every row computed alike whatever the batch (the Triton matmul's fixed tiles on a
+        # GPU, not cuBLASLt's kernels chosen by row count; `batch_invariant.matmul` on CPU)
+        self.batch_invariant = False
 
     @property
     def weight_block(self) -> tuple[int, int]:
@@ -60,7 +64,7 @@ class Fp8Linear(nn.Module):
         q, scales = self.quantize_input(x)
         if not x.is_cuda:
             out = self._plain(q, scales)
-        elif self.block is None and self.out_dtype == torch.bfloat16:
+        elif self.block is None and self.out_dtype == torch.bfloat16 and not self.batch_invariant:
             out = torch._scaled_mm(
                 q,
                 self.weight.t(),
@@ -93,7 +97,9 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale, self.block)
 
     def _plain(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        out = dequantize(q, scales, (1, -(-self.in_features // scales.shape[1]))) @ self.dequantized_weight().t()
+        x = dequantize(q, scales, (1, -(-self.in_features // scales.shape[1])))
+        weight = self.dequantized_weight()
+        out = batch_invariant.matmul(x, weight) if self.batch_invariant else x @ weight.t()
         if self.bias is not None:
             out += self.bias.float()
         return out.to(self.out_dtype)

@@ -24,6 +24,9 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int
     size: int
+    # engine.deterministic: sums over ranks are gathered and added in rank order on every rank, whatever the
+    # message size (NCCL picks its reduction algorithm, and so its order of additions, by size)
+    ordered_sums: bool = False
 
     @property
     def active(self) -> bool:
@@ -31,23 +34,32 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `x`, in place (row-parallel layers: each rank holds a partial sum)."""
-        if self.active:
+        if not self.active:
+            return x
+        if not self.ordered_sums:
             dist.all_reduce(x)
-        return x
+            return x
+        parts = self._gather(x)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return x.copy_(total)
+
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        x = x.contiguous()
+        if x.is_cuda:
+            gathered = x.new_empty((self.size, *x.shape))
+            dist.all_gather_into_tensor(gathered, x)
+            return list(gathered.unbind(0))
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return parts
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n], rank r's columns at r * n (vocab-parallel logits)."""
         if not self.active:
             return x
-        x = x.contiguous()
-        if x.is_cuda:
-            gathered = x.new_empty((self.size, *x.shape))
-            dist.all_gather_into_tensor(gathered, x)
-            parts = gathered.unbind(0)
-        else:
-            parts = [torch.empty_like(x) for _ in range(self.size)]
-            dist.all_gather(parts, x)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self._gather(x), dim=-1)
 
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest `value` of all ranks (sizes every rank must agree on, such as the KV cache's)."""
@@ -72,7 +84,9 @@ def current() -> TensorParallel:
     return _current
 
 
-def join(rank: int, size: int, store_path: str, device: torch.device, timeout_s: float) -> TensorParallel:
+def join(
+    rank: int, size: int, store_path: str, device: torch.device, timeout_s: float, ordered_sums: bool = False
+) -> TensorParallel:
     """Join the group of `size` ranks that meet at the file store `store_path`; called once per rank process.
     Collectives that wait longer than `timeout_s` for a peer fail instead of hanging."""
     global _current
@@ -81,5 +95,5 @@ def join(rank: int, size: int, store_path: str, device: torch.device, timeout_s:
     store = dist.FileStore(store_path, size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
-    _current = TensorParallel(rank=rank, size=size)
+    _current = TensorParallel(rank=rank, size=size, ordered_sums=ordered_sums)
     return _current

@@ -39,6 +39,9 @@ from collections.abc import Container
 import torch
 from torch import nn
 
+from batchjob.engine.native.layers import batch_invariant
+from batchjob.engine.native.layers.batch_invariant import InvariantLinear
+
 _UP_TO_256 = range(1, 257)
 _OUTSIDE_CUBLASLT = frozenset(range(1, 17)) | frozenset(range(65, 257))
 # (N, K) of a weight -> (parts, the step sizes in rows that split it).
@@ -82,8 +85,10 @@ def linear(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | None = No
     reads the residual and writes the sum, one rounding, and the norm that follows reads only the sum (half the
     bytes of an add fused into the norm). The caller's next step must be `rms_norm` with that residual, which
     adds partial sums up and takes `residual` itself as already added."""
-    if residual is None:
+    if residual is None or (isinstance(layer, InvariantLinear) and layer.bias is not None):
         return layer(x)
+    if isinstance(layer, InvariantLinear):  # engine.deterministic: K split by the weight's shape alone
+        return batch_invariant.partial_products(x, layer.weight)
     parts = splits_for(layer.weight, x.shape[0])
     if parts > 1:
         return partial_products(x, layer.weight, parts)

@@ -143,6 +143,10 @@ class TritonPagedAttention:
     `num_decode_splits` fixes the decode split count and `decode_config` its launch shape; by default both come
     from the batch size and the SM count only, so every replay of a captured decode graph launches identically.
     The rope kernel writes each step's keys and values into the cache (`kv_from_rope`), one launch fewer a layer.
+
+    `deterministic` (engine.deterministic): every token, decodes included, goes through the varlen kernel with
+    every key tile masked, so a token's attention is computed alike whatever the step (the decode kernels split a
+    context by the batch size).
     """
 
     kv_from_rope = True
@@ -152,12 +156,14 @@ class TritonPagedAttention:
         num_decode_splits: int | None = None,
         decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
+        deterministic: bool = False,
     ) -> None:
         if num_decode_splits is not None and not 1 <= num_decode_splits <= MAX_SPLITS:
             raise ValueError(f"num_decode_splits must be in [1, {MAX_SPLITS}], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
         self.decode_config = decode_config
         self.prefill_config = prefill_config
+        self.deterministic = deterministic
 
     def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         if self.num_decode_splits is not None:
@@ -198,6 +204,10 @@ class TritonPagedAttention:
         # Every step's one-token sequences go through the decode kernels; a mixed step's chunks then through
         # the varlen kernel, which skips those rows (it would read their context a third slower).
         paged = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, scale)
+        if self.deterministic:
+            return paged_prefill_attention(
+                *paged, out, self.prefill_config, window=window, softcap=softcap, mask_every_tile=True
+            )
         num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
         num_splits = self.decode_splits(num_seqs, num_kv_heads, q.device)
         config = self.decode_launch_config(num_seqs, num_kv_heads, q.device, window)

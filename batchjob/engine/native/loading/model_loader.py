@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from batchjob.engine.api import EngineSetupError
-from batchjob.engine.native.layers import parallel
+from batchjob.engine.native.layers import batch_invariant, parallel
 from batchjob.engine.native.layers.attention import PagedAttentionBackend
 from batchjob.engine.native.layers.fp8_linear import Fp8Linear, LinearToQuantize
 from batchjob.engine.native.layers.parallel import TensorParallel
@@ -27,7 +27,7 @@ from batchjob.engine.native.loading.dummy_weights import fill_dummy_weights
 from batchjob.engine.native.loading.sharding import check_tensor_parallel, param_shard, rank_spec
 from batchjob.engine.native.models import CausalLM
 from batchjob.engine.native.models.registry import SUPPORTED_ARCHITECTURES, spec_from_config_files
-from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
+from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError, check_batch_invariant
 from batchjob.engine.weight_files import check_weight_files
 
 __all__ = [
@@ -134,16 +134,20 @@ def load_model(
     tp: TensorParallel | None = None,
     quantization: str = "auto",
     kv_cache_dtype: str = "auto",
+    deterministic: bool = False,
 ) -> tuple[CausalLM, ModelSpec]:
     """The model in eval mode, without gradients, on `device` in `dtype` (auto | float32 | bfloat16 |
     float16), with its spec. `load_format`: auto (the safetensors weights) or dummy (seeded random weights,
     no weight file read). Under tensor parallelism (`tp`, default: this process's place, `parallel.current()`)
-    the model and the returned spec are this rank's shard, and only its slices are read."""
+    the model and the returned spec are this rank's shard, and only its slices are read. `deterministic`: every
+    projection computes a row alike whatever the batch (layers/batch_invariant.py)."""
     tp = parallel.current() if tp is None else tp
     dummy = load_format == "dummy"
     model_dir = resolve_model_dir(model_path, with_weights=not dummy)
     spec = read_model_spec(model_dir, dtype, max_model_len, quantization, kv_cache_dtype)
-    spec = device_dtype(spec, dtype, device)
+    spec = dataclasses.replace(device_dtype(spec, dtype, device), batch_invariant=deterministic)
+    if deterministic:
+        check_batch_invariant(spec)
     check_tensor_parallel(spec, tp.size)
     _check_fp8_units(spec, torch.device(device))
     local = rank_spec(spec, tp)
@@ -158,6 +162,8 @@ def load_model(
         load_checkpoint(model, spec, model_dir, shards, tp)
     if local.quantization is not None and local.quantization.source == "engine":
         quantize_loaded(model)
+    if deterministic:
+        batch_invariant.apply(model)
     return model.eval().requires_grad_(False), local
 
 

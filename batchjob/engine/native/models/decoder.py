@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchjob.engine.native.layers import split_k
+from batchjob.engine.native.layers import batch_invariant, split_k
 from batchjob.engine.native.layers.attention import AttentionMetadata, PagedAttentionBackend
+from batchjob.engine.native.layers.batch_invariant import InvariantLinear
 from batchjob.engine.native.layers.elementwise import RMSNorm, act_and_mul
 from batchjob.engine.native.layers.fp8_linear import Fp8Linear, LinearToQuantize
 from batchjob.engine.native.layers.parallel import SINGLE, TensorParallel, vocab_per_rank
@@ -44,7 +45,7 @@ def make_linear(spec: ModelSpec, modules: list[str], in_features: int, out_featu
             "quantizes only some of them; use engine=hf"
         )
     if not quantized.pop():
-        return nn.Linear(in_features, out_features, bias=bias)
+        return (InvariantLinear if spec.batch_invariant else nn.Linear)(in_features, out_features, bias=bias)
     q = spec.quantization
     if q.source == "engine":
         return LinearToQuantize(in_features, out_features, bias=bias)
@@ -273,9 +274,12 @@ class CausalLM(nn.Module):
         writes (logits without a soft cap). `float32=False`: for an argmax only, the logits may stay in the
         model's dtype (soft-capped ones are still converted: the cap could tie two of them)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        invariant = self.spec.batch_invariant
         if out is not None and out.dtype == weight.dtype and not self.tp.active and self.spec.final_softcap <= 0:
+            if invariant:
+                return out.copy_(batch_invariant.matmul(hidden, weight))
             return torch.mm(hidden, weight.t(), out=out)
-        logits = F.linear(hidden, weight)
+        logits = batch_invariant.matmul(hidden, weight) if invariant else F.linear(hidden, weight)
         if self.tp.active:
             logits = self.tp.all_gather_last(logits)[:, : self.spec.vocab_size]
         cap = self.spec.final_softcap

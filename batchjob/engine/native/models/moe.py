@@ -20,9 +20,13 @@ from torch import nn
 
 from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.kernels.fp8 import FP8
+from batchjob.engine.native.layers import batch_invariant
+from batchjob.engine.native.layers.batch_invariant import InvariantLinear
 from batchjob.engine.native.layers.fp8_linear import dequantize
 from batchjob.engine.native.models.spec import ModelSpec
 
+# engine.deterministic: the token count whose fused-kernel tiles every step uses.
+INVARIANT_MOE_TOKENS = 256
 FUSED_MOE_MODULE = "batchjob.engine.native.kernels.fused_moe"
 
 
@@ -43,13 +47,15 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.batch_invariant = False  # engine.deterministic (layers/batch_invariant.py)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], weights float32 [T, K], ids int64 [T, K]."""
         if x.is_cuda:
             kernel = fused_moe_kernel()
             if kernel is not None:
-                return kernel(x, self.gate_up_proj, self.down_proj, weights, expert_ids)
+                config = self._fixed_config(x, expert_ids.shape[1])
+                return kernel(x, self.gate_up_proj, self.down_proj, weights, expert_ids, config=config)
         return self._torch_forward(x, weights, expert_ids)
 
     def _torch_forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -57,10 +63,23 @@ class Experts(nn.Module):
         # Experts in ascending order, each adding its tokens' weighted outputs: transformers' order of additions.
         for expert in expert_ids.unique().tolist():
             tokens, slot = torch.where(expert_ids == expert)
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            hidden = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            gate, up = self._linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            hidden = self._linear(F.silu(gate) * up, self.down_proj[expert])
             out.index_add_(0, tokens, (hidden * weights[tokens, slot, None]).to(out.dtype))
         return out
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return batch_invariant.matmul(x, weight) if self.batch_invariant else F.linear(x, weight)
+
+    def _fixed_config(self, x: torch.Tensor, top_k: int) -> object | None:
+        """engine.deterministic: the fused kernel's tiles for a fixed token count, not this step's (a token's
+        products then do not depend on how many others the step holds); None: the step's own."""
+        if not self.batch_invariant:
+            return None
+        from batchjob.engine.native.kernels.moe_configs import moe_config
+
+        experts, two_i, hidden = self.gate_up_proj.shape
+        return moe_config(INVARIANT_MOE_TOKENS, experts, two_i // 2, hidden, top_k, x.dtype, x.device)
 
 
 class Fp8Experts(Experts):
@@ -81,6 +100,7 @@ class Fp8Experts(Experts):
         activation_upper: float | None,
     ) -> None:
         nn.Module.__init__(self)
+        self.batch_invariant = False
         self.block, self.group, self.activation_upper = block, block[1] if group else None, activation_upper
         for name, rows, cols in (("gate_up_proj", 2 * intermediate_size, hidden_size),
                                  ("down_proj", hidden_size, intermediate_size)):  # fmt: skip
@@ -96,7 +116,10 @@ class Fp8Experts(Experts):
             scheme = Fp8ExpertWeights(
                 self.gate_up_proj_scale, self.down_proj_scale, self.block, self.group, self.activation_upper
             )
-            return fused_moe_kernel()(x, self.gate_up_proj, self.down_proj, weights, expert_ids, fp8_experts=scheme)
+            return fused_moe_kernel()(
+                x, self.gate_up_proj, self.down_proj, weights, expert_ids, fp8_experts=scheme,
+                config=self._fixed_config(x, expert_ids.shape[1]),
+            )  # fmt: skip
         return self._torch_forward(x, weights, expert_ids)
 
     def _torch_forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -105,9 +128,9 @@ class Fp8Experts(Experts):
         for expert in expert_ids.unique().tolist():
             tokens, slot = torch.where(expert_ids == expert)
             w13 = dequantize(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], self.block)
-            gate, up = (inputs[tokens] @ w13.t()).to(x.dtype).chunk(2, dim=-1)
+            gate, up = self._linear(inputs[tokens], w13).to(x.dtype).chunk(2, dim=-1)
             w2 = dequantize(self.down_proj[expert], self.down_proj_scale[expert], self.block)
-            hidden = self._quantized(F.silu(gate) * up) @ w2.t()
+            hidden = self._linear(self._quantized(F.silu(gate) * up), w2)
             out.index_add_(0, tokens, (hidden * weights[tokens, slot, None]).to(out.dtype))
         return out
 
@@ -123,7 +146,8 @@ class SparseMoE(nn.Module):
         moe = spec.moe
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
-        self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)  # the router
+        router = InvariantLinear if spec.batch_invariant else nn.Linear
+        self.gate = router(spec.hidden_size, moe.num_experts, bias=False)
         shape = (moe.num_experts, spec.hidden_size, moe.intermediate_size)
         q = spec.quantization
         if spec.quantized(f"model.layers.{layer}.mlp.experts.0.gate_proj"):

@@ -93,6 +93,8 @@ class ModelSpec:
     moe: MoESpec | None = None
     quantization: QuantSpec | None = None  # FP8 weights and activations (models/quantization.py)
     kv_cache_dtype: torch.dtype | None = None  # of the paged KV cache (None: `dtype`); float8_e4m3fn: FP8 K/V
+    # engine.deterministic: every projection computes a row alike whatever the batch (layers/batch_invariant.py)
+    batch_invariant: bool = False
 
     def quantized(self, module: str) -> bool:
         """Whether the checkpoint module `module` (`model.layers.0.self_attn.q_proj`) holds FP8 weights: the
@@ -222,6 +224,17 @@ def declared_dtype(config: Any, model_dir: str) -> torch.dtype:
             f"{', '.join(DTYPES)} checkpoints; use engine=hf"
         )
     return DTYPES[dtype]
+
+
+def check_batch_invariant(spec: ModelSpec) -> None:
+    """Raise ValueError where `engine.deterministic` cannot make a row's output independent of its batch."""
+    q = spec.quantization
+    if q is not None and q.activations == "tensor":
+        raise ValueError(
+            f"{spec.model_dir}: its FP8 activations take one scale per step (dynamic per-tensor), so a row's output "
+            "depends on the rows beside it and engine.deterministic cannot hold; use a checkpoint with per-token or "
+            "static activation scales, or engine.deterministic=false"
+        )
 
 
 def requested_spec(

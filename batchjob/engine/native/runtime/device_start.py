@@ -75,9 +75,9 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
         from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
         _hash_triton_beside()
-        attn = TritonPagedAttention()
+        attn = TritonPagedAttention(deterministic=opts.deterministic)
     else:
-        attn = TorchPagedAttention()
+        attn = TorchPagedAttention(deterministic=opts.deterministic)
     return load_model(
         model_path,
         opts.dtype,
@@ -87,6 +87,7 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
         opts.load_format,
         quantization=opts.quantization,
         kv_cache_dtype=opts.kv_cache_dtype,
+        deterministic=opts.deterministic,
     )
 
 

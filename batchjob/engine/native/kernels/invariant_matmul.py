@@ -1,0 +1,144 @@
+"""A matmul whose every row is computed the same way whatever the other rows (`engine.deterministic`).
+
+BLAS picks its kernel, tile and split of K by the row count, so a row's product changes in its last bits with
+the batch it is computed in. Here one launch shape serves every row count: tiles of `BLOCK_M` x `BLOCK_N`, K
+walked in `BLOCK_K` steps from 0, and K split into a number of parts chosen from the weight's shape and the
+GPU alone (enough programs to fill the GPU at a decode step's few rows). A part's float32 sum is written as it
+is; `reduce_parts` (or the fused RMSNorm after a projection that feeds the residual) adds the parts in order,
+so an output element's arithmetic is fixed by the weight's shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from batchjob.engine.native.kernels.attention_tile import dot_precision
+
+BLOCK_M = 128
+BLOCK_N = 64
+BLOCK_K = 64
+MAX_PARTS = 4
+
+
+@triton.jit(do_not_specialize=["m"])
+def _parts_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    m,
+    n,
+    k,
+    stride_am,
+    stride_bn,
+    stride_cp,
+    stride_cm,
+    k_per_part,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    part = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
+    k_lo = part * k_per_part
+    k_hi = tl.minimum(k_lo + k_per_part, k)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_hi
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :], row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        b = tl.load(
+            b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
+        )
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:  # one part only
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + part * stride_cp + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _reduce_kernel(parts_ptr, bias_ptr, out_ptr, numel, n, stride_p, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    mask = offs < numel
+    acc = tl.load(parts_ptr + offs, mask=mask, other=0.0)
+    for p in tl.static_range(1, PARTS):
+        acc += tl.load(parts_ptr + p * stride_p + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def num_parts(weight: torch.Tensor) -> int:
+    """Parts K is split into for `weight` [N, K]: enough programs for every multiprocessor at one row tile, at
+    most `MAX_PARTS`; a function of the weight's shape and the GPU only."""
+    n, k = weight.shape
+    tiles = triton.cdiv(n, BLOCK_N)
+    parts = min(MAX_PARTS, triton.cdiv(_sm_count(weight.device), tiles), triton.cdiv(k, BLOCK_K))
+    return triton.cdiv(k, _k_per_part(k, max(parts, 1)))
+
+
+def _k_per_part(k: int, parts: int) -> int:
+    return triton.cdiv(triton.cdiv(k, parts), BLOCK_K) * BLOCK_K
+
+
+def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 [parts, rows, N]: part p is x @ weight^T over the p-th `_k_per_part` columns of K (`num_parts`)."""
+    out = torch.empty((num_parts(weight), x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    return _launch(x, weight, None, out)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`)."""
+    parts, m, n = out.shape
+    k = x.shape[1]
+    if m == 0:
+        return out
+    stages = 4 if x.element_size() <= 2 else 2
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), parts)
+    _parts_kernel[grid](
+        x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        out.stride(1), _k_per_part(k, parts), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def reduce_parts(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[parts, rows, N] float32 -> [rows, N] in `dtype`: the parts added in order, then the bias, rounded once."""
+    _, m, n = parts.shape
+    out = torch.empty((m, n), dtype=dtype, device=parts.device)
+    if m == 0:
+        return out
+    _reduce_kernel[(triton.cdiv(m * n, 1024),)](
+        parts, parts if bias is None else bias, out, m * n, n, parts.stride(0),
+        PARTS=parts.shape[0], HAS_BIAS=bias is not None, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] @ weight [N, K]^T (+ bias) in x's dtype, each row computed alike whatever `rows` is."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    parts = num_parts(weight)
+    if parts == 1:
+        out = torch.empty((1, x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        return _launch(x, weight, bias, out)[0]
+    return reduce_parts(partial_products(x, weight), bias, x.dtype)

@@ -1,0 +1,77 @@
+"""The batch-invariant arithmetic of `engine.deterministic`, on CPU: the projections' rows (plain torch, and the
+GPU's Triton matmul through the interpreter) and the attention of a token (the per-token torch path, and the
+Triton varlen kernel with every tile masked) are the same bits whatever else the step holds; and the rest of
+the engine leaves a row alone: tensor-parallel sums in rank order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("on a GPU, tests/gpu/test_deterministic_gpu.py runs the compiled kernels", allow_module_level=True)
+
+import importlib  # noqa: E402
+
+from attention_cases import random_paged_step  # noqa: E402
+from interpreted_attention import TritonPagedAttention  # noqa: E402
+
+from batchjob.engine.native.kernels import invariant_matmul  # noqa: E402
+from batchjob.engine.native.layers import batch_invariant  # noqa: E402
+from batchjob.engine.native.layers.attention import TorchPagedAttention, make_metadata  # noqa: E402
+
+if not isinstance(
+    invariant_matmul._parts_kernel, importlib.import_module("triton.runtime.interpreter").InterpretedFunction
+):
+    invariant_matmul = importlib.reload(invariant_matmul)
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (96, 128), (48, 320)])
+def test_a_projection_row_is_the_same_bits_at_every_row_count_on_cpu(n, k):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=generator)
+    x = torch.randn(70, k, generator=generator)
+    whole = batch_invariant.matmul(x, weight)
+    for rows in (1, 2, 7, 33, 64):
+        assert torch.equal(batch_invariant.matmul(x[:rows], weight), whole[:rows]), rows
+    assert torch.allclose(whole, x @ weight.t(), atol=1e-4)
+
+
+def test_the_gpu_matmul_splits_k_by_the_weight_alone_and_adds_its_parts_in_order():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 320, generator=generator)
+    x = torch.randn(140, 320, generator=generator)
+    bias = torch.randn(64, generator=generator)
+    parts = invariant_matmul.partial_products(x, weight)
+    assert parts.shape == (invariant_matmul.num_parts(weight), 140, 64)
+    assert torch.equal(invariant_matmul.partial_products(x[:3], weight), parts[:, :3])
+    whole = invariant_matmul.matmul(x, weight, bias)
+    for rows in (1, 5, 129):
+        assert torch.equal(invariant_matmul.matmul(x[:rows], weight, bias), whole[:rows]), rows
+    assert torch.allclose(whole, x @ weight.t() + bias, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [TorchPagedAttention(deterministic=True), TritonPagedAttention(deterministic=True)],
+    ids=["torch", "triton"],
+)
+def test_a_tokens_attention_is_the_same_bits_in_a_chunk_as_a_decode_alone_or_beside_others(backend):
+    # Sequence 0 is a 40-token chunk over 60 cached tokens (its tokens at positions 60..99), beside a decode and
+    # a 6-token prompt. Its token at position 80 is computed again as the last of a shorter chunk, and its last
+    # token as a one-token decode alone and beside another sequence's decode.
+    q, k, v, k_cache, v_cache, meta = random_paged_step(
+        [40, 1, 6], [100, 19, 6], 16, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, device="cpu"
+    )
+    scale = 32**-0.5
+    full = backend.forward(q, k, v, k_cache, v_cache, meta, scale)  # stores the step's keys and values
+    tables = [meta.block_tables[b].tolist() for b in range(3)]
+
+    def again(rows: list[int], query_lens: list[int], seq_lens: list[int], sequences: list[int]) -> torch.Tensor:
+        step = make_metadata(query_lens, seq_lens, [tables[b] for b in sequences], 16)
+        return backend.forward(q[rows], k[rows], v[rows], k_cache, v_cache, step, scale, kv_stored=True)
+
+    assert torch.equal(again(list(range(21)), [21], [81], [0])[20], full[20])
+    assert torch.equal(again([39], [1], [100], [0])[0], full[39])
+    assert torch.equal(again([39, 40], [1, 1], [100, 19], [0, 1])[0], full[39])
