@@ -9,14 +9,13 @@ Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-
-from bench_lib.models import config_model_dir  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
 from batchjob.engine.native.kernels import invariant_matmul  # noqa: E402
@@ -64,7 +63,11 @@ def _generate(model_dir, requests, **options) -> dict:
 
 @pytest.fixture(scope="module")
 def llama_8b(tmp_path_factory):
-    return config_model_dir("llama-3.1-8b", tmp_path_factory.mktemp("8b"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+        from bench_lib.models import config_model_dir
+
+        return config_model_dir("llama-3.1-8b", tmp_path_factory.mktemp("8b"))
 
 
 @pytest.fixture(scope="module")
