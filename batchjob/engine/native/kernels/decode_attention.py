@@ -15,8 +15,8 @@ reads the next tile's blocks a tile ahead. On an H200 (docs/history/benchmarks-2
 sequences of 8 KV heads over 32 layers of distinct caches) that is 25.0 / 40.1 us a layer at 640 / 1,152 tokens
 of context against 25.3 / 40.6 for the best launch without it; at 64 sequences it loses (82.2 against 66.2 us in
 the same tiles), so it is off there. Most of the gain over the earlier kernel, which ran one split as a variant of
-the split kernel, is this kernel's leaner body: `scripts/dev/profile_decode.py --batch 32`, the same machine, 26.5 /
-42.1 us a layer before, 24.6 / 39.7 after.
+the split kernel, is this kernel's leaner body: timed in whole graphed decode steps of 32 sequences, the same
+machine, 26.5 / 42.1 us a layer before, 24.6 / 39.7 after.
 
 A one-split launch's programs take the sequences in the order `order` lists them (the engine passes
 `AttentionMetadata.decode_order`, longest context first): the GPU starts programs in grid order, so in batch order

@@ -8,8 +8,8 @@ the float32 partial sums [parts, rows, N], and the fused residual add + RMSNorm 
 (`fused_ops.rms_norm`) adds them up as it loads them. The rounding is a plain matmul's: the float32 sum,
 rounded once to the model dtype, then added to the residual.
 
-Which projections split, into how many parts and at which step sizes is measured, per weight shape, with
-`scripts/dev/profile_decode.py --split-k` (a whole graphed decode step, the engine's BLAS picks). On an H200:
+Which projections split, into how many parts and at which step sizes is measured, per weight shape, as whole
+graphed decode steps (with the engine's BLAS picks; docs/history/benchmarks-2026.md). On an H200:
 
 | Llama-3.1-8B step, rows | 8 | 16 | 32 | 64 | 96 | 128 | 256 |
 |---|---|---|---|---|---|---|---|
