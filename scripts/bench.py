@@ -19,6 +19,7 @@ import argparse
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -30,7 +31,15 @@ from bench_lib.isolation import ChildFailed, model_dir, run_cache_env, run_child
 from bench_lib.models import BENCH_SPECIAL_IDS, DEFAULT_CACHE, TINY_SPECIAL_IDS, text_tokens
 from bench_lib.report import AGAINST, WorkloadReport, plot, provenance, result_from_json, table, write_json
 from bench_lib.roofline import model_shape, roofline
-from bench_lib.systems import CONSTRAINED_SYSTEMS, NATIVE_ENGINES, NATIVE_SYSTEMS, SYSTEMS, RunSettings, run_label
+from bench_lib.systems import (
+    CONSTRAINED_SYSTEMS,
+    NATIVE_ENGINES,
+    NATIVE_SYSTEMS,
+    SYSTEMS,
+    VLLM_SYSTEMS,
+    RunSettings,
+    run_label,
+)
 from bench_lib.workloads import ARCHITECTURES, TINY_WORKLOAD, WORKLOADS, WorkloadSpec, draw_requests, workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def unavailable_reason(system: str) -> str | None:
-    """Why a native system cannot run in this checkout (its module does not import), or None."""
+    """Why a system cannot run here (a native one's module does not import; no vLLM, or no GPU), or None."""
+    if system in VLLM_SYSTEMS:
+        if importlib.util.find_spec("vllm") is None:
+            return "not available: vLLM is not installed (pip install 'batchjob[vllm]')"
+        return None if importlib.import_module("torch").cuda.is_available() else "not available: vLLM needs a GPU"
     if system not in NATIVE_SYSTEMS:
         return None
     from batchjob.engine import BACKENDS
@@ -165,7 +178,7 @@ def run_workload(
     runnable = []
     for system in systems:
         reason = unavailable_reason(system)
-        if reason is None and system not in NATIVE_SYSTEMS and gpus > 1:
+        if reason is None and system not in NATIVE_SYSTEMS and system not in VLLM_SYSTEMS and gpus > 1:
             reason = "runs on one GPU only (this workload: tensor_parallel > 1)"
         if reason is None and system in NATIVE_ENGINES and NATIVE_ENGINES[system][1] and gpus > 1:
             reason = "structured outputs run on one GPU only (this workload: tensor_parallel > 1)"

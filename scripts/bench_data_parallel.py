@@ -6,11 +6,9 @@ job, per layout D x T.
     python scripts/bench_data_parallel.py --layouts 1x1,1x2,2x1 --architecture llama-3.1-8b --load-format dummy \
         --out bench-tp     # one 8B GPU vs the model split over two vs two copies (tok/s per GPU)
 
-One model (by default W2's Llama-3.2-1B, built as scripts/bench.py builds them; --tiny: batchjob's tiny llama on
-the CPU) and one Parquet file of --rows seeded text prompts of about U(--prompt-tokens) tokens. Each layout runs
-the same job from scratch, EOS ignored, timed as a whole command (start-up included); the shards' reports give
-their own wall and start-up times. Every input row must be in the output exactly once. Writes
-OUT/data_parallel.json and prints a table; exits 1 if any run failed or lost or repeated a row.
+One model (W2's Llama-3.2-1B by default; --tiny: the tiny llama on CPU) and --rows seeded prompts of about
+U(--prompt-tokens) tokens; each layout runs the same job from scratch, timed as a whole command. Writes
+OUT/data_parallel.json; exits 1 if a run failed or lost or repeated a row.
 """
 
 from __future__ import annotations

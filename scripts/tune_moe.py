@@ -4,11 +4,9 @@ the kernel reads (batchjob/engine/native/kernels/moe_configs.json) and a JSON re
     python scripts/tune_moe.py [--out DIR] [--tokens 1,16,...] [--experts 128 --inter 768 --hidden 2048 --top-k 8]
 
 Defaults are Qwen3-30B-A3B's experts in bf16. For each token count and row-block size, every candidate tile of
-each projection (gate/up with SiLU-and-mul, down with the routing weight) is checked against a float reference
-and timed from a CUDA graph under random top-k routing; the best pair sharing a block size wins. The whole layer
-is then timed with the winner and with the untuned default, and its parts apart (alignment, sum, router).
-Bandwidth counts the weights of the experts the routing touches, against a copy measured in the same run.
-`--tiny` runs a toy shape, on CPU through the Triton interpreter where there is no GPU.
+each projection is checked against a float reference and timed from a CUDA graph under random top-k routing; the
+best pair sharing a block size wins, then the whole layer is timed with it and with the untuned default. `--tiny`
+runs a toy shape (on CPU through the Triton interpreter).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Backends behind one config key: `engine=auto | native | native_sync | hf`.
+"""Backends behind one config key: `engine=auto | native | native_sync | hf | vllm`.
 
 Each backend is a class taking `(model_path, **options)` with a `check_options(options)` classmethod that
 raises `ValueError` naming the bad option and the fix. The same check lives in a module that imports no torch
@@ -9,8 +9,10 @@ weight files that cannot load (`weight_files.py`), and returns what it will run 
 architecture).
 
 `auto` is no backend of its own: `choose_backend` resolves it per model to `native` where the native engine
-supports the architecture, else `hf`. Its options are the native engine's plus an `hf` mapping for the
-fallback, which also receives the keys both backends share (`dtype`, `device`, `max_model_len`).
+supports the architecture, else `vllm` where vLLM is installed, else `hf`. Its options are the native engine's
+plus an `hf` mapping for the transformers fallback, which also receives the keys both backends share (`dtype`,
+`device`, `max_model_len`, `deterministic`); the vLLM fallback receives the native options vLLM also has
+(`VLLM_FROM_NATIVE`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
     "native": ("batchjob.engine.native.engine:NativeEngine", {"async_loop": True}),
     "native_sync": ("batchjob.engine.native.engine:NativeEngine", {"async_loop": False}),
     "hf": ("batchjob.engine.hf:HFEngine", {}),
+    "vllm": ("batchjob.engine.vllm_engine:VLLMEngine", {}),
 }
 # Each backend's check of its options (raising ValueError), in a module that imports no torch: a job refuses a bad
 # option, as it does a bad input or model file, before the engine's imports (seconds on a busy machine).
@@ -49,9 +52,15 @@ OPTION_CHECKS: dict[str, str] = {
     "native": "batchjob.engine.native.options:NativeOptions.from_mapping",
     "native_sync": "batchjob.engine.native.options:NativeOptions.from_mapping",
     "hf": "batchjob.engine.hf_options:check_options",
+    "vllm": "batchjob.engine.vllm_options:check_options",
 }
 AUTO = "auto"
 SHARED_OPTIONS = ("dtype", "device", "max_model_len", "deterministic")
+# Native options that engine=auto's vLLM fallback takes as they are (vLLM has them, under the same meaning).
+VLLM_FROM_NATIVE = (
+    "dtype", "max_model_len", "deterministic", "tensor_parallel", "load_format", "quantization", "kv_cache_dtype",
+    "gpu_memory_utilization", "seed",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -108,9 +117,16 @@ def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> Ba
         try:
             architecture = _check_model("native", model_path, native)
         except UnsupportedModelError as err:
+            from batchjob.engine.vllm_options import vllm_version
+
+            if (version := vllm_version()) is not None:
+                options = {key: native[key] for key in VLLM_FROM_NATIVE if key in native}
+                _imported(OPTION_CHECKS["vllm"])(options)
+                _check_model("vllm", model_path, options)
+                return BackendChoice("vllm", options, f"the native engine cannot run it ({err}); vLLM {version} can")
             _check_fallback(native)
             _check_model("hf", model_path, fallback)
-            return BackendChoice("hf", fallback, f"the native engine cannot run it: {err}")
+            return BackendChoice("hf", fallback, f"the native engine cannot run it ({err}) and vLLM is not installed")
         return BackendChoice("native", native, f"the native engine supports {architecture}")
     _check_model(name, model_path, options)
     return BackendChoice(name, dict(options), f"engine={name} was asked for")

@@ -85,6 +85,11 @@ def batchjob_version() -> str:
 
 def _engine_record(options: dict[str, Any], name: str) -> dict[str, Any]:
     record = {"name": name, "dtype": options.get("dtype", "auto")}
+    if name == "vllm":
+        from batchjob.engine.vllm_options import vllm_version
+
+        # Another vLLM is another engine: its kernels and scheduling give other outputs.
+        record["vllm_version"] = vllm_version()
     # Random weights make other outputs than the checkpoint's: a dummy run never resumes a real one. Recorded
     # only when set, so the records of earlier jobs still match.
     if options.get("load_format", "auto") != "auto":

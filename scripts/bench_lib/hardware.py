@@ -1,5 +1,4 @@
-"""The rates the roofline needs, measured in the same run as the systems (copy bandwidth, bf16 and FP8 matmul), and
-`graph_ms`, a timer of one CUDA-graph replay."""
+"""The roofline's rates, measured in the same run as the systems (copy, bf16 and FP8 matmul); `graph_ms`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Each measurement in its own fresh process, so no system inherits another's compiled kernels, allocator
-state or warm imports, and a cold run really starts cold.
-
-The parent never touches the GPU: it writes a task as JSON, starts `python -m bench_lib.isolation TASK OUT` and
-reads the result back from OUT. A task measures the `hardware` (rates, and the card's memory for the roofline's KV
-budget), builds a `model` directory, or runs one `system` on one workload (its requests drawn in the child, from
-the same seed). `run_cache_env` gives a cold run empty caches; the warm run reuses the ones its cold run filled.
+state or warm imports. The parent never touches the GPU: it writes a task as JSON (measure the `hardware`, build
+a `model`, or run one `system` on one workload), starts `python -m bench_lib.isolation TASK OUT` and reads OUT.
+`run_cache_env` gives a cold run empty caches; the warm run reuses the ones its cold run filled.
 """
 
 from __future__ import annotations
@@ -39,13 +36,14 @@ class ChildFailed(RuntimeError):
 
 
 def run_cache_env(directory: Path) -> dict[str, str]:
-    """Every cache a run fills, inside `directory`: Triton's, torch inductor's, the CUDA driver's JIT and batchjob's
-    start-up caches (shared between systems, only the first cold run would read the model's config)."""
+    """Every cache a run fills, inside `directory`: Triton's, torch inductor's, the CUDA driver's JIT, vLLM's and
+    batchjob's start-up caches (shared between systems, only the first cold run would read the model's config)."""
     return {
         "TRITON_CACHE_DIR": str(directory / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
         "CUDA_CACHE_PATH": str(directory / "cuda"),
         "BATCHJOB_CACHE": str(directory / "batchjob"),
+        "VLLM_CACHE_ROOT": str(directory / "vllm"),  # vLLM's torch.compile artefacts
     }
 
 

@@ -1,10 +1,7 @@
-"""The physical floor of a workload's time on the measured hardware (the method: docs/benchmarks.md).
-
-A decode step reads the weights it uses (for a mixture of experts, the experts its tokens hit) and the live KV
-cache of every running sequence, at the copy rate, unless its FLOPs at the matmul rate take longer; steps are
-simulated from the request lengths, requests running together while the KV budget holds them. Prefill is its
-FLOPs at the matmul rate, a shared prefix counted once. The model's shape is the native engine's own (its
-`ModelSpec`, and its parameters counted on the meta device), so the floor counts the weights the engine holds.
+"""The physical floor of a workload's time on the measured hardware (the method: docs/benchmarks.md): a decode
+step reads the weights it uses (a mixture: the experts its tokens hit) and the running sequences' KV cache at the
+copy rate, unless its FLOPs take longer; steps are simulated from the request lengths within the KV budget;
+prefill is its FLOPs, a shared prefix counted once. The shape is the native engine's `ModelSpec`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The systems under test (docs/benchmarks.md), each run the same way: start it up (timed apart), feed it the
 workload's requests, time the generation, stop at `time_limit_s` with the work done so far, and free the GPU.
 `native_json` and `native_json_mixed` are `native` with every request, or every other one, under
-`workloads.RECORDS_SCHEMA`."""
+`workloads.RECORDS_SCHEMA`; `vllm`, `vllm_json` and `vllm_json_mixed` the same requests on vLLM."""
 
 from __future__ import annotations
 
@@ -23,9 +23,13 @@ NATIVE_ENGINES = {
     "native_json_mixed": ("native", 2),
 }
 NATIVE_SYSTEMS = tuple(NATIVE_ENGINES)
-CONSTRAINED_SYSTEMS = ("native", "native_json", "native_json_mixed")
+# system -> every how many requests one is constrained (0: none)
+VLLM_SYSTEMS = {"vllm": 0, "vllm_json": 1, "vllm_json_mixed": 2}
+CONSTRAINED_SYSTEMS = ("native", "native_json", "native_json_mixed", "vllm", "vllm_json", "vllm_json_mixed")
 HF_SYSTEMS = ("hf_generate", "hf_batch_sync", "hf_batch_async")
-SYSTEMS = NATIVE_SYSTEMS + HF_SYSTEMS
+SYSTEMS = NATIVE_SYSTEMS + tuple(VLLM_SYSTEMS) + HF_SYSTEMS
+# Native engine options the vllm backend has too (`--engine-option`, a workload's settings)
+VLLM_OPTIONS = ("load_format", "tensor_parallel", "max_model_len", "quantization", "kv_cache_dtype")
 
 
 @dataclass(frozen=True)
@@ -98,17 +102,20 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_native(name: str, model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:
-    """batchjob's engine. Its start-up (load, CUDA graph capture) is what `create_engine` takes; completions
-    arrive only when a request finishes, so the time limit is checked between completions."""
+def run_engine(name: str, model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:
+    """batchjob's engine, or vLLM (its defaults, prefix caching off as in native runs) through the vllm backend.
+    Start-up is `create_engine`; the time limit is checked between completions."""
     import json
 
     from batchjob.engine import Request, SamplingParams, create_engine
 
-    engine_name, every = NATIVE_ENGINES[name]
+    engine_name, every = NATIVE_ENGINES.get(name) or ("vllm", VLLM_SYSTEMS[name])
     spec = requests.spec
     options = {"dtype": settings.dtype, "detokenize": False, **settings.engine_options}
-    if not every:
+    if engine_name == "vllm":
+        options = {key: options[key] for key in ("dtype", "detokenize", *VLLM_OPTIONS) if key in options}
+        options["enable_prefix_caching"] = False
+    elif not every:
         # What a job without constraints does (batchjob/config/settings.py): no graphs for split steps it never runs,
         # and graphs of the one sampler mode its rows need.
         options.setdefault("graph_constrained", False)
@@ -326,8 +333,8 @@ def run_hf_continuous(model_dir: Path, requests: BenchRequests, settings: RunSet
 def run_system(name: str, model_dir: Path, requests: BenchRequests, settings: RunSettings) -> SystemResult:
     """Run one system and free the device afterwards, whatever happened."""
     try:
-        if name in NATIVE_SYSTEMS:
-            return run_native(name, model_dir, requests, settings)
+        if name in NATIVE_SYSTEMS or name in VLLM_SYSTEMS:
+            return run_engine(name, model_dir, requests, settings)
         if name == "hf_generate":
             return run_hf_generate(model_dir, requests, settings)
         if name in ("hf_batch_sync", "hf_batch_async"):

@@ -1,17 +1,11 @@
-"""The native engine's host work a step in steady state, without a model or GPU: the real scheduler, block
-manager, step layout, IO slot fill and output processing over `--seqs` sequences decoding at `--context` tokens,
-each step's tokens coming back at once. Prints each part's median milliseconds a step: what the loop's thread
-must finish within one GPU step to keep the GPU busy. Every `--finish-every` steps the oldest sequence finishes
-and a new one is admitted, so admission and prefill chunks are in the mix.
+"""The native engine's host work a step, without a model or GPU: the real scheduler, block manager, step layout,
+IO slot fill and output processing over `--seqs` sequences at `--context` tokens (one finishing and one admitted
+every `--finish-every` steps). Prints each part's median milliseconds a step. `--against DIR` alternates fresh
+processes of this version and the tree in DIR (a host's Python speed drifts between processes) and prints the
+median of the pairs' ratios; `--constrained-every K` puts every K-th sequence under the benchmark's schema.
 
     python scripts/dev/profile_host_loop.py [--seqs 256] [--context 1300] [--steps 300] [--sampling]
         [--constrained-every K] [--processes N] [--against DIR]
-
-`--against DIR` alternates N pairs of fresh processes between this version and the source tree in DIR (holding
-`batchjob/` and this script) and prints both medians and the median of the pairs' ratios: a host's Python speed
-drifts between processes, so only processes run side by side compare. `--constrained-every K` puts every K-th
-sequence under the benchmark's records schema (over the generated 128k BPE): the loop's hand-over of the masks
-and the worker's fill are timed apart.
 """
 
 from __future__ import annotations
