@@ -157,3 +157,17 @@ def test_tensor_parallel_rows_are_the_same_bits_whatever_the_batch_for_a_fixed_r
         assert run_in_process(*args, f"output.dir={out}") == 0
         runs.append(outputs(out))
     assert runs[0] == runs[1]
+
+
+def test_rows_preempted_for_cache_and_recomputed_are_the_same_bits(tmp_path: Path) -> None:
+    # The default job in a cache of 22 blocks (352 tokens) for 48 rows of 40 new tokens each: running rows are
+    # preempted to make room, and their tokens so far recomputed later as a prompt (a prefill of what was
+    # decoded); against one row at a time in a cache that never fills.
+    longer = ("data.limit=48", *DETERMINISTIC, "sampling.max_new_tokens=40", "sampling.ignore_eos=true")
+    runs = []
+    for layout in (("engine.max_num_seqs=1",), ("engine.max_model_len=320", "engine.num_kv_blocks=22")):
+        out = tmp_path / f"out-{len(runs)}"
+        assert run_in_process(*longer, *layout, f"output.dir={out}") == 0
+        runs.append((read_report(out)["engine"]["preemptions"], outputs(out)))
+    assert runs[1][0] > 0, "the small cache preempted no row"
+    assert runs[0][1] == runs[1][1]
