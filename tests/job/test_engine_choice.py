@@ -4,6 +4,7 @@ otherwise, saying which and why; an explicit `engine=native` on an architecture 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -14,8 +15,11 @@ from hydra import compose, initialize_config_dir
 from jobtools import CONF_DIR, REPO, bookkeeping, cli_env, job_config, read_output, read_report, write_prompts
 
 from batchjob.cluster.slurm import register_resolvers
+from batchjob.engine import choose_backend
 from batchjob.job.run import run_job
 from batchjob.job.tiny_model import train_tokenizer
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,7 @@ def test_auto_runs_the_native_engine_on_a_supported_architecture_and_says_why(
     assert read_output(tmp_path / "o").num_rows == 3
 
 
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: engine=auto falls back to vllm")
 def test_auto_falls_back_to_hf_on_an_unsupported_architecture_and_says_why(
     tmp_path: Path, gpt2_dir: Path, caplog
 ) -> None:
@@ -77,6 +82,15 @@ def test_auto_falls_back_to_hf_on_an_unsupported_architecture_and_says_why(
     assert read_output(tmp_path / "o").num_rows == 3
 
 
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'batchjob[vllm]')")
+def test_auto_falls_back_to_vllm_where_it_is_installed_and_says_why(gpt2_dir: Path) -> None:
+    choice = choose_backend("auto", str(gpt2_dir), {"dtype": "bfloat16", "max_num_seqs": 64, "tensor_parallel": 1})
+    assert choice.name == "vllm"
+    assert choice.options == {"dtype": "bfloat16", "tensor_parallel": 1}  # max_num_seqs is the native engine's
+    assert "architecture GPT2LMHeadModel is not supported" in choice.reason and "vLLM 0." in choice.reason
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: engine=auto falls back to vllm")
 def test_the_hf_fallback_takes_its_options_from_engine_hf(tmp_path: Path, gpt2_dir: Path, capsys) -> None:
     data = write_prompts(tmp_path / "p.parquet", 3)
 
