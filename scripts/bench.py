@@ -1,4 +1,4 @@
-"""Benchmark batchjob's engine against transformers and against the GPU's roofline, every run in a fresh process.
+"""Benchmark batchjob's engine against vLLM, transformers and the GPU's roofline, every run in a fresh process.
 
     python scripts/bench.py --workloads W1,W2 --out bench-results          # on one GPU
     python scripts/bench.py --tiny --out /tmp/bench-tiny                   # CPU smoke run on a tiny model

@@ -15,7 +15,6 @@ import inspect
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.hf_options import OPTION_DEFAULTS, check_options
 from batchjob.engine.hf_sampling import RowState, choose_tokens, constraint_mask
 from batchjob.engine.transformers_import import from_transformers
-from batchjob.engine.weight_files import check_weight_files
+from batchjob.engine.weight_files import check_local_weight_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,9 +48,7 @@ class HFEngine:
     def check_model(cls, model_path: str, options: Mapping[str, Any]) -> None:
         """Refuse weight files that cannot load (a missing shard, a truncated copy) from their headers; a hub id
         is left to transformers, which fetches it."""
-        path = Path(model_path).expanduser()
-        if path.is_dir():
-            check_weight_files(path)
+        check_local_weight_files(model_path)
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:

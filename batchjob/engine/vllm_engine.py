@@ -14,12 +14,11 @@ import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, Request, Sample
 from batchjob.engine.vllm_options import OPTION_DEFAULTS, check_options, engine_kwargs, sampling_kwargs
-from batchjob.engine.weight_files import check_weight_files
+from batchjob.engine.weight_files import check_local_weight_files
 
 # vLLM's finish reasons -> batchjob's ("abort" only when a request is cancelled, which batchjob never does)
 FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
@@ -32,9 +31,8 @@ class VLLMEngine:
     def check_model(cls, model_path: str, options: Mapping[str, Any]) -> None:
         """Refuse weight files that cannot load from their headers; which architectures vLLM runs is vLLM's
         to say as it starts."""
-        path = Path(model_path).expanduser()
-        if path.is_dir() and options.get("load_format", "auto") != "dummy":
-            check_weight_files(path)
+        if options.get("load_format", "auto") != "dummy":
+            check_local_weight_files(model_path)
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -71,34 +69,13 @@ class VLLMEngine:
         self.llm = self.engine = None
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import StructuredOutputsParams
-
         started = time.perf_counter()
         pending = iter(requests)
         in_flight: dict[str, Request] = {}
-        exhausted = False
         try:
             while True:
-                while not exhausted and len(in_flight) < self.window:
-                    request = next(pending, None)
-                    if request is None:
-                        exhausted = True
-                        break
-                    refusal = self._refusal(request)
-                    if refusal is None:
-                        kwargs = {**sampling_kwargs(request.sampling), "detokenize": self.detokenize}
-                        if "structured_outputs" in kwargs:
-                            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
-                        request_id = str(next(self._ids))
-                        try:
-                            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-                            self.engine.add_request(request_id, prompt, SamplingParams(**kwargs))
-                        except ValueError as err:  # vLLM's refusal of this request (its constraint, its length)
-                            refusal = f"vLLM refused the request: {err}"
-                        else:
-                            in_flight[request_id] = request
+                while len(in_flight) < self.window and (request := next(pending, None)) is not None:
+                    refusal = self._refusal(request) or self._submit(request, in_flight)
                     if refusal is not None:
                         yield Completion.failed(request.id, len(request.prompt_ids), refusal)
                 if not in_flight:
@@ -112,6 +89,24 @@ class VLLMEngine:
             for request_id in in_flight:  # a consumer that stopped early (a signal): free vLLM's slots
                 self.engine.abort_request([request_id])
             self._stats["wall_s"] += time.perf_counter() - started
+
+    def _submit(self, request: Request, in_flight: dict[str, Request]) -> str | None:
+        """Hand `request` to vLLM and note it in `in_flight`; or vLLM's refusal of it (its constraint, its length)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs = {**sampling_kwargs(request.sampling), "detokenize": self.detokenize}
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        request_id = str(next(self._ids))
+        try:
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            self.engine.add_request(request_id, prompt, SamplingParams(**kwargs))
+        except ValueError as err:
+            return f"vLLM refused the request: {err}"
+        in_flight[request_id] = request
+        return None
 
     def _refusal(self, request: Request) -> str | None:
         if len(request.prompt_ids) == 0:

@@ -64,7 +64,7 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise ValueError(f"vLLM is not installed here: {INSTALL}; or use engine=native or engine=hf")
     reserved = [f"engine.{key} (batchjob sets it from {RESERVED[key]})" for key in options if key in RESERVED]
     if reserved:
-        raise ValueError(f"engine=vllm: {', '.join(reserved)} cannot be set")
+        raise ValueError(f"{', '.join(reserved)} cannot be set")
     fields = engine_arg_fields()
     known = set(OPTION_DEFAULTS) | fields
     unknown = sorted(set(options) - known)

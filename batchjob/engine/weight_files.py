@@ -27,6 +27,14 @@ def safetensors_paths(model_dir: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
+def check_local_weight_files(model_path: str) -> None:
+    """`check_weight_files` where `model_path` is a local directory; a hub id is left to the backend that fetches
+    it."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        check_weight_files(path)
+
+
 def check_weight_files(model_dir: Path) -> None:
     """Raise `BrokenWeightsError` for a shard that the index names but that is missing while others are there
     (with none there the directory holds configs only: a hub model whose weights come later, or dummy weights), a

@@ -107,6 +107,7 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
     parts, m, n = out.shape
     k = x.shape[1]
     if m == 0:
@@ -136,7 +137,6 @@ def reduce_parts(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] @ weight [N, K]^T (+ bias) in x's dtype, each row computed alike whatever `rows` is."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
     parts = num_parts(weight)
     if parts == 1:
         out = torch.empty((1, x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)

@@ -44,7 +44,7 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         from batchjob.engine.native.kernels import invariant_matmul
 
         if invariant_matmul.num_parts(weight) > 1:
-            return invariant_matmul.partial_products(x if x.stride(-1) == 1 else x.contiguous(), weight)
+            return invariant_matmul.partial_products(x, weight)
     return matmul(x, weight)
 
 

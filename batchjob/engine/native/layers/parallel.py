@@ -40,10 +40,10 @@ class TensorParallel:
             dist.all_reduce(x)
             return x
         parts = self._gather(x)
-        total = parts[0].clone()
+        x.copy_(parts[0])
         for part in parts[1:]:
-            total += part
-        return x.copy_(total)
+            x += part
+        return x
 
     def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = x.contiguous()

@@ -85,10 +85,10 @@ def linear(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | None = No
     reads the residual and writes the sum, one rounding, and the norm that follows reads only the sum (half the
     bytes of an add fused into the norm). The caller's next step must be `rms_norm` with that residual, which
     adds partial sums up and takes `residual` itself as already added."""
-    if residual is None or (isinstance(layer, InvariantLinear) and layer.bias is not None):
+    if residual is None:
         return layer(x)
     if isinstance(layer, InvariantLinear):  # engine.deterministic: K split by the weight's shape alone
-        return batch_invariant.partial_products(x, layer.weight)
+        return layer(x) if layer.bias is not None else batch_invariant.partial_products(x, layer.weight)
     parts = splits_for(layer.weight, x.shape[0])
     if parts > 1:
         return partial_products(x, layer.weight, parts)

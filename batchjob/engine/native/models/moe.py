@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from batchjob.engine.native.layers import batch_invariant
 from batchjob.engine.native.layers.batch_invariant import InvariantLinear
 from batchjob.engine.native.layers.fp8_linear import dequantize
 from batchjob.engine.native.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from batchjob.engine.native.kernels.moe_configs import MoEConfig
 
 # engine.deterministic: the token count whose fused-kernel tiles every step uses.
 INVARIANT_MOE_TOKENS = 256
@@ -71,7 +75,7 @@ class Experts(nn.Module):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return batch_invariant.matmul(x, weight) if self.batch_invariant else F.linear(x, weight)
 
-    def _fixed_config(self, x: torch.Tensor, top_k: int) -> object | None:
+    def _fixed_config(self, x: torch.Tensor, top_k: int) -> MoEConfig | None:
         """engine.deterministic: the fused kernel's tiles for a fixed token count, not this step's (a token's
         products then do not depend on how many others the step holds); None: the step's own."""
         if not self.batch_invariant:
