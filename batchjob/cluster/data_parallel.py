@@ -11,6 +11,7 @@ rerunning the same command resumes every child shard.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from batchjob.errors import EXIT_TOO_MANY_FAILED, ConfigError
+from batchjob.processes import on_parent_death
 
 # Overrides the parent rewrites for each child; everything else is passed through unchanged.
 _OWN_KEYS = ("engine.data_parallel", "shard.index", "shard.count")
@@ -85,8 +87,11 @@ def run_data_parallel(
     first of a child that did not complete, else EXIT_TOO_MANY_FAILED (every shard is complete, one has too many
     failed rows), so that the status says whether a rerun has anything left to do."""
     children = plan_children(data_parallel, shard_index, shard_count, tensor_parallel=tensor_parallel)
+    # A child stops as on preemption (SIGTERM: it commits and exits) when this process dies, SIGKILL included:
+    # it would otherwise keep its GPU and write its shard beside the rerun's.
+    tie = functools.partial(on_parent_death, signal.SIGTERM, os.getpid())
     procs = [
-        subprocess.Popen(child_command(overrides, c), env={**os.environ, "CUDA_VISIBLE_DEVICES": c.gpu})
+        subprocess.Popen(child_command(overrides, c), env={**os.environ, "CUDA_VISIBLE_DEVICES": c.gpu}, preexec_fn=tie)
         for c in children
     ]
 

@@ -19,6 +19,7 @@ from typing import Any
 from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, Request, Sample
 from batchjob.engine.vllm_options import OPTION_DEFAULTS, check_options, engine_kwargs, sampling_kwargs
 from batchjob.engine.weight_files import check_local_weight_files
+from batchjob.processes import descendants, reap_when_gone, stop
 
 # vLLM's finish reasons -> batchjob's ("abort" only when a request is cancelled, which batchjob never does)
 FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
@@ -47,6 +48,8 @@ class VLLMEngine:
 
         started = time.perf_counter()
         self.llm = LLM(**engine_kwargs(model_path, opts))
+        # vLLM's engine runs in processes of its own: a job killed with SIGKILL must not leave them on the GPU.
+        self._reaper = reap_when_gone(descendants(os.getpid()))
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.engine.model_config.max_model_len)
@@ -66,6 +69,8 @@ class VLLMEngine:
         engine_core = getattr(self.engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()  # its process would otherwise keep the GPU's memory
+        stop(self._reaper)
+        self._reaper = None
         self.llm = self.engine = None
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from batchjob.engine.native.executor.messages import RankReady, RankSetup
+from batchjob.processes import on_parent_death
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -89,24 +90,11 @@ def serve(conn: Connection, runner: Any, rank: int) -> None:
             raise ValueError(f"tensor-parallel rank {rank}: unknown message {kind!r}")
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this rank when the job process dies (Linux): a rank stuck in a collective with a peer that
-    exited with the job would otherwise hold its GPU forever."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import os
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the job process died before the line above
-        os._exit(1)
-
-
 def main(argv: list[str]) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent()
+    # A rank stuck in a collective with a peer that exited with the job would otherwise hold its GPU forever.
+    on_parent_death(signal.SIGKILL)
     fd, rank = int(argv[0]), int(argv[1])
     conn = Connection(fd)
     setup: RankSetup = conn.recv()

@@ -1,0 +1,81 @@
+"""Processes a job starts must not outlive it. A job killed with SIGKILL (by hand, by a node's out-of-memory
+killer) runs no code of its own, so each kind of child is tied to it in advance (Linux):
+
+- a child batchjob starts itself asks the kernel for a signal when the job dies (`on_parent_death`): SIGTERM
+  for a data-parallel shard, which then stops as on preemption (commits what it has, exits); SIGKILL for a
+  tensor-parallel rank, which holds no data of its own;
+- processes another library starts (vLLM's engine) are watched by a small process that outlives the job and
+  kills them once it is gone (`reap_when_gone`).
+
+Otherwise they would keep their GPUs, and the job's rerun would find them busy or its shards still written to.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+# Run beside the job: once its parent (the job) is gone, it kills the processes it was given.
+REAPER = """
+import os, signal, sys, time
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    time.sleep(0.5)
+for pid in map(int, sys.argv[2:]):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+
+
+def on_parent_death(sig: int, parent: int | None = None) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (Linux; elsewhere nothing). `parent`: the
+    pid this process was started by, to catch a parent that died before the request (without it: pid 1)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() == 1 or (parent is not None and os.getppid() != parent):
+        os.kill(os.getpid(), sig)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (its children, theirs, ...), read from /proc (empty where there is none)."""
+    parents = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])  # "pid (name) state ppid ..."
+    found, frontier = [], [pid]
+    while frontier:
+        above = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == above]
+        found += children
+        frontier += children
+    return found
+
+
+def reap_when_gone(pids: list[int]) -> subprocess.Popen | None:
+    """Start a process that SIGKILLs `pids` once this process is gone; stop it (`kill()`) when they have exited
+    on their own. None when there is nothing to watch."""
+    if not pids:
+        return None
+    command = [sys.executable, "-c", REAPER, str(os.getpid()), *map(str, pids)]
+    # Its own session: a Ctrl-C meant for the job does not stop the watch.
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop(watcher: subprocess.Popen | None) -> None:
+    if watcher is not None:
+        watcher.kill()
+        watcher.wait()

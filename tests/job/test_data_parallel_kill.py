@@ -1,0 +1,62 @@
+"""A data-parallel job (`engine.data_parallel=2`: one child job per shard) killed with SIGKILL: its children
+stop as on preemption (commit, exit) instead of running on without it, and the rerun writes every row once."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from jobtools import REPO, SAMPLE_PROMPTS, cli_command, cli_env, read_output, wait_for
+
+from batchjob.processes import descendants
+from batchjob.status import job_status
+
+COPIES = 4  # of the bundled prompts: a job that runs far longer than its children take to stop
+ARGS = (
+    "engine.data_parallel=2",
+    "sampling.max_new_tokens=512",
+    "sampling.ignore_eos=true",
+    "output.commit_every_rows=4",
+)
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in cli_env().items() if not k.startswith("SLURM_") and k != "CUDA_VISIBLE_DEVICES"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_data_parallel_job_stops_its_children_and_resumes_every_row_once(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.concat_tables([pq.read_table(SAMPLE_PROMPTS)] * COPIES), prompts)
+    rows = pq.read_metadata(prompts).num_rows
+    out = tmp_path / "out"
+    command = cli_command(f"data.path={prompts}", f"output.dir={out}", *ARGS)
+    parent = subprocess.Popen(
+        command, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 1, parent, "a committed part")
+    children = [pid for pid in descendants(parent.pid) if "batchjob" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(children) >= 2
+    parent.kill()
+    deadline = time.monotonic() + 10  # they stop in a second or two; the job has far more left
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "the children of a killed data-parallel job run on"
+        time.sleep(0.1)
+    stderr = parent.communicate()[1]  # the children shared its stderr: it ends when they have gone
+    assert "resumable: rerun the same command" in stderr, stderr[-3000:]
+    assert not job_status(str(out)).complete
+
+    rerun = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert sorted(read_output(out).column("row_id").to_pylist()) == list(range(rows))
+    assert job_status(str(out)).complete
