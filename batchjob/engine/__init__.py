@@ -117,16 +117,18 @@ def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> Ba
         try:
             architecture = _check_model("native", model_path, native)
         except UnsupportedModelError as err:
-            from batchjob.engine.vllm_options import vllm_version
+            from batchjob.engine.vllm_options import vllm_device, vllm_version
 
-            if (version := vllm_version()) is not None:
+            version = vllm_version()
+            if version is not None and vllm_device():
                 options = {key: native[key] for key in VLLM_FROM_NATIVE if key in native}
                 _imported(OPTION_CHECKS["vllm"])(options)
                 _check_model("vllm", model_path, options)
                 return BackendChoice("vllm", options, f"the native engine cannot run it ({err}); vLLM {version} can")
             _check_fallback(native)
             _check_model("hf", model_path, fallback)
-            return BackendChoice("hf", fallback, f"the native engine cannot run it ({err}) and vLLM is not installed")
+            why = "vLLM is not installed" if version is None else f"vLLM {version} finds no GPU here"
+            return BackendChoice("hf", fallback, f"the native engine cannot run it ({err}) and {why}")
         return BackendChoice("native", native, f"the native engine supports {architecture}")
     _check_model(name, model_path, options)
     return BackendChoice(name, dict(options), f"engine={name} was asked for")

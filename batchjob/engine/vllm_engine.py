@@ -16,8 +16,15 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, Request, Sample
-from batchjob.engine.vllm_options import OPTION_DEFAULTS, check_options, engine_kwargs, sampling_kwargs
+from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, EngineSetupError, Request, Sample
+from batchjob.engine.vllm_options import (
+    NO_DEVICE,
+    OPTION_DEFAULTS,
+    check_options,
+    engine_kwargs,
+    sampling_kwargs,
+    vllm_device,
+)
 from batchjob.engine.weight_files import check_local_weight_files
 from batchjob.processes import descendants, reap_when_gone, stop
 
@@ -32,6 +39,8 @@ class VLLMEngine:
     def check_model(cls, model_path: str, options: Mapping[str, Any]) -> None:
         """Refuse weight files that cannot load from their headers; which architectures vLLM runs is vLLM's
         to say as it starts."""
+        if not vllm_device():
+            raise ValueError(NO_DEVICE)
         if options.get("load_format", "auto") != "dummy":
             check_local_weight_files(model_path)
 
@@ -47,7 +56,13 @@ class VLLMEngine:
         from vllm import LLM
 
         started = time.perf_counter()
-        self.llm = LLM(**engine_kwargs(model_path, opts))
+        try:
+            self.llm = LLM(**engine_kwargs(model_path, opts))
+        except Exception as err:  # before any request: vLLM's log above holds its engine process's own account
+            raise EngineSetupError(
+                f"vLLM did not start: {type(err).__name__}: {err} (its log above says why; GPU memory that another "
+                "process holds: free it, or lower engine.gpu_memory_utilization)"
+            ) from err
         # vLLM's engine runs in processes of its own: a job killed with SIGKILL must not leave them on the GPU.
         self._reaper = reap_when_gone(descendants(os.getpid()))
         self.engine = self.llm.llm_engine

@@ -51,6 +51,19 @@ def vllm_version() -> str | None:
     return version("vllm")
 
 
+NO_DEVICE = (
+    "vLLM finds no device to run on here (no GPU visible, or a vLLM built for another kind of device): run the job "
+    "on a GPU machine, or use engine=native or engine=hf here"
+)
+
+
+def vllm_device() -> str:
+    """The kind of device the installed vLLM runs on here ("cuda", ...), or "" where it finds none."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type or "")
+
+
 @functools.cache
 def engine_arg_fields() -> frozenset[str]:
     from vllm.engine.arg_utils import EngineArgs

@@ -16,10 +16,13 @@ from jobtools import CONF_DIR, REPO, bookkeeping, cli_env, job_config, read_outp
 
 from batchjob.cluster.slurm import register_resolvers
 from batchjob.engine import choose_backend
+from batchjob.engine.vllm_options import vllm_device
 from batchjob.job.run import run_job
 from batchjob.job.tiny_model import train_tokenizer
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM installed with a device to run on: there engine=auto falls back to vllm rather than hf
+VLLM_RUNS = HAS_VLLM and bool(vllm_device())
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_auto_runs_the_native_engine_on_a_supported_architecture_and_says_why(
     assert read_output(tmp_path / "o").num_rows == 3
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: engine=auto falls back to vllm")
+@pytest.mark.skipif(VLLM_RUNS, reason="vLLM runs here: engine=auto falls back to vllm")
 def test_auto_falls_back_to_hf_on_an_unsupported_architecture_and_says_why(
     tmp_path: Path, gpt2_dir: Path, caplog
 ) -> None:
@@ -82,7 +85,7 @@ def test_auto_falls_back_to_hf_on_an_unsupported_architecture_and_says_why(
     assert read_output(tmp_path / "o").num_rows == 3
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'batchjob[vllm]')")
+@pytest.mark.skipif(not VLLM_RUNS, reason="needs vLLM (pip install 'batchjob[vllm]') and a GPU it runs on")
 def test_auto_falls_back_to_vllm_where_it_is_installed_and_says_why(gpt2_dir: Path) -> None:
     choice = choose_backend("auto", str(gpt2_dir), {"dtype": "bfloat16", "max_num_seqs": 64, "tensor_parallel": 1})
     assert choice.name == "vllm"
@@ -90,7 +93,7 @@ def test_auto_falls_back_to_vllm_where_it_is_installed_and_says_why(gpt2_dir: Pa
     assert "architecture GPT2LMHeadModel is not supported" in choice.reason and "vLLM 0." in choice.reason
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: engine=auto falls back to vllm")
+@pytest.mark.skipif(VLLM_RUNS, reason="vLLM runs here: engine=auto falls back to vllm")
 def test_the_hf_fallback_takes_its_options_from_engine_hf(tmp_path: Path, gpt2_dir: Path, capsys) -> None:
     data = write_prompts(tmp_path / "p.parquet", 3)
 
@@ -195,3 +198,10 @@ def test_graph_sampling_takes_a_mode_name_or_a_boolean_and_names_its_choices() -
     assert NativeOptions.from_mapping({"graph_sampling": "filtering"}).graph_sampling == "filtering"
     with pytest.raises(ValueError, match="graph_sampling='top_p': choose one of all, greedy, temperature, filtering"):
         NativeOptions.from_mapping({"graph_sampling": "top_p"})
+
+
+@pytest.mark.skipif(not HAS_VLLM or VLLM_RUNS, reason="needs vLLM installed where it finds no GPU")
+def test_auto_falls_back_to_hf_where_vllm_finds_no_gpu_and_says_so(gpt2_dir: Path) -> None:
+    choice = choose_backend("auto", str(gpt2_dir), {"dtype": "float32", "tensor_parallel": 1})
+    assert choice.name == "hf"
+    assert "finds no GPU here" in choice.reason

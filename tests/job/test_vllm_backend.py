@@ -26,6 +26,19 @@ def test_without_vllm_the_job_refuses_before_loading_anything_and_says_how_to_in
     assert "Traceback" not in refused.stderr
 
 
+@needs_vllm
+def test_where_vllm_finds_no_gpu_the_job_refuses_before_loading_anything(tmp_path):
+    from batchjob.engine.vllm_options import vllm_device
+
+    if vllm_device():
+        pytest.skip("vLLM finds a device here")
+    refused = run_cli("engine=vllm", "data.limit=2", f"output.dir={tmp_path / 'out'}")
+    assert refused.returncode == 2
+    assert "vLLM finds no device to run on here" in refused.stderr and "engine=native or engine=hf" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_sampling_settings_map_onto_vllms_names():
     sampling = SamplingParams(
         max_new_tokens=7, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=11, stop=("END",),
