@@ -7,8 +7,10 @@ a `model`, or run one `system` on one workload), starts `python -m bench_lib.iso
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,8 +61,12 @@ def run_child(
         path = os.pathsep.join([str(SCRIPTS), str(repo or REPO), os.environ.get("PYTHONPATH", "")])
         child_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
         command = [sys.executable, "-c", CHILD, str(task_path), str(out_path)]
+        from batchjob.processes import on_parent_death
+
+        # A harness stopped by SIGKILL takes its run with it, which would otherwise keep the GPU.
+        tie = functools.partial(on_parent_death, signal.SIGKILL, os.getpid())
         try:
-            code = subprocess.run(command, env=child_env, timeout=timeout_s).returncode
+            code = subprocess.run(command, env=child_env, timeout=timeout_s, preexec_fn=tie).returncode
         except subprocess.TimeoutExpired:
             raise ChildFailed(f"still running after {timeout_s:.0f} s, stopped") from None
         result = json.loads(out_path.read_text()) if out_path.exists() else None
