@@ -12,6 +12,7 @@ import importlib.util
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,17 @@ if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "job"))
 from jobtools import read_output, read_report, run_cli, start_cli, wait_for  # noqa: E402
 
+from batchjob.processes import descendants  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 VLLM = ("engine=vllm", "engine.gpu_memory_utilization=0.5", "sampling.max_new_tokens=16", "output.token_ids=true")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _rows(out: Path) -> dict[int, tuple[str, tuple[int, ...]]]:
@@ -51,9 +61,14 @@ def test_a_killed_vllm_job_resumes_to_what_one_run_writes(tmp_path):
     out = tmp_path / "out"
     victim = start_cli(*args, f"output.dir={out}")
     wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 2, victim, "two committed parts")
+    engine_processes = descendants(victim.pid)  # vLLM's engine process (and the watcher that outlives the job)
     victim.kill()
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in engine_processes):  # else they would keep the GPU's memory
+        assert time.monotonic() < deadline, "vLLM's processes outlived the killed job"
+        time.sleep(0.2)
     resumed = run_cli(*args, f"output.dir={out}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming:" in resumed.stderr
