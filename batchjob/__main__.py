@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from batchjob.job.startup import StartupClock, keep_bytecode
 
@@ -40,17 +41,21 @@ register_sweep_dir_resolver()
 register_help_resolver()
 
 
+def composed() -> None:
+    """Composition is over: errors of the job itself get Hydra's usual report, and children (engine.
+    data_parallel, submitit) inherit the user's setting, not `cli`'s."""
+    if _USERS_FULL_ERROR is None:
+        os.environ.pop(_FULL_ERROR, None)
+    else:
+        os.environ[_FULL_ERROR] = _USERS_FULL_ERROR
+
+
 @hydra.main(config_path="pkg://batchjob.conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from batchjob.config.settings import data_parallel, load_settings
     from batchjob.job.run import run_job
 
-    # Composition is over: errors of the job itself get Hydra's usual report, and children (engine.
-    # data_parallel, submitit) inherit the user's setting, not cli's.
-    if _USERS_FULL_ERROR is None:
-        os.environ.pop(_FULL_ERROR, None)
-    else:
-        os.environ[_FULL_ERROR] = _USERS_FULL_ERROR
+    composed()
     try:
         processes = data_parallel(cfg)
         if processes > 1:
@@ -77,21 +82,21 @@ def main(cfg: DictConfig) -> None:
         sys.exit(status)
 
 
-def cli() -> None:
-    """Run `main`, reporting Hydra's errors while composing the config (an unknown preset or key, an
-    override it cannot parse, a preset file that is not YAML) as one line and exit status 2, like batchjob's own
-    config errors."""
+def cli(app: Callable[[], None] = main) -> None:
+    """Run `app` (a Hydra app of batchjob's config: `main`, or `batchjob.warmup`'s), reporting Hydra's errors while
+    composing the config (an unknown preset or key, an override it cannot parse, a preset file that is not YAML) as
+    one line and exit status 2, like batchjob's own config errors."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
     from yaml import YAMLError
 
     from batchjob.config.keys import composition_error
 
     if _USERS_FULL_ERROR == "1":  # the user asked for Hydra's full traces
-        main()
+        app()
         return
     os.environ[_FULL_ERROR] = "1"
     try:
-        main()
+        app()
     except (ConfigCompositionException, OverrideParseException, YAMLError) as err:
         print(f"error: {composition_error(err)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
