@@ -80,3 +80,23 @@ def test_a_later_gpu_job_on_a_model_imports_no_config_classes(tmp_path: Path) ->
 
     assert imported("first") == set(watched)
     assert imported("later") == {TOKENIZER_MODULE}
+
+
+def test_after_batchjob_warmup_a_job_compiles_no_kernel(tmp_path: Path) -> None:
+    """`python -m batchjob.warmup` with the job's overrides fills the kernel cache: the job started after it, with
+    the same `BATCHJOB_CACHE`, adds no compiled kernel to it."""
+    env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / "cache")}
+    env.pop("TRITON_CACHE_DIR", None)
+    overrides = ["engine=native", "sampling.temperature=0.8", "sampling.top_p=0.95"]
+    warm = subprocess.run(
+        [sys.executable, "-m", "batchjob.warmup", *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    kernels = tmp_path / "cache" / "triton"
+    compiled = {path.name for path in kernels.rglob("*") if path.is_file()}
+    assert compiled  # the warm-up compiled the engine's kernels into the shared cache
+    job = [sys.executable, "-m", "batchjob", *overrides, f"output.dir={tmp_path / 'out'}"]
+    done = subprocess.run(job, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {path.name for path in kernels.rglob("*") if path.is_file()} == compiled
