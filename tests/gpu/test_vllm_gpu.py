@@ -75,6 +75,25 @@ def test_a_killed_vllm_job_resumes_to_what_one_run_writes(tmp_path):
     assert _rows(out) == _rows(straight)
 
 
+def test_a_preempted_vllm_job_stops_at_once_and_resumes_every_row_once(tmp_path):
+    """SIGTERM (Slurm's preemption notice) mid-run: the job commits what finished and exits 143 within seconds,
+    leaving no vLLM process behind; the rerun completes every row exactly once."""
+    args = (*VLLM, "sampling.max_new_tokens=64", "sampling.ignore_eos=true", "output.commit_every_rows=8")
+    out = tmp_path / "out"
+    victim = start_cli(*args, f"output.dir={out}")
+    wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 1, victim, "a committed part")
+    engine_processes = descendants(victim.pid)
+    victim.send_signal(signal.SIGTERM)
+    stderr = victim.communicate(timeout=60)[1]
+    assert victim.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "resumable: rerun the same command" in stderr
+    assert not any(_running(pid) for pid in engine_processes)
+    resumed = run_cli(*args, f"output.dir={out}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_output(out).column("row_id").to_pylist()
+    assert sorted(rows) == list(range(len(rows))) and len(rows) == len(set(rows))
+
+
 def test_json_schema_rows_on_vllm_parse(tmp_path):
     out = tmp_path / "out"
     schema = "sampling.json_schema={type:object,properties:{n:{type:integer}},required:[n]}"
