@@ -1,7 +1,8 @@
 """Processes a job starts must not outlive it. A job killed with SIGKILL (by hand, by a node's out-of-memory
 killer) runs no code of its own, so each kind of child is tied to it in advance (Linux):
 
-- a child batchjob starts itself asks the kernel for a signal when the job dies (`on_parent_death`): SIGTERM
+- a child batchjob starts has the kernel signal it when the job dies (`dies_with_us`, or `on_parent_death` in
+  the child itself): SIGTERM
   for a data-parallel shard, which then stops as on preemption (commits what it has, exits); SIGKILL for a
   tensor-parallel rank, which holds no data of its own;
 - processes another library starts (vLLM's engine) are watched by a small process that outlives the job and
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -33,16 +35,33 @@ for pid in map(int, sys.argv[2:]):
 """
 
 
-def on_parent_death(sig: int, parent: int | None = None) -> None:
-    """Have the kernel send `sig` to this process when its parent dies (Linux; elsewhere nothing). `parent`: the
-    pid this process was started by, to catch a parent that died before the request (without it: pid 1)."""
+def on_parent_death(sig: int) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        _prctl()(PR_SET_PDEATHSIG, sig)
+        if os.getppid() == 1:  # the parent died before the request
+            os.kill(os.getpid(), sig)
+
+
+def dies_with_us(sig: int) -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when this process dies (Linux; elsewhere None).
+    libc's prctl is looked up here, so the child, between fork and exec, only calls it."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
+    prctl, parent = _prctl(), os.getpid()
+
+    def tie() -> None:
+        prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # this process died before the request
+            os.kill(os.getpid(), sig)
+
+    return tie
+
+
+def _prctl() -> Callable[..., int]:
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-    if os.getppid() == 1 or (parent is not None and os.getppid() != parent):
-        os.kill(os.getpid(), sig)
+    return ctypes.CDLL(None, use_errno=True).prctl
 
 
 def descendants(pid: int) -> list[int]:

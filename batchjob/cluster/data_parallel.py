@@ -11,7 +11,6 @@ rerunning the same command resumes every child shard.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from batchjob.errors import EXIT_TOO_MANY_FAILED, ConfigError
-from batchjob.processes import on_parent_death
+from batchjob.processes import dies_with_us
 
 # Overrides the parent rewrites for each child; everything else is passed through unchanged.
 _OWN_KEYS = ("engine.data_parallel", "shard.index", "shard.count")
@@ -89,7 +88,7 @@ def run_data_parallel(
     children = plan_children(data_parallel, shard_index, shard_count, tensor_parallel=tensor_parallel)
     # A child stops as on preemption (SIGTERM: it commits and exits) when this process dies, SIGKILL included:
     # it would otherwise keep its GPU and write its shard beside the rerun's.
-    tie = functools.partial(on_parent_death, signal.SIGTERM, os.getpid())
+    tie = dies_with_us(signal.SIGTERM)
     procs = [
         subprocess.Popen(child_command(overrides, c), env={**os.environ, "CUDA_VISIBLE_DEVICES": c.gpu}, preexec_fn=tie)
         for c in children

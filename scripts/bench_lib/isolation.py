@@ -7,7 +7,6 @@ a `model`, or run one `system` on one workload), starts `python -m bench_lib.iso
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -61,10 +60,9 @@ def run_child(
         path = os.pathsep.join([str(SCRIPTS), str(repo or REPO), os.environ.get("PYTHONPATH", "")])
         child_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
         command = [sys.executable, "-c", CHILD, str(task_path), str(out_path)]
-        from batchjob.processes import on_parent_death
+        from batchjob.processes import dies_with_us
 
-        # A harness stopped by SIGKILL takes its run with it, which would otherwise keep the GPU.
-        tie = functools.partial(on_parent_death, signal.SIGKILL, os.getpid())
+        tie = dies_with_us(signal.SIGKILL)  # a harness stopped by SIGKILL takes its run, and its GPU memory, with it
         try:
             code = subprocess.run(command, env=child_env, timeout=timeout_s, preexec_fn=tie).returncode
         except subprocess.TimeoutExpired:
