@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--profile", action="store_true", help="cProfile each run into OUT/profile-*.txt (slower)")
     parser.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="each engine run's generation under torch's profiler: its kernels by device time in OUT/kernels-*.txt",
+    )
+    parser.add_argument(
         "--against", type=Path, default=None, metavar="DIR", help="also run the native systems from the checkout at DIR"
     )
     parser.add_argument("--greedy", action="store_true", help="decode every workload greedily (W5: the sampler's cost)")
@@ -207,6 +212,9 @@ def run_workload(
                 label = run_label(run, repeat)
                 if args.profile:
                     task["profile"] = str(args.out / f"profile-{spec.name}-{name}-{label.replace(' ', '-')}.txt")
+                if args.kernel_profile:
+                    kernels = args.out / f"kernels-{spec.name}-{name}-{label.replace(' ', '-')}.txt"
+                    task["settings"] = {**task["settings"], "kernel_profile": str(kernels)}
                 env = run_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
                 try:
                     timeout_s = args.time_limit_s + CHILD_STARTUP_S

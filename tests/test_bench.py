@@ -235,6 +235,7 @@ def test_tiny_run_with_dummy_weights_runs_the_native_engine_and_transformers_fro
             "native,hf_generate",
             "--runs",
             "warm",
+            "--kernel-profile",
         ]
         + ["--out", str(out), "--model-cache", str(tmp_path)],
         capture_output=True,
@@ -252,6 +253,8 @@ def test_tiny_run_with_dummy_weights_runs_the_native_engine_and_transformers_fro
         ("tiny", "hf_generate", 128),
     ]
     assert "steps" in logged[0]["engine_stats"]
+    # --kernel-profile: the engine's generation by operator (kernels on a GPU; torch's CPU ops here)
+    assert "aten::" in (out / "kernels-tiny-native-warm.txt").read_text()
 
 
 def test_w7_model_directory_is_config_and_tokenizer_only_and_the_engine_reads_its_70b_spec(bench_lib, tmp_path):

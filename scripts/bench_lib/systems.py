@@ -6,10 +6,11 @@ vLLM configured for throughput as its guide says."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ class RunSettings:
     hf_max_batch_tokens: int = 8192
     hf_attn_implementation: str | None = None
     engine_options: Mapping[str, Any] = field(default_factory=dict)
+    kernel_profile: str | None = None  # where the run's kernel table goes (`--kernel-profile`), or None
 
 
 def free_device_memory() -> None:
@@ -146,12 +148,13 @@ def run_engine(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
     cut = False
     start = time.perf_counter()
     try:
-        for completion in engine.generate(feed):
-            tokens += completion.completion_tokens
-            done += 1
-            if time.perf_counter() - start > settings.time_limit_s and done < len(requests.prompts):
-                cut = True
-                break
+        with kernel_profile(settings.kernel_profile):
+            for completion in engine.generate(feed):
+                tokens += completion.completion_tokens
+                done += 1
+                if time.perf_counter() - start > settings.time_limit_s and done < len(requests.prompts):
+                    cut = True
+                    break
         wall_s = time.perf_counter() - start
         stats = dict(engine.stats())
         timeline = engine.busy_timeline() if hasattr(engine, "busy_timeline") else None
@@ -172,6 +175,26 @@ def run_engine(name: str, model_dir: Path, requests: BenchRequests, settings: Ru
         busy_timeline=tuple((float(a), float(b)) for a, b in timeline) if timeline else None,
         engine_stats={k: v for k, v in stats.items() if isinstance(v, int | float)},
     )
+
+
+@contextlib.contextmanager
+def kernel_profile(path: str | None) -> Iterator[None]:
+    """With `path`: the generation under torch's profiler, its kernels by total device time (CPU ops on a CPU)
+    written to `path` as a table. It slows the host: that run's tok/s is not comparable."""
+    if path is None:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        yield
+        if on_gpu:
+            torch.cuda.synchronize()
+    sort_by = "cuda_time_total" if on_gpu else "cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90))
 
 
 def _maybe_float(value: Any) -> float | None:
