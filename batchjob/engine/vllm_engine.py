@@ -56,6 +56,7 @@ class VLLMEngine:
         from vllm import LLM
 
         started = time.perf_counter()
+        ours = set(descendants(os.getpid()))  # processes this one had already (a notebook's own, say)
         try:
             self.llm = LLM(**engine_kwargs(model_path, opts))
         except Exception as err:  # before any request: vLLM's log above holds its engine process's own account
@@ -64,7 +65,7 @@ class VLLMEngine:
                 "process holds: free it, or lower engine.gpu_memory_utilization)"
             ) from err
         # vLLM's engine runs in processes of its own: a job killed with SIGKILL must not leave them on the GPU.
-        self._reaper = reap_when_gone(descendants(os.getpid()))
+        self._reaper = reap_when_gone([pid for pid in descendants(os.getpid()) if pid not in ours])
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.engine.model_config.max_model_len)
