@@ -52,6 +52,24 @@ def test_the_gpu_matmul_splits_k_by_the_weight_alone_and_adds_its_parts_in_order
     assert torch.allclose(whole, x @ weight.t() + bias, atol=1e-4)
 
 
+def test_rows_that_fill_the_gpu_take_every_part_in_one_program_with_the_same_bits(monkeypatch):
+    """Where a step's rows make a wave of programs (`serial`), each program adds its tile's parts itself, in the
+    order `reduce_parts` adds them: the same bits as the split launch, on either side of the threshold."""
+    monkeypatch.setattr(invariant_matmul, "_sm_count", lambda device: 2)  # a GPU of two multiprocessors
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 320, generator=generator)
+    x = torch.randn(200, 320, generator=generator)
+    bias = torch.randn(64, generator=generator)
+    assert invariant_matmul.num_parts(weight) == 2
+    assert not invariant_matmul.serial(128, weight) and invariant_matmul.serial(129, weight)
+    whole = invariant_matmul.matmul(x, weight, bias)  # 200 rows: one program a tile, both parts in it
+    split = invariant_matmul.reduce_parts(invariant_matmul.partial_products(x, weight), bias, x.dtype)
+    assert torch.equal(whole, split)
+    for rows in (1, 5, 128, 129, 200):
+        assert torch.equal(invariant_matmul.matmul(x[:rows], weight, bias), whole[:rows]), rows
+    assert torch.allclose(whole, x @ weight.t() + bias, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "backend",
     [TorchPagedAttention(deterministic=True), TritonPagedAttention(deterministic=True)],

@@ -6,6 +6,11 @@ walked in `BLOCK_K` steps from 0, and K split into a number of parts chosen from
 GPU alone (enough programs to fill the GPU at a decode step's few rows). A part's float32 sum is written as it
 is; `reduce_parts` (or the fused RMSNorm after a projection that feeds the residual) adds the parts in order,
 so an output element's arithmetic is fixed by the weight's shape.
+
+Where a step has rows enough for a wave of programs without splitting (`serial`), each program computes every
+part of its tile itself, one after another, and adds them in the same order in registers: the same float32
+arithmetic, the same bits, without writing and reading back parts x rows x N float32 sums (at a prefill chunk's
+8,192 rows, more bytes than the weight).
 """
 
 from __future__ import annotations
@@ -24,6 +29,26 @@ BLOCK_K = 64
 MAX_PARTS = 4
 
 
+@triton.jit
+def _part_product(
+    a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, k_hi, stride_am, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The float32 product of a tile's rows and columns over K in [k_lo, k_hi), BLOCK_K at a time from k_lo."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_hi
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :], row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        b = tl.load(
+            b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
+        )
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["m"])
 def _parts_kernel(
     a_ptr,
@@ -39,11 +64,14 @@ def _parts_kernel(
     stride_cm,
     k_per_part,
     HAS_BIAS: tl.constexpr,
+    SERIAL_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """Grid (row tiles, column tiles, parts): program (i, j, p) writes part p of its tile. With SERIAL_PARTS > 1
+    the grid has one part and each program computes all of them and adds them in order, as `_reduce_kernel` would."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     part = tl.program_id(2)
@@ -51,19 +79,17 @@ def _parts_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     k_lo = part * k_per_part
-    k_hi = tl.minimum(k_lo + k_per_part, k)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_hi
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :], row_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        b = tl.load(
-            b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
-        )
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:  # one part only
+    acc = _part_product(
+        a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+    for p in tl.static_range(1, SERIAL_PARTS):
+        k_lo = p * k_per_part
+        acc += _part_product(
+            a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am,
+            stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
+    if HAS_BIAS:  # one part only, or all of them
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + part * stride_cp + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), row_mask[:, None] & col_mask[None, :])
@@ -99,14 +125,23 @@ def _k_per_part(k: int, parts: int) -> int:
     return triton.cdiv(triton.cdiv(k, parts), BLOCK_K) * BLOCK_K
 
 
+def serial(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows of `weight`'s product fill a wave of programs without splitting K, so that each program
+    computes its tile's parts itself (the same bits as split, without the parts' float32 round trip)."""
+    return triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N) >= _sm_count(weight.device)
+
+
 def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """float32 [parts, rows, N]: part p is x @ weight^T over the p-th `_k_per_part` columns of K (`num_parts`)."""
     out = torch.empty((num_parts(weight), x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
     return _launch(x, weight, None, out)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`)."""
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, serial_parts: int = 1
+) -> torch.Tensor:
+    """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`); with
+    `serial_parts`, `out` [1, rows, N] gets that many parts added in order, then `bias`."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     parts, m, n = out.shape
     k = x.shape[1]
@@ -116,8 +151,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), parts)
     _parts_kernel[grid](
         x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        out.stride(1), _k_per_part(k, parts), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=stages,
+        out.stride(1), _k_per_part(k, max(parts, serial_parts)), HAS_BIAS=bias is not None,
+        SERIAL_PARTS=serial_parts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -138,7 +174,7 @@ def reduce_parts(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] @ weight [N, K]^T (+ bias) in x's dtype, each row computed alike whatever `rows` is."""
     parts = num_parts(weight)
-    if parts == 1:
+    if parts == 1 or serial(x.shape[0], weight):
         out = torch.empty((1, x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        return _launch(x, weight, bias, out)[0]
+        return _launch(x, weight, bias, out, serial_parts=parts)[0]
     return reduce_parts(partial_products(x, weight), bias, x.dtype)

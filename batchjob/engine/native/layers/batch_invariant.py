@@ -38,12 +38,13 @@ def _cpu_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """For a projection whose output the next RMSNorm adds to the residual: on a GPU, where K is split, its
-    float32 partial sums [parts, rows, N] (the norm adds them in order); otherwise the product itself."""
+    """For a projection whose output the next RMSNorm adds to the residual: on a GPU, where K is split across
+    programs, its float32 partial sums [parts, rows, N] (the norm adds them in order); otherwise the product itself
+    (added up alike, in the matmul, where the step's rows fill the GPU: `invariant_matmul.serial`)."""
     if x.is_cuda:
         from batchjob.engine.native.kernels import invariant_matmul
 
-        if invariant_matmul.num_parts(weight) > 1:
+        if invariant_matmul.num_parts(weight) > 1 and not invariant_matmul.serial(x.shape[0], weight):
             return invariant_matmul.partial_products(x, weight)
     return matmul(x, weight)
 
