@@ -358,3 +358,18 @@ def test_mixed_padding_counts_the_tokens_each_step_pads_to_its_bucket(monkeypatc
     assert padding(requests, (256, 512, 8192), 1000, 8, 8192) == {
         "steps": 8, "mixed": 1, "padded": 212, "buckets": {512: 1}
     }  # fmt: skip
+
+
+def test_step_kinds_splits_a_recorded_w2_run_into_decode_and_prefill_steps_against_their_floors():
+    """scripts/dev/step_kinds.py on the W2 runs in docs/bench: the replayed schedule has as many steps as the run's
+    GPU timeline, and the long spans are the 8,192-token steps."""
+    runs = SCRIPTS.parent / "docs" / "bench" / "deterministic-h100-w1-w2.jsonl"
+    command = [
+        sys.executable, str(SCRIPTS / "dev" / "step_kinds.py"), str(runs), "--workload", "W2",
+        "--copy-tb-s", "3.00", "--matmul-tflops", "771", "--bands-ms", "3,5,8,12,20,40",
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "decode          506 steps" in run.stdout and "mixed 8192       35 steps" in run.stdout
+    assert run.stdout.count("GPU spans by duration (544 steps") == 4  # cold and warm, without and with the flag
+    assert run.stdout.count("20-40    ms     35 steps") == 2 and run.stdout.count("40-inf   ms     35 steps") == 2
