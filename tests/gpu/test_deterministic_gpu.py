@@ -29,14 +29,15 @@ def test_every_row_of_the_invariant_matmul_is_the_same_bits_at_every_row_count(s
     n, k = shape
     generator = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator) / k**0.5
-    x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16, generator=generator)
-    whole = invariant_matmul.matmul(x, weight)  # 600 rows: each program adds its tile's parts itself (`serial`)
-    for rows in (1, 7, 32, 64, 129, 257, 300, 513):  # split across programs below the threshold, serial above
+    x = torch.randn(2304, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+    whole = invariant_matmul.matmul(x, weight)  # a prefill chunk's rows: each program adds its tile's parts itself
+    assert invariant_matmul.num_parts(weight) == 1 or invariant_matmul.serial(len(x), weight)
+    for rows in (1, 7, 32, 64, 129, 300, 513, 1025, 2049):  # split across programs below `serial`'s rows
         assert torch.equal(invariant_matmul.matmul(x[:rows], weight), whole[:rows]), rows
     parts = invariant_matmul.partial_products(x[:33], weight)
     assert torch.equal(parts, invariant_matmul.partial_products(x, weight)[:, :33])
     split = invariant_matmul.reduce_parts(invariant_matmul.partial_products(x, weight), None, x.dtype)
-    assert torch.equal(split, whole)  # the same 600 rows split across programs: the same bits
+    assert torch.equal(split, whole)  # the same rows split across programs: the same bits
     expected = x.float() @ weight.float().t()
     assert ((whole.float() - expected).norm() / expected.norm()).item() < 1e-2
 

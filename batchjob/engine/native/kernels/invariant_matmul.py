@@ -7,7 +7,7 @@ GPU alone (enough programs to fill the GPU at a decode step's few rows). A part'
 is; `reduce_parts` (or the fused RMSNorm after a projection that feeds the residual) adds the parts in order,
 so an output element's arithmetic is fixed by the weight's shape.
 
-Where a step has rows enough for a wave of programs without splitting (`serial`), each program computes every
+Where a step has rows enough for waves of programs without splitting (`serial`), each program computes every
 part of its tile itself, one after another, and adds them in the same order in registers: the same float32
 arithmetic, the same bits, without writing and reading back parts x rows x N float32 sums (at a prefill chunk's
 8,192 rows, more bytes than the weight).
@@ -27,6 +27,9 @@ BLOCK_M = 128
 BLOCK_N = 64
 BLOCK_K = 64
 MAX_PARTS = 4
+# A step serializes K's parts within each program from this many waves of programs (a multiprocessor holds two of
+# these at once; fewer would leave it waiting on memory): a prefill chunk's rows, not a decode step's.
+SERIAL_WAVES = 4
 
 
 @triton.jit
@@ -126,9 +129,10 @@ def _k_per_part(k: int, parts: int) -> int:
 
 
 def serial(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `rows` rows of `weight`'s product fill a wave of programs without splitting K, so that each program
-    computes its tile's parts itself (the same bits as split, without the parts' float32 round trip)."""
-    return triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N) >= _sm_count(weight.device)
+    """Whether `rows` rows of `weight`'s product fill `SERIAL_WAVES` waves of programs without splitting K, so that
+    each program computes its tile's parts itself (the same bits as split, without the parts' float32 round trip)."""
+    programs = triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N)
+    return programs >= SERIAL_WAVES * _sm_count(weight.device)
 
 
 def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
