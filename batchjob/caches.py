@@ -44,6 +44,15 @@ def use_kernel_cache() -> None:
         os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")
 
 
+def use_vllm_cache() -> None:
+    """Send vLLM's compiled graphs to `cache_root()/vllm` and its Triton kernels beside the native engine's, unless
+    the user chose `VLLM_CACHE_ROOT` / `TRITON_CACHE_DIR`: one shared cache then warms every task of an array
+    (`python -m batchjob.warmup engine=vllm ...`). vLLM reads them as it starts, in its engine process too."""
+    use_kernel_cache()
+    if not os.environ.get("VLLM_CACHE_ROOT"):
+        os.environ["VLLM_CACHE_ROOT"] = str(cache_root() / "vllm")
+
+
 def files_key(folder: Path, names: Sequence[str], *salt: str) -> str:
     """An entry's key: a digest of `salt` and of the content (or the absence) of each file `names` in `folder`."""
     digest = hashlib.sha256("".join(f"{part}\0" for part in salt).encode())

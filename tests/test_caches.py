@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from batchjob.caches import load_entry, store_entry, use_kernel_cache
+from batchjob.caches import load_entry, store_entry, use_kernel_cache, use_vllm_cache
 
 
 def test_kernels_go_under_batchjob_cache_by_default(monkeypatch, tmp_path):
@@ -22,6 +22,18 @@ def test_a_user_chosen_triton_cache_dir_is_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/kernels")
     use_kernel_cache()
     assert os.environ["TRITON_CACHE_DIR"] == "/shared/kernels"
+
+
+def test_vllms_compiled_graphs_and_kernels_go_under_batchjob_cache_unless_the_user_chose(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path))
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    use_vllm_cache()
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/elsewhere/vllm")
+    use_vllm_cache()
+    assert os.environ["VLLM_CACHE_ROOT"] == "/elsewhere/vllm"
 
 
 def test_importing_the_native_engine_sets_it_before_triton_looks(tmp_path):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from batchjob.caches import use_vllm_cache
 from batchjob.engine.api import FINISH_LENGTH, FINISH_STOP, Completion, EngineSetupError, Request, Sample
 from batchjob.engine.vllm_options import (
     NO_DEVICE,
@@ -53,6 +54,7 @@ class VLLMEngine:
         opts = {**OPTION_DEFAULTS, **options}
         if opts["deterministic"]:
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read as vLLM starts, in its engine process too
+        use_vllm_cache()
         from vllm import LLM
 
         started = time.perf_counter()
