@@ -2,9 +2,8 @@
 killer) runs no code of its own, so each kind of child is tied to it in advance (Linux):
 
 - a child batchjob starts has the kernel signal it when the job dies (`dies_with_us`, or `on_parent_death` in
-  the child itself): SIGTERM
-  for a data-parallel shard, which then stops as on preemption (commits what it has, exits); SIGKILL for a
-  tensor-parallel rank, which holds no data of its own;
+  the child itself): SIGTERM for a data-parallel shard, which then stops as on preemption (commits what it has,
+  exits); SIGKILL for a tensor-parallel rank, which holds no data of its own;
 - processes another library starts (vLLM's engine) are watched by a small process that outlives the job and
   kills them once it is gone (`reap_when_gone`).
 
@@ -16,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,7 +66,7 @@ def _prctl() -> Callable[..., int]:
 
 def descendants(pid: int) -> list[int]:
     """The processes below `pid` (its children, theirs, ...), read from /proc (empty where there is none)."""
-    parents = {}
+    children = defaultdict(list)
     proc = Path("/proc")
     for entry in proc.iterdir() if proc.is_dir() else ():
         if entry.name.isdigit():
@@ -74,13 +74,12 @@ def descendants(pid: int) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:  # gone meanwhile
                 continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])  # "pid (name) state ppid ..."
+            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry.name))  # "pid (name) state ppid ..."
     found, frontier = [], [pid]
     while frontier:
-        above = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == above]
-        found += children
-        frontier += children
+        below = children[frontier.pop()]
+        found += below
+        frontier += below
     return found
 
 

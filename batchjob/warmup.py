@@ -82,7 +82,7 @@ def warm(cfg: DictConfig, startup: StartupClock | None = None) -> int:
         settings.engine_name,
         model_path,
         ", ".join(f"engine.{key}={value}" for key, value in shaping.items()),
-        startup.ready_line(summary).replace("ready to generate", "started and stopped", 1),
+        startup.ready_line(summary, moment="started and stopped"),
         cache_root(),
     )
     return 0

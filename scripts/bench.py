@@ -210,11 +210,11 @@ def run_workload(
                     "run": run,
                 }
                 label = run_label(run, repeat)
+                tag = f"{spec.name}-{name}-{label.replace(' ', '-')}"
                 if args.profile:
-                    task["profile"] = str(args.out / f"profile-{spec.name}-{name}-{label.replace(' ', '-')}.txt")
+                    task["profile"] = str(args.out / f"profile-{tag}.txt")
                 if args.kernel_profile:
-                    kernels = args.out / f"kernels-{spec.name}-{name}-{label.replace(' ', '-')}.txt"
-                    task["settings"] = {**task["settings"], "kernel_profile": str(kernels)}
+                    task["settings"] = {**task["settings"], "kernel_profile": str(args.out / f"kernels-{tag}.txt")}
                 env = run_cache_env(Path(caches)) if run == "cold" or "cold" in runs else {}
                 try:
                     timeout_s = args.time_limit_s + CHILD_STARTUP_S

@@ -91,8 +91,8 @@ class StartupClock:
         engine = {f"engine_{key}": float(stats[key]) for key in ENGINE_PHASES if key in stats}
         return {**phases, **engine, "total_s": time.perf_counter() - self.started}
 
-    def ready_line(self, summary: Mapping[str, float]) -> str:
-        """The log line of the moment the engine can take requests."""
+    def ready_line(self, summary: Mapping[str, float], moment: str = "ready to generate") -> str:
+        """The log line of the moment the engine can take requests (`moment`: how the line names it)."""
         critical = ", ".join(
             f"{label} {summary[key]:.2f} s{self._engine_detail(summary) if key == 'engine_s' else ''}"
             for key, label in CRITICAL_PHASES.items()
@@ -103,7 +103,7 @@ class StartupClock:
             for key, label in BESIDE_ENGINE_PHASES.items()
             if key in summary and key in self.beside_engine
         )
-        return f"ready to generate {summary['total_s']:.1f} s after start: {critical}" + (
+        return f"{moment} {summary['total_s']:.1f} s after start: {critical}" + (
             f"; beside the engine: {beside}" if beside else ""
         )
 

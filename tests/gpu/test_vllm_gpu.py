@@ -22,19 +22,12 @@ if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
     pytest.skip("needs CUDA and vLLM (pip install 'batchjob[vllm]')", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "job"))
-from jobtools import read_output, read_report, run_cli, start_cli, wait_for  # noqa: E402
+from jobtools import read_output, read_report, run_cli, running, start_cli, wait_for  # noqa: E402
 
 from batchjob.processes import descendants  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 VLLM = ("engine=vllm", "engine.gpu_memory_utilization=0.5", "sampling.max_new_tokens=16", "output.token_ids=true")
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _rows(out: Path) -> dict[int, tuple[str, tuple[int, ...]]]:
@@ -66,7 +59,7 @@ def test_a_killed_vllm_job_resumes_to_what_one_run_writes(tmp_path):
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 30
-    while any(_running(pid) for pid in engine_processes):  # else they would keep the GPU's memory
+    while any(running(pid) for pid in engine_processes):  # else they would keep the GPU's memory
         assert time.monotonic() < deadline, "vLLM's processes outlived the killed job"
         time.sleep(0.2)
     resumed = run_cli(*args, f"output.dir={out}")
@@ -87,7 +80,7 @@ def test_a_preempted_vllm_job_stops_at_once_and_resumes_every_row_once(tmp_path)
     stderr = victim.communicate(timeout=60)[1]
     assert victim.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "resumable: rerun the same command" in stderr
-    assert not any(_running(pid) for pid in engine_processes)
+    assert not any(running(pid) for pid in engine_processes)
     resumed = run_cli(*args, f"output.dir={out}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = read_output(out).column("row_id").to_pylist()

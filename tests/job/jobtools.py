@@ -116,6 +116,14 @@ def start_cli(*overrides: str, cwd: Path = REPO) -> subprocess.Popen:
     )
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_for(condition: Callable[[], bool], job: subprocess.Popen, what: str, timeout: float = HUNG_S) -> None:
     """Until `condition()` holds, while `job` runs: a job that exits first fails the test at once with its stderr;
     `timeout` only catches a hung job."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from jobtools import REPO, SAMPLE_PROMPTS, cli_command, cli_env, read_output, wait_for
+from jobtools import REPO, SAMPLE_PROMPTS, cli_command, cli_env, read_output, running, wait_for
 
 from batchjob.processes import descendants
 from batchjob.status import job_status
@@ -27,14 +27,6 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in cli_env().items() if not k.startswith("SLURM_") and k != "CUDA_VISIBLE_DEVICES"}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_a_killed_data_parallel_job_stops_its_children_and_resumes_every_row_once(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pa.concat_tables([pq.read_table(SAMPLE_PROMPTS)] * COPIES), prompts)
@@ -49,7 +41,7 @@ def test_a_killed_data_parallel_job_stops_its_children_and_resumes_every_row_onc
     assert len(children) >= 2
     parent.kill()
     deadline = time.monotonic() + 10  # they stop in a second or two; the job has far more left
-    while any(_alive(pid) for pid in children):
+    while any(running(pid) for pid in children):
         assert time.monotonic() < deadline, "the children of a killed data-parallel job run on"
         time.sleep(0.1)
     stderr = parent.communicate()[1]  # the children shared its stderr: it ends when they have gone
