@@ -1,0 +1,213 @@
+"""Triton kernels compiled by worker processes, all at once, into Triton's kernel cache.
+
+Triton compiles on the launching thread, one variant at a time, and most of the work holds the interpreter
+lock: a cold start-up spends tens of seconds of one core there while the others idle. A `CompilePool` starts
+worker processes (`python -m batchjob.engine.native.runtime.compile_pool`), hands each one variant at a time
+(`KernelVariant`: Triton's own record of it) and gets back the hash of the cache entry it wrote; the start-up's
+own launches then load those entries instead of compiling. A worker never touches the GPU: it compiles for the
+parent's device (its `GPUTarget`, passed on the command line), so it costs no device memory and no CUDA context.
+
+Workers start with the pool, so that their imports overlap the parent's weight loading; they die with the
+parent (`processes.dies_with_us`). A variant a worker cannot compile, or that a dead worker held, is reported and
+left to the start-up's own launch, which compiles it as it always would: the pool can only save time. The
+others' workers take a dead worker's share; with none left, `wait` returns at once.
+
+Protocol, one JSON object a line: the worker says `{"ready": true}` once imported, then answers each
+`{"module", "qualname", "data"}` with `{"hash": ...}` or `{"error": ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from batchjob.engine.native.runtime.kernel_variants import KernelVariant
+from batchjob.processes import dies_with_us
+
+log = logging.getLogger("batchjob.engine.native")
+
+
+@dataclass
+class CompileReport:
+    """What a pool did: the variants compiled (with their cache hashes), those it could not, and its seconds."""
+
+    compiled: list[KernelVariant] = field(default_factory=list)
+    failed: list[tuple[KernelVariant, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class CompilePool:
+    def __init__(self, workers: int, target: tuple[str, int | str, int]) -> None:
+        """Start `workers` processes compiling for `target` (backend, arch, warp size: Triton's `GPUTarget`)."""
+        self._todo: queue.Queue[KernelVariant | None] = queue.Queue()
+        self._report = CompileReport()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._feeding = workers  # feeding threads still running: with none, nothing waiting will be compiled
+        command = [sys.executable, "-m", __name__, json.dumps(list(target))]
+        self._procs = [
+            subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                preexec_fn=dies_with_us(signal.SIGKILL),
+            )
+            for _ in range(workers)
+        ]
+        self._threads = [
+            threading.Thread(target=self._feed, args=(proc,), name=f"batchjob-compile-{i}", daemon=True)
+            for i, proc in enumerate(self._procs)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, variants: list[KernelVariant]) -> None:
+        with self._lock:
+            self._pending += len(variants)
+        for variant in variants:
+            self._todo.put(variant)
+
+    def wait(self, timeout_s: float) -> CompileReport:
+        """Wait until every submitted variant is compiled or failed (at most `timeout_s`), then stop the workers.
+        A variant left waiting, or in a worker when it was stopped, counts as failed."""
+        started = time.perf_counter()
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0 or not self._feeding, timeout=timeout_s)
+        self.close()
+        while True:
+            try:
+                variant = self._todo.get_nowait()
+            except queue.Empty:
+                break
+            if variant is not None:
+                self._done(variant, {"error": f"not compiled within {timeout_s:.0f} s, or no compile worker left"})
+        self._report.seconds += time.perf_counter() - started
+        return self._report
+
+    def close(self) -> None:
+        """Stop the workers (a variant in a worker's hands fails) and their feeding threads."""
+        for _ in self._procs:
+            self._todo.put(None)
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        for thread in self._threads:
+            thread.join()
+        for proc in self._procs:
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
+
+    def _done(self, variant: KernelVariant, answer: dict[str, Any]) -> None:
+        with self._idle:
+            if "hash" in answer:
+                self._report.compiled.append(
+                    KernelVariant(variant.module, variant.qualname, variant.data, answer["hash"])
+                )
+            else:
+                self._report.failed.append((variant, str(answer.get("error", "no answer"))))
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def _feed(self, proc: subprocess.Popen) -> None:
+        """Hand `proc` one variant at a time until the pool closes or the worker dies."""
+        try:
+            self._feed_until_done(proc)
+        finally:
+            with self._idle:
+                self._feeding -= 1
+                self._idle.notify_all()
+
+    def _feed_until_done(self, proc: subprocess.Popen) -> None:
+        stdin, stdout = proc.stdin, proc.stdout
+        assert stdin is not None and stdout is not None
+        if _answer(stdout) is None:  # the worker died before it was ready
+            return
+        while (variant := self._todo.get()) is not None:
+            try:
+                stdin.write(json.dumps({"module": variant.module, "qualname": variant.qualname, "data": variant.data}))
+                stdin.write("\n")
+                stdin.flush()
+            except (BrokenPipeError, ValueError):
+                answer = None
+            else:
+                answer = _answer(stdout)
+            if answer is None:
+                self._done(variant, {"error": f"the compile worker exited (code {proc.poll()})"})
+                return
+            self._done(variant, answer)
+
+
+def _answer(stdout: IO[str]) -> dict[str, Any] | None:
+    try:
+        line = stdout.readline()
+    except (OSError, ValueError):
+        return None
+    return json.loads(line) if line else None
+
+
+class _TargetOnly:
+    """The part of a Triton driver that compiling asks for: the device to compile for, never a real one."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def use_target(backend: str, arch: int | str, warp_size: int) -> None:
+    """Make Triton compile for this target in a process that has no such device (or none at all)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    driver.set_active(_TargetOnly(GPUTarget(backend, arch, warp_size)))
+
+
+def compile_variant(variant: dict[str, str]) -> str:
+    """Compile one variant into the cache (or find it there); returns its cache hash."""
+    import importlib
+
+    owner: Any = importlib.import_module(variant["module"])
+    for part in variant["qualname"].split("."):
+        owner = getattr(owner, part)
+    kernel = owner.preload(variant["data"])
+    return str(kernel.hash)
+
+
+def main() -> None:
+    # Answers go to the pipe the parent reads; anything else the worker prints goes to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    import torch  # noqa: F401  (every kernel module imports it: imported before the first request)
+
+    use_target(*json.loads(sys.argv[1]))
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in sys.stdin:
+        try:
+            answer: dict[str, Any] = {"hash": compile_variant(json.loads(line))}
+        except Exception as exc:  # a variant this worker cannot compile: the start-up's launch will
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), file=answers, flush=True)
+
+
+if __name__ == "__main__":
+    main()

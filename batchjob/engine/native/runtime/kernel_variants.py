@@ -1,0 +1,154 @@
+"""The Triton kernel variants a start-up launches, as Triton's own records of them, and whether the kernel cache
+holds their binaries.
+
+Triton compiles a kernel the first time a process launches a new variant of it (argument dtypes, constexprs, the
+specialisation of pointers and integers on alignment and on 1), one after another on the launching thread: most
+of a cold start-up. Triton hands its compile hooks a record of each variant (`specialization_data`, JSON) from
+which `JITFunction.preload` compiles the same binary under the same cache key in another process
+(`compile_pool.py`). Two ways to collect the records:
+
+- `skipping_launches()`: a launch of a variant this process has not compiled yet is recorded and not run (the
+  `jit_cache_hook` answers that it handled it), so running the start-up's steps under it lists every variant
+  they need in a fraction of a second and compiles none. Its steps compute nothing meaningful: the tensors
+  those launches should have written keep what they held, which is why `zeroed_allocations()` goes with it.
+- `recording_compiles()`: every variant this process compiles or loads from the cache while it is active, with
+  the hash of its cache entry: what a start-up needed, kept as the next start-up's plan (`precompile.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime.cache import get_cache_manager
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled form of one `@triton.jit` function: where the function is defined, Triton's record of the
+    variant, and (once compiled) the hash naming its cache entry."""
+
+    module: str
+    qualname: str
+    data: str  # Triton's specialization_data (JSON)
+    cache_hash: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.module, self.qualname, self.data
+
+    def to_json(self) -> dict[str, str]:
+        return {"module": self.module, "qualname": self.qualname, "data": self.data, "cache_hash": self.cache_hash}
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> KernelVariant:
+        return cls(str(entry["module"]), str(entry["qualname"]), str(entry["data"]), str(entry.get("cache_hash", "")))
+
+
+def _variant(fn: Any, compile: dict[str, Any], cache_hash: str = "") -> KernelVariant:
+    return KernelVariant(fn.module, fn.name, compile["specialization_data"], cache_hash)
+
+
+@contextmanager
+def _hook(name: str, hook: Any) -> Iterator[None]:
+    """`knobs.runtime.<name>` set to `hook` and then to what it was; a hook already there still runs first."""
+    before = getattr(knobs.runtime, name)
+
+    def chained(**kwargs: Any) -> Any:
+        if before is not None and before(**kwargs):
+            return True
+        return hook(**kwargs)
+
+    setattr(knobs.runtime, name, chained)
+    try:
+        yield
+    finally:
+        setattr(knobs.runtime, name, before)
+
+
+@contextmanager
+def skipping_launches() -> Iterator[list[KernelVariant]]:
+    """Record, in launch order and once each, the variants launched while active that this process had not
+    compiled, and launch none of them (a variant compiled earlier in the process still runs)."""
+    found: dict[tuple[str, str, str], KernelVariant] = {}
+
+    def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        variant = _variant(fn, compile)
+        found.setdefault(variant.key, variant)
+        return True
+
+    variants: list[KernelVariant] = []
+    try:
+        with _hook("jit_cache_hook", record):
+            yield variants
+    finally:
+        variants.extend(found.values())
+
+
+@contextmanager
+def recording_compiles() -> Iterator[list[KernelVariant]]:
+    """Record the variants compiled or loaded from the cache while active, with their cache hashes."""
+    found: dict[tuple[str, str, str], KernelVariant] = {}
+    lock = threading.Lock()
+
+    def record(*, key: Any, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        kernel = fn.jit_function.device_caches[compile["device"]][0].get(key)
+        variant = _variant(fn, compile, getattr(kernel, "hash", "") or "")
+        with lock:
+            found.setdefault(variant.key, variant)
+        return False
+
+    variants: list[KernelVariant] = []
+    try:
+        with _hook("jit_post_compile_hook", record):
+            yield variants
+    finally:
+        variants.extend(found.values())
+
+
+def cached(variants: list[KernelVariant]) -> bool:
+    """Whether Triton's cache holds a binary for every variant (each with a known hash). A cache that is not a
+    directory (a custom cache manager) answers no."""
+    for variant in variants:
+        if not variant.cache_hash:
+            return False
+        folder = getattr(get_cache_manager(variant.cache_hash), "cache_dir", None)
+        if not folder or not os.path.isdir(folder):
+            return False
+    return True
+
+
+def specialization_name(variant: KernelVariant) -> str:
+    """The function's name as Triton's record has it, for messages."""
+    return str(json.loads(variant.data).get("name", f"{variant.module}.{variant.qualname}"))
+
+
+@contextmanager
+def zeroed_allocations() -> Iterator[None]:
+    """While active, `torch.empty`, `torch.empty_like` and `Tensor.new_empty` called from Python give zeros. Under
+    `skipping_launches` a kernel's output is never written, and a step goes on to use it: as an index (a token
+    id gathered from the log-probabilities, an expert's rows), whatever bytes an empty tensor held would be out
+    of range. Zeros are in range for every index and finite for every value, so the steps run through."""
+    saved = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return saved[0](*args, **kwargs).zero_()
+
+    def empty_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return saved[1](*args, **kwargs).zero_()
+
+    def new_empty(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return saved[2](self, *args, **kwargs).zero_()
+
+    torch.empty, torch.empty_like, torch.Tensor.new_empty = empty, empty_like, new_empty
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like, torch.Tensor.new_empty = saved

@@ -1,0 +1,112 @@
+"""Run by test_compile_pool.py in a process of its own (Triton compiling, not interpreting): this process stands in
+for an engine on an H100 (sm_90) that has no GPU. It lists the variants of two fused kernels that steps launch
+without launching them, has a pool of worker processes compile them, then launches the same steps for real:
+each launch must find its binary in the cache (Triton's own key) instead of compiling. Prints one JSON report.
+
+    python compile_pool_scenario.py WORKERS [EXTRA_VARIANT_JSON ...]
+    python compile_pool_scenario.py --workers-killed WORKERS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from batchjob.engine.native.runtime.compile_pool import CompilePool, use_target
+from batchjob.engine.native.runtime.kernel_variants import (
+    KernelVariant,
+    cached,
+    recording_compiles,
+    skipping_launches,
+    zeroed_allocations,
+)
+from batchjob.processes import descendants
+
+TARGET = ("cuda", 90, 32)
+
+
+def steps() -> list[Callable[[], Any]]:
+    """Three launches of two fused kernels (three variants), each its own call."""
+    from batchjob.engine.native.kernels import fused_ops
+
+    x = torch.randn(37, 2048, dtype=torch.bfloat16)
+    w = torch.randn(2048, dtype=torch.bfloat16)
+    gate_up = torch.randn(5, 2 * 1408, dtype=torch.bfloat16)
+    return [
+        lambda: fused_ops.rms_norm(x, w, 1e-5),
+        lambda: fused_ops.rms_norm(x, w, 1e-5, residual=torch.randn_like(x))[0],
+        lambda: fused_ops.silu_and_mul(gate_up),
+    ]
+
+
+def launched_for_real() -> tuple[list[KernelVariant], list[str]]:
+    """The steps again, each launch compiling (or finding) its variant; launching it then fails here, where
+    there is no GPU to launch on. Returns the variants and the launch errors."""
+    errors = []
+    with recording_compiles() as variants:
+        for step in steps():
+            try:
+                step()
+            except Exception as exc:  # the launch, after the compile or the cache hit
+                errors.append(type(exc).__name__)
+    return variants, errors
+
+
+def entries() -> set[str]:
+    folder = os.environ["TRITON_CACHE_DIR"]
+    return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+
+
+def workers_killed(workers: int) -> None:
+    """A pool whose workers are all killed before it gets work: every variant fails, and `wait` returns."""
+    pool = CompilePool(workers, TARGET)
+    for pid in descendants(os.getpid()):
+        os.kill(pid, signal.SIGKILL)
+    variant = KernelVariant("batchjob.engine.native.kernels.fused_ops", "_silu_and_mul_kernel", "{}")
+    pool.submit([variant] * 3)
+    started = time.perf_counter()
+    done = pool.wait(timeout_s=600)
+    print(
+        json.dumps(
+            {"failed": len(done.failed), "compiled": len(done.compiled), "wait_s": time.perf_counter() - started}
+        )
+    )
+
+
+def main() -> None:
+    if sys.argv[1] == "--workers-killed":
+        return workers_killed(int(sys.argv[2]))
+    use_target(*TARGET)
+    with zeroed_allocations(), skipping_launches() as found:
+        outputs = [step() for step in steps()]
+    report: dict = {
+        "found": [v.qualname for v in found],
+        "outputs_zero": all(bool((out == 0).all()) for out in outputs),
+        "cache_entries_after_listing": len(entries()),
+    }
+    extra = [KernelVariant.from_json(json.loads(arg)) for arg in sys.argv[2:]]
+    pool = CompilePool(int(sys.argv[1]), TARGET)
+    pool.submit(found + extra)
+    done = pool.wait(timeout_s=600)
+    report["compiled"] = sorted(v.qualname for v in done.compiled)
+    report["failed"] = [(v.qualname, why) for v, why in done.failed]
+    report["cached"] = cached(done.compiled)
+    before = entries()
+    started = time.perf_counter()
+    variants, errors = launched_for_real()
+    report["relaunch_s"] = time.perf_counter() - started
+    report["new_cache_entries"] = len(entries() - before)
+    report["relaunch_hashes_match"] = {v.cache_hash for v in variants} == {v.cache_hash for v in done.compiled}
+    report["relaunch_errors"] = errors
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

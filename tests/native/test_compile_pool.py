@@ -1,0 +1,63 @@
+"""Kernels compiled ahead by worker processes (runtime/compile_pool.py, runtime/kernel_variants.py), with Triton's
+real compiler: a process without a GPU stands in for an engine on an H100 and compiles for sm_90, as a GPU node's
+workers do. Each case runs compile_pool_scenario.py in a process of its own, where Triton compiles instead of
+interpreting (the suite's own processes interpret)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCENARIO = Path(__file__).with_name("compile_pool_scenario.py")
+MISSING = {"module": "batchjob.engine.native.kernels.fused_ops", "qualname": "no_such_kernel", "data": "{}"}
+
+
+def run_scenario(tmp_path: Path, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    done = subprocess.run(
+        [sys.executable, str(SCENARIO), *args], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_scenario(tmp_path_factory.mktemp("pool"), "2", json.dumps(MISSING))
+
+
+def test_listing_the_variants_launches_and_compiles_nothing(compiled: dict) -> None:
+    assert compiled["found"] == ["_rms_norm_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"]
+    assert compiled["cache_entries_after_listing"] == 0
+    assert compiled["outputs_zero"], "a skipped launch's output must read as zeros, never stale memory"
+
+
+def test_workers_compile_every_listed_variant_into_the_cache(compiled: dict) -> None:
+    assert compiled["compiled"] == ["_rms_norm_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"]
+    assert compiled["cached"]
+
+
+def test_a_variant_that_cannot_compile_is_reported_and_the_rest_compile(compiled: dict) -> None:
+    [(name, why)] = compiled["failed"]
+    assert name == "no_such_kernel" and "no attribute 'no_such_kernel'" in why
+
+
+def test_the_real_launches_find_the_workers_binaries(compiled: dict) -> None:
+    """Triton's launch path computes the same cache key as the workers' compile: no entry is added, and each
+    launch stops at launching (no GPU here), not at compiling."""
+    assert compiled["new_cache_entries"] == 0
+    assert compiled["relaunch_hashes_match"]
+    assert compiled["relaunch_errors"] == ["AttributeError"] * 3
+
+
+def test_a_pool_whose_workers_died_fails_its_variants_at_once(tmp_path: Path) -> None:
+    report = run_scenario(tmp_path, "--workers-killed", "2")
+    assert report == {"failed": 3, "compiled": 0, "wait_s": pytest.approx(0, abs=5)}
