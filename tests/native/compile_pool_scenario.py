@@ -5,10 +5,12 @@ each launch must find its binary in the cache (Triton's own key) instead of comp
 
     python compile_pool_scenario.py WORKERS [EXTRA_VARIANT_JSON ...]
     python compile_pool_scenario.py --workers-killed WORKERS
+    python compile_pool_scenario.py --plan (twice: the first start-up lists, the second follows the plan)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -80,9 +82,47 @@ def workers_killed(workers: int) -> None:
     )
 
 
+def start_up_with_plan() -> None:
+    """One start-up through `KernelPrecompile`: listing the variants or following the plan the one before kept."""
+    from batchjob.engine.native.runtime.precompile import KernelPrecompile, _load_plan
+
+    use_target(*TARGET)
+    plan = _load_plan("scenario")
+    was_cached = bool(plan) and cached(plan)
+    kernels = KernelPrecompile("scenario", plan, None if was_cached else CompilePool(2, TARGET))
+    if kernels.pool is not None:
+        kernels.pool.submit(plan)
+
+    def listed() -> list[KernelVariant]:
+        with zeroed_allocations(), skipping_launches() as found:
+            for step in steps():
+                step()
+        return found
+
+    kernels.compile_before_start(listed)
+    before = entries()
+    with kernels.recording():
+        for step in steps():
+            with contextlib.suppress(AttributeError):  # the launch itself: no GPU here
+                step()
+    print(
+        json.dumps(
+            {
+                "had_plan": bool(plan),
+                "plan_cached": was_cached,
+                "stats": kernels.stats,
+                "new_cache_entries": len(entries() - before),
+                "kept": len(_load_plan("scenario")),
+            }
+        )
+    )
+
+
 def main() -> None:
     if sys.argv[1] == "--workers-killed":
         return workers_killed(int(sys.argv[2]))
+    if sys.argv[1] == "--plan":
+        return start_up_with_plan()
     use_target(*TARGET)
     with zeroed_allocations(), skipping_launches() as found:
         outputs = [step() for step in steps()]

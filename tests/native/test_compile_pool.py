@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ MISSING = {"module": "batchjob.engine.native.kernels.fused_ops", "qualname": "no
 def run_scenario(tmp_path: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["BATCHJOB_CACHE"] = str(tmp_path / "batchjob")
     done = subprocess.run(
         [sys.executable, str(SCENARIO), *args], env=env, capture_output=True, text=True, timeout=900, check=False
     )
@@ -61,3 +63,40 @@ def test_the_real_launches_find_the_workers_binaries(compiled: dict) -> None:
 def test_a_pool_whose_workers_died_fails_its_variants_at_once(tmp_path: Path) -> None:
     report = run_scenario(tmp_path, "--workers-killed", "2")
     assert report == {"failed": 3, "compiled": 0, "wait_s": pytest.approx(0, abs=5)}
+
+
+def test_a_start_up_keeps_its_launches_as_the_next_ones_plan(tmp_path: Path) -> None:
+    first = run_scenario(tmp_path, "--plan")
+    assert not first["had_plan"] and first["stats"]["kernels_compiled"] == 3 and "kernel_listing_s" in first["stats"]
+    assert first["new_cache_entries"] == 0 and first["kept"] == 3
+    second = run_scenario(tmp_path, "--plan")
+    assert second["had_plan"] and second["plan_cached"], "every binary of the plan is in the cache: no workers"
+    assert second["stats"] == {} and second["new_cache_entries"] == 0 and second["kept"] == 3
+
+
+def test_a_plan_whose_binaries_are_gone_is_compiled_by_the_workers_without_listing(tmp_path: Path) -> None:
+    run_scenario(tmp_path, "--plan")
+    shutil.rmtree(tmp_path / "triton")
+    again = run_scenario(tmp_path, "--plan")
+    assert again["had_plan"] and not again["plan_cached"]
+    assert again["stats"]["kernels_compiled"] == 3 and "kernel_listing_s" not in again["stats"]
+    assert again["new_cache_entries"] == 0
+
+
+def test_compile_workers_is_checked_with_the_engine_options() -> None:
+    from batchjob.engine.native.options import NativeOptions
+
+    with pytest.raises(ValueError, match=r"engine.compile_workers=-1: must be >= 0 \(0: the start-up compiles"):
+        NativeOptions.from_mapping({"compile_workers": -1})
+    assert NativeOptions.from_mapping({"compile_workers": 0}).compile_workers == 0
+
+
+def test_auto_compile_workers_leave_a_cpu_to_the_start_up_and_share_among_ranks() -> None:
+    from batchjob.engine.native.options import NativeOptions
+    from batchjob.engine.native.runtime.precompile import MAX_AUTO_WORKERS, compile_workers
+
+    cpus = len(os.sched_getaffinity(0))
+    expected = min(MAX_AUTO_WORKERS, cpus - 1)
+    assert compile_workers(NativeOptions()) == (expected if expected >= 2 else 0)
+    assert compile_workers(NativeOptions(tensor_parallel=cpus)) == 0
+    assert compile_workers(NativeOptions(compile_workers=5)) == 5

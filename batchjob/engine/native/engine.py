@@ -51,6 +51,7 @@ from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
 from batchjob.engine.native.runtime.model_runner import PreparedStep, StepHandle
+from batchjob.engine.native.runtime.precompile import compiling_ahead
 from batchjob.engine.native.scheduling.admission import AdmissionQueue
 from batchjob.engine.native.scheduling.block_manager import KVBlockManager
 from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -134,14 +135,14 @@ class NativeEngine:
             return
         self.device = _device(opts.device)
         started = time.perf_counter()
-        with short_thread_switches():
+        with short_thread_switches(), compiling_ahead(model_path, opts, self.device) as kernels:
             # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
             tokenizer = _load_tokenizer_beside(model_path) if opts.detokenize else None
             self.model, self.spec = load_on_device(model_path, opts, self.device)
             self.max_model_len = self.spec.max_model_len
             self._make_grammars(tokenizer)
             loaded = time.perf_counter()
-            ready = start_runner(self.model, self.spec, opts, self.device, opts.sampler_gates)
+            ready = start_runner(self.model, self.spec, opts, self.device, opts.sampler_gates, kernels)
             self.kv_caches, self.runner = ready.kv_caches, ready.runner
             self.tokenizer = None if tokenizer is None else tokenizer.result()
         self._stats: dict[str, float] = {

@@ -59,6 +59,7 @@ class NativeOptions:
     graph_mixed: bool = True
     graph_max_batch: int | None = None
     warmup: bool | None = None
+    compile_workers: int | None = None
     detokenize: bool = True
     seed: int = 0
     deterministic: bool = False
@@ -144,6 +145,11 @@ class NativeOptions:
             problems.append(
                 f"engine.mask_threads={self.mask_threads}: must be >= 0 "
                 "(0: 80% of the CPUs the job may use, at most 32)"
+            )
+        if self.compile_workers is not None and self.compile_workers < 0:
+            problems.append(
+                f"engine.compile_workers={self.compile_workers}: must be >= 0 (0: the start-up compiles its kernels "
+                "itself; null: up to 8 worker processes, from the CPUs the job may use)"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append(f"engine.num_kv_blocks={self.num_kv_blocks}: must be >= 2 (or null to size it)")

@@ -45,15 +45,16 @@ def _start(setup: RankSetup, rank: int) -> tuple[Any, int, dict[str, float]]:
     from batchjob.engine.native.layers import parallel
     from batchjob.engine.native.options import NativeOptions
     from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
+    from batchjob.engine.native.runtime.precompile import compiling_ahead
 
     device = torch.device(f"cuda:{rank}" if setup.cuda else "cpu")
     opts = NativeOptions.from_mapping({**setup.options, "device": str(device)})
     parallel.join(rank, setup.size, setup.store_path, device, setup.timeout_s, ordered_sums=opts.deterministic)
     started = time.perf_counter()
-    with short_thread_switches():
+    with short_thread_switches(), compiling_ahead(setup.model_path, opts, device) as kernels:
         model, spec = load_on_device(setup.model_path, opts, device)
         loaded = time.perf_counter()
-        ready = start_runner(model, spec, opts, device, opts.sampler_gates)
+        ready = start_runner(model, spec, opts, device, opts.sampler_gates, kernels)
     stats = {**ready.stats, "load_s": loaded - started, "startup_s": time.perf_counter() - started}
     return ready.runner, ready.num_blocks, stats
 

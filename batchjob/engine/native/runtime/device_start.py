@@ -26,10 +26,11 @@ from batchjob.engine.native.models import CausalLM
 from batchjob.engine.native.models.spec import ModelSpec
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.runtime.io_slot import SlotLimits
-from batchjob.engine.native.runtime.kv_cache import allocate_kv_cache, decide_num_blocks
+from batchjob.engine.native.runtime.kv_cache import allocate_kv_cache, decide_num_blocks, profile_peak_bytes
 from batchjob.engine.native.runtime.model_runner import ModelRunner
+from batchjob.engine.native.runtime.precompile import KernelPrecompile
 from batchjob.engine.native.runtime.step_layout import GRAPH_MODES_BY_NAME, decode_buckets, mixed_buckets
-from batchjob.engine.native.runtime.warmup import WarmupLimits, warm_up, warmup_steps
+from batchjob.engine.native.runtime.warmup import WarmupLimits, launch_steps, warm_up, warmup_steps
 
 log = logging.getLogger("batchjob.engine.native")
 # How long a thread that wants the interpreter lock waits for the one holding it, during start-up (Python's
@@ -92,22 +93,52 @@ def load_on_device(model_path: str | Path, opts: NativeOptions, device: torch.de
 
 
 def start_runner(
-    model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device, gates: bool = False
+    model: CausalLM,
+    spec: ModelSpec,
+    opts: NativeOptions,
+    device: torch.device,
+    gates: bool = False,
+    kernels: KernelPrecompile | None = None,
 ) -> DeviceReady:
     """Size and allocate the KV cache, build the runner, capture its CUDA graphs and warm it up (on a GPU).
     `gates`: once warmed up, masked samplers may wait on the GPU behind gates (the masks are filled by a thread
-    other than the loop's)."""
-    started = time.perf_counter()
-    num_blocks = decide_num_blocks(model, spec, opts, device)
-    kv_caches = allocate_kv_cache(spec, num_blocks, opts.block_size, device)
-    kv_sized = time.perf_counter()
-    blocks_per_seq = -(-(spec.max_model_len + 1) // opts.block_size)
-    _check_fits(opts, spec, num_blocks, blocks_per_seq)
-    max_batch = min(opts.graph_max_batch or opts.max_num_seqs, opts.max_num_seqs)
+    other than the loop's). `kernels`: the start-up's Triton kernels compiled by worker processes first
+    (`precompile.py`), and what it launched kept as the next start-up's plan."""
+    if kernels is None:
+        return _start_runner(model, spec, opts, device, gates)
+    kernels.compile_before_start(lambda: list_start_variants(model, spec, opts, device))
+    with kernels.recording():
+        ready = _start_runner(model, spec, opts, device, gates)
+    ready.stats.update(kernels.stats)
+    return ready
+
+
+def list_start_variants(model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device) -> list:
+    """The Triton kernel variants `start_runner` launches, found by launching its steps (the KV sizing's largest,
+    every graph's work, the warm-up) on a scratch runner with a one-block cache, each launch of a variant not
+    compiled yet skipped (`kernel_variants.py`)."""
+    from batchjob.engine.native.runtime.kernel_variants import skipping_launches, zeroed_allocations
+
+    with torch.no_grad(), zeroed_allocations(), skipping_launches() as found:
+        profile_peak_bytes(model, spec, opts, device)
+        runner, limits = _make_runner(model, spec, opts, device, allocate_kv_cache(spec, 1, opts.block_size, device))
+        if opts.cuda_graphs:
+            runner.graphs.launch_uncaptured(*_graph_kinds(opts))
+        if _warms_up(opts, device):
+            launch_steps(runner, _warmup_steps(opts, spec, limits), opts.block_size)
+        torch.cuda.synchronize(device)
+        del runner
+    torch.cuda.empty_cache()
+    return found
+
+
+def _make_runner(
+    model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device, kv_caches: list
+) -> tuple[ModelRunner, SlotLimits]:
     limits = SlotLimits(
-        max_tokens=max(opts.max_num_batched_tokens, max_batch),
+        max_tokens=max(opts.max_num_batched_tokens, _max_graph_batch(opts)),
         max_rows=opts.max_num_seqs,
-        max_blocks_per_seq=blocks_per_seq,
+        max_blocks_per_seq=_blocks_per_seq(opts, spec),
         max_top_logprobs=20,
         bitmask_words=bitmask_words(spec.vocab_size),
     )
@@ -121,6 +152,49 @@ def start_runner(
         spec.vocab_size,
         debug_poison=opts.debug_poison_slots,
     )
+    return runner, limits
+
+
+def _max_graph_batch(opts: NativeOptions) -> int:
+    return min(opts.graph_max_batch or opts.max_num_seqs, opts.max_num_seqs)
+
+
+def _blocks_per_seq(opts: NativeOptions, spec: ModelSpec) -> int:
+    return -(-(spec.max_model_len + 1) // opts.block_size)
+
+
+def _graph_kinds(opts: NativeOptions) -> tuple[list[int], tuple, bool, list[int]]:
+    """What `StepGraphs.capture` captures: decode buckets, sampler modes, split steps or not, mixed buckets."""
+    modes = GRAPH_MODES_BY_NAME[opts.graph_sampling]
+    # The ranks of a tensor-parallel engine never split a step: constrained requests are refused there.
+    split = opts.graph_constrained and opts.tensor_parallel == 1
+    mixed = mixed_buckets(opts.max_num_batched_tokens, opts.max_num_seqs) if opts.graph_mixed else []
+    return decode_buckets(_max_graph_batch(opts)), modes, split, mixed
+
+
+def _warms_up(opts: NativeOptions, device: torch.device) -> bool:
+    # On a CPU nothing compiles and there is no caching allocator to prime: the warm-up would be pure cost.
+    return opts.warmup if opts.warmup is not None else device.type == "cuda"
+
+
+def _warmup_steps(opts: NativeOptions, spec: ModelSpec, limits: SlotLimits) -> list:
+    steps = warmup_steps(
+        WarmupLimits(opts.max_num_seqs, opts.max_num_batched_tokens, spec.max_model_len, limits.max_top_logprobs)
+    )
+    if opts.tensor_parallel > 1:
+        steps = [step for step in steps if not step.constrained]
+    return steps
+
+
+def _start_runner(
+    model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device, gates: bool
+) -> DeviceReady:
+    started = time.perf_counter()
+    num_blocks = decide_num_blocks(model, spec, opts, device)
+    kv_caches = allocate_kv_cache(spec, num_blocks, opts.block_size, device)
+    kv_sized = time.perf_counter()
+    _check_fits(opts, spec, num_blocks, _blocks_per_seq(opts, spec))
+    runner, limits = _make_runner(model, spec, opts, device, kv_caches)
     ready = DeviceReady(kv_caches, num_blocks, runner)
     ready.stats.update(
         kv_blocks=num_blocks,
@@ -129,15 +203,9 @@ def start_runner(
         kv_sizing_s=kv_sized - started,  # the KV sizing profile (the first kernels load there too)
     )
     if device.type == "cuda" and opts.cuda_graphs:
-        _capture_graphs(ready, opts, max_batch)
-    # On a CPU nothing compiles and there is no caching allocator to prime: the warm-up would be pure cost.
-    if opts.warmup if opts.warmup is not None else device.type == "cuda":
-        steps = warmup_steps(
-            WarmupLimits(opts.max_num_seqs, opts.max_num_batched_tokens, spec.max_model_len, limits.max_top_logprobs)
-        )
-        if opts.tensor_parallel > 1:
-            steps = [step for step in steps if not step.constrained]
-        ready.stats["warmup_s"] = warm_up(runner, steps, opts.block_size)
+        _capture_graphs(ready, opts)
+    if _warms_up(opts, device):
+        ready.stats["warmup_s"] = warm_up(runner, _warmup_steps(opts, spec, limits), opts.block_size)
         if gates:
             # Every kernel the run launches is loaded, and the mask worker, not the loop, fills the masks:
             # masked samplers may wait on the GPU behind gates the worker opens (host_gate.py).
@@ -160,13 +228,9 @@ def _check_fits(opts: NativeOptions, spec: ModelSpec, num_blocks: int, blocks_pe
         )
 
 
-def _capture_graphs(ready: DeviceReady, opts: NativeOptions, max_batch: int) -> None:
-    modes = GRAPH_MODES_BY_NAME[opts.graph_sampling]
-    # The ranks of a tensor-parallel engine never split a step: constrained requests are refused there.
-    split = opts.graph_constrained and opts.tensor_parallel == 1
-    mixed = mixed_buckets(opts.max_num_batched_tokens, opts.max_num_seqs) if opts.graph_mixed else []
+def _capture_graphs(ready: DeviceReady, opts: NativeOptions) -> None:
+    captured, modes, split, mixed = _graph_kinds(opts)
     graphs = ready.runner.graphs
-    captured = decode_buckets(max_batch)
     seconds, nbytes = graphs.capture(captured, modes, split, mixed)
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in ready.kv_caches)
     slot_bytes = ready.stats["slot_bytes"]

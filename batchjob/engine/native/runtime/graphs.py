@@ -231,20 +231,38 @@ class StepGraphs:
             prepare_dummy(slot, prev, shape, runner.max_model_len)
             yield slot, prev
 
-    def _decode(self, bucket: int, mode: SamplerMode, pool, split: bool) -> None:
+    def launch_uncaptured(
+        self, decode: list[int], modes: tuple[SamplerMode, ...], split: bool, mixed: list[int]
+    ) -> None:
+        """Launch once, eagerly, the work of every graph `capture` would capture, capturing none: the steps that
+        list a start-up's kernel variants (`kernel_variants.skipping_launches`). This object's graphs are then
+        placeholders: a runner that ran this is thrown away."""
+        for mode in modes:
+            for bucket in sorted(mixed, reverse=True):
+                self._mixed(bucket, mode, None, split, record=self._launch_once)
+            for bucket in sorted(decode, reverse=True):
+                self._decode(bucket, mode, None, split, record=self._launch_once)
+
+    def _launch_once(self, work: Callable[[], None], pool, warm_up: bool = True) -> None:
+        with torch.cuda.stream(self.runner.compute), self.runner.model.kernel_layers():
+            work()
+
+    def _decode(self, bucket: int, mode: SamplerMode, pool, split: bool, record: Callable | None = None) -> None:
+        record = record or self._record
         runner, shape = self.runner, StepShape(tokens=bucket, seqs=bucket, rows=bucket)
         for slot, prev in self._slots(shape):
             step = partial(runner.run_step, slot, prev, shape, 1, runner.max_model_len, mode)
-            self.decode[(slot.index, bucket, mode)] = self._record(step, pool)
+            self.decode[(slot.index, bucket, mode)] = record(step, pool)
             if not split:
                 continue
             if (slot.index, bucket) not in self.forward:
                 forward = partial(runner.run_forward, slot, prev, shape, 1, runner.max_model_len)
-                self.forward[(slot.index, bucket)] = self._record(forward, pool)
+                self.forward[(slot.index, bucket)] = record(forward, pool)
             sampler = partial(runner.run_masked_sampler, slot, shape, mode)
-            self.masked[(slot.index, bucket, mode)] = self._record(sampler, pool)
+            self.masked[(slot.index, bucket, mode)] = record(sampler, pool)
 
-    def _mixed(self, bucket: int, mode: SamplerMode, pool, split: bool) -> None:
+    def _mixed(self, bucket: int, mode: SamplerMode, pool, split: bool, record: Callable | None = None) -> None:
+        record = record or self._record
         runner = self.runner
         seqs = runner.slots[0].limits.max_rows
         shape = StepShape(tokens=bucket, seqs=seqs, rows=seqs)
@@ -253,11 +271,11 @@ class StepGraphs:
             step = partial(runner.run_step, slot, prev, shape, bucket, runner.max_model_len, mode)
             # The second slot's step launches the kernels the first slot's warm-up ran, at the same sizes: a
             # second eager run of thousands of tokens would only lengthen the start-up.
-            self.mixed[(slot.index, bucket, mode)] = self._record(step, pool, warm_up=slot.index == 0)
+            self.mixed[(slot.index, bucket, mode)] = record(step, pool, warm_up=slot.index == 0)
             if not split:
                 continue
             if (slot.index, bucket) not in self.mixed_forward:
                 forward = partial(runner.run_forward, slot, prev, shape, bucket, runner.max_model_len)
-                self.mixed_forward[(slot.index, bucket)] = self._record(forward, pool, warm_up=False)
+                self.mixed_forward[(slot.index, bucket)] = record(forward, pool, warm_up=False)
             sampler = partial(runner.run_masked_sampler, slot, shape, mode)
-            self.mixed_masked[(slot.index, bucket, mode)] = self._record(sampler, pool)
+            self.mixed_masked[(slot.index, bucket, mode)] = record(sampler, pool)

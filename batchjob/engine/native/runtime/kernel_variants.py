@@ -17,11 +17,10 @@ which `JITFunction.preload` compiles the same binary under the same cache key in
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,60 +73,59 @@ def _hook(name: str, hook: Any) -> Iterator[None]:
 
 
 @contextmanager
-def skipping_launches() -> Iterator[list[KernelVariant]]:
-    """Record, in launch order and once each, the variants launched while active that this process had not
-    compiled, and launch none of them (a variant compiled earlier in the process still runs)."""
-    found: dict[tuple[str, str, str], KernelVariant] = {}
-
-    def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
-        variant = _variant(fn, compile)
-        found.setdefault(variant.key, variant)
-        return True
-
-    variants: list[KernelVariant] = []
-    try:
-        with _hook("jit_cache_hook", record):
-            yield variants
-    finally:
-        variants.extend(found.values())
-
-
-@contextmanager
-def recording_compiles() -> Iterator[list[KernelVariant]]:
-    """Record the variants compiled or loaded from the cache while active, with their cache hashes."""
+def _collecting(hook: str, variant_of: Callable[..., KernelVariant], handled: bool) -> Iterator[list[KernelVariant]]:
+    """Each variant Triton's `hook` is called for while active, once, in call order (the list fills on exit);
+    the hook answers `handled` (True: the launch is not compiled nor run)."""
     found: dict[tuple[str, str, str], KernelVariant] = {}
     lock = threading.Lock()
 
-    def record(*, key: Any, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
-        kernel = fn.jit_function.device_caches[compile["device"]][0].get(key)
-        variant = _variant(fn, compile, getattr(kernel, "hash", "") or "")
+    def record(**kwargs: Any) -> bool:
+        variant = variant_of(**kwargs)
         with lock:
             found.setdefault(variant.key, variant)
-        return False
+        return handled
 
     variants: list[KernelVariant] = []
     try:
-        with _hook("jit_post_compile_hook", record):
+        with _hook(hook, record):
             yield variants
     finally:
         variants.extend(found.values())
 
 
+def skipping_launches() -> AbstractContextManager[list[KernelVariant]]:
+    """Record the variants launched while active that this process had not compiled, and launch none of them (a
+    variant compiled earlier in the process still runs)."""
+
+    def variant(*, fn: Any, compile: dict[str, Any], **_: Any) -> KernelVariant:
+        return _variant(fn, compile)
+
+    return _collecting("jit_cache_hook", variant, handled=True)
+
+
+def recording_compiles() -> AbstractContextManager[list[KernelVariant]]:
+    """Record the variants compiled or loaded from the cache while active, with their cache hashes."""
+
+    def variant(*, key: Any, fn: Any, compile: dict[str, Any], **_: Any) -> KernelVariant:
+        kernel = fn.jit_function.device_caches[compile["device"]][0].get(key)
+        return _variant(fn, compile, getattr(kernel, "hash", "") or "")
+
+    return _collecting("jit_post_compile_hook", variant, handled=False)
+
+
 def cached(variants: list[KernelVariant]) -> bool:
-    """Whether Triton's cache holds a binary for every variant (each with a known hash). A cache that is not a
-    directory (a custom cache manager) answers no."""
+    """Whether Triton's cache holds a whole binary for every variant (each with a known hash): its entry's group
+    file, which Triton writes last. A cache that is not a directory (a custom cache manager) answers no."""
     for variant in variants:
         if not variant.cache_hash:
             return False
-        folder = getattr(get_cache_manager(variant.cache_hash), "cache_dir", None)
-        if not folder or not os.path.isdir(folder):
+        folder = getattr(get_cache_manager(variant.cache_hash), "cache_dir", None)  # made if missing
+        try:
+            if not folder or not any(name.startswith("__grp__") for name in os.listdir(folder)):
+                return False
+        except OSError:
             return False
     return True
-
-
-def specialization_name(variant: KernelVariant) -> str:
-    """The function's name as Triton's record has it, for messages."""
-    return str(json.loads(variant.data).get("name", f"{variant.module}.{variant.qualname}"))
 
 
 @contextmanager

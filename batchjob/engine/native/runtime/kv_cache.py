@@ -25,7 +25,7 @@ def allocate_kv_cache(spec, num_blocks: int, block_size: int, device: torch.devi
     return [(cache[0, layer], cache[1, layer]) for layer in range(spec.num_layers)]
 
 
-def _profile_peak_bytes(model, spec, opts: NativeOptions, device: torch.device) -> int:
+def profile_peak_bytes(model, spec, opts: NativeOptions, device: torch.device) -> int:
     """Peak device memory of the largest step this engine will run (a full token budget of prefill, and
     logits for every sequence)."""
     tokens = max(1, min(opts.max_num_batched_tokens, spec.max_model_len * opts.max_num_seqs))
@@ -62,7 +62,7 @@ def decide_num_blocks(model, spec, opts: NativeOptions, device: torch.device) ->
         if device.type == "cuda":
             _check_fits(int(gb * 2**30), device)
         return max(2, int(gb * 2**30) // block_bytes)
-    peak = _profile_peak_bytes(model, spec, opts, device)
+    peak = profile_peak_bytes(model, spec, opts, device)
     free, total = torch.cuda.mem_get_info(device)
     # Memory outside torch's allocator (CUDA context, other processes) counts against the budget too.
     outside = total - free - torch.cuda.memory_reserved(device)

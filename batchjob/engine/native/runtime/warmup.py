@@ -206,10 +206,8 @@ def _allow_every_token(bitmask: torch.Tensor) -> None:
     bitmask.fill_(-1)
 
 
-def warm_up(runner: ModelRunner, steps: list[WarmupStep], block_size: int) -> float:
-    """Launch each step in both IO slots and wait for it; returns the seconds it took. The runner's step
-    counters and GPU-busy clock start from zero afterwards."""
-    started = time.perf_counter()
+def launch_steps(runner: ModelRunner, steps: list[WarmupStep], block_size: int) -> None:
+    """Launch each step in both IO slots and wait for it."""
     with runner.model.kernel_layers():
         for step in steps:
             plan = _plan(step, block_size, runner.max_model_len)
@@ -219,6 +217,13 @@ def warm_up(runner: ModelRunner, steps: list[WarmupStep], block_size: int) -> fl
                     runner.sample_masked(handle, _allow_every_token)
                 runner.collect(handle)
     runner.finish()
+
+
+def warm_up(runner: ModelRunner, steps: list[WarmupStep], block_size: int) -> float:
+    """Launch each step in both IO slots and wait for it; returns the seconds it took. The runner's step
+    counters and GPU-busy clock start from zero afterwards."""
+    started = time.perf_counter()
+    launch_steps(runner, steps, block_size)
     runner.reset_counters()
     seconds = time.perf_counter() - started
     log.info("warm-up: %d kinds of step, each in both IO slots, in %.1f s", len(steps), seconds)
