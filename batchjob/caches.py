@@ -7,6 +7,9 @@
   sees, so a job's tasks compile once between them: Triton writes each kernel atomically (temporary file,
   then rename) under a key that includes the GPU architecture and the Triton version, so concurrent tasks
   and mixed GPU types share one directory safely.
+- `kernel-plans/`: the Triton kernel variants each kind of start-up launched (model config, engine options, GPU,
+  versions), with their entries in `triton/`: a later start-up of that kind has them compiled by worker
+  processes beside its weight load, or skips that when every entry is there (`engine/native/runtime/precompile.py`).
 - `model-specs/`: what the native engine read from each model's config files (`models/spec_cache.py`), and
   `tokenizer-classes/`: which tokenizer class transformers chose for each model (`transformers_import.py`), so
   a later job on the same files need not import transformers' config and auto classes. Small JSON entries,

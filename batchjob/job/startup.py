@@ -40,6 +40,8 @@ BESIDE_ENGINE_PHASES = {
 # The engine's own start-up, when its stats() report it: copied into the report as `engine_<key>`.
 ENGINE_PHASES = {
     "load_s": "weights",
+    "kernel_listing_s": "kernel listing",
+    "kernel_compile_s": "waiting for kernel compiles",
     "kv_sizing_s": "KV sizing",
     "graph_capture_s": "CUDA graphs",
     "warmup_s": "warm-up",

@@ -2,6 +2,8 @@
 path adds up to the time from process start to "ready to generate".
 
 Run on the GPU machine:  python -m pytest tests/gpu/test_startup_gpu.py -q -s   (-s prints the phases)
+
+Also: a cold start-up's kernels compiled by worker processes (runtime/precompile.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.dataset as pads
 import pytest
 import torch
 
@@ -100,3 +103,33 @@ def test_after_batchjob_warmup_a_job_compiles_no_kernel(tmp_path: Path) -> None:
     done = subprocess.run(job, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert {path.name for path in kernels.rglob("*") if path.is_file()} == compiled
+
+
+def _cold_job(tmp_path: Path, name: str, *overrides: str) -> tuple[list, dict, str]:
+    """A job of the default model in its own `BATCHJOB_CACHE` (compile cache inside): its rows, start-up, log."""
+    env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / f"cache-{name.split('-')[0]}")}
+    env.pop("TRITON_CACHE_DIR", None)
+    out = tmp_path / name
+    job = [sys.executable, "-m", "batchjob", "engine=native", "data.limit=96", f"output.dir={out}", *overrides]
+    done = subprocess.run(job, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out.parent / f"{out.name}.batchjob" / "_report.json").read_text())
+    table = pads.dataset(str(out), format="parquet").to_table().sort_by("row_id")
+    return table.column("generation").to_pylist(), report["startup_s"], done.stderr
+
+
+def test_a_cold_start_up_has_workers_compile_its_kernels_and_generates_the_same(tmp_path: Path) -> None:
+    """Empty caches: the start-up lists its kernel variants, worker processes compile every one (the start-up's
+    own launches compile none), and the rows equal those of a start-up that compiled one kernel at a time. The
+    next job finds every binary its plan names: no listing, no workers, the same rows."""
+    serial, serial_startup, _ = _cold_job(tmp_path, "serial", "engine.compile_workers=0")
+    workers, startup, log = _cold_job(tmp_path, "workers")
+    print(json.dumps({"serial": serial_startup, "workers": startup}, indent=1))
+    assert workers == serial
+    assert "Triton kernel variants compiled or found by worker processes" in log
+    assert startup["engine_kernel_listing_s"] > 0 and startup["engine_kernel_compile_s"] > 0
+    assert "the workers had not compiled were compiled by the start-up" not in log, log[-3000:]
+    again, warm_startup, log = _cold_job(tmp_path, "workers-again")
+    assert again == serial
+    assert "engine_kernel_listing_s" not in warm_startup and "engine_kernel_compile_s" not in warm_startup
+    assert "worker processes" not in log

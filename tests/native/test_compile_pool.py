@@ -69,6 +69,7 @@ def test_a_start_up_keeps_its_launches_as_the_next_ones_plan(tmp_path: Path) -> 
     first = run_scenario(tmp_path, "--plan")
     assert not first["had_plan"] and first["stats"]["kernels_compiled"] == 3 and "kernel_listing_s" in first["stats"]
     assert first["new_cache_entries"] == 0 and first["kept"] == 3
+    assert first["stats"]["kernels_missed"] == 0, "the start-up's launches compiled nothing the workers had not"
     second = run_scenario(tmp_path, "--plan")
     assert second["had_plan"] and second["plan_cached"], "every binary of the plan is in the cache: no workers"
     assert second["stats"] == {} and second["new_cache_entries"] == 0 and second["kept"] == 3

@@ -104,6 +104,7 @@ class KernelPrecompile:
     def __init__(self, key: str, plan: list[KernelVariant], pool: CompilePool | None) -> None:
         self.key, self.plan, self.pool = key, plan, pool
         self.stats: dict[str, float] = {}
+        self._compiled: set[tuple[str, str, str]] | None = None  # what the workers compiled, once they ran
 
     @classmethod
     def begin(cls, model_path: str | Path, opts: NativeOptions, device: torch.device) -> KernelPrecompile | None:
@@ -141,6 +142,7 @@ class KernelPrecompile:
             self.pool.submit(variants)
         report = self.pool.wait(COMPILE_TIMEOUT_S)
         self.pool = None
+        self._compiled = {v.key for v in report.compiled}
         self.stats.update(kernels_compiled=len(report.compiled), kernel_compile_s=report.seconds)
         log.info(
             "%d Triton kernel variants compiled or found by worker processes in %.1f s (%s)%s",
@@ -157,6 +159,15 @@ class KernelPrecompile:
 
         with recording_compiles() as launched:
             yield
+        if self._compiled is not None:
+            missed = [v for v in launched if v.key not in self._compiled]
+            self.stats["kernels_missed"] = len(missed)
+            if missed:
+                log.info(
+                    "%d kernel variants the workers had not compiled were compiled by the start-up: %s",
+                    len(missed),
+                    ", ".join(sorted({v.qualname for v in missed})),
+                )
         if {v.key: v.cache_hash for v in launched} != {v.key: v.cache_hash for v in self.plan}:
             store_entry(PLANS, self.key, {"variants": [v.to_json() for v in launched]})
 
