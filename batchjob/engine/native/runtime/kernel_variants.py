@@ -17,6 +17,7 @@ which `JITFunction.preload` compiles the same binary under the same cache key in
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 from triton import knobs
 from triton.runtime.cache import get_cache_manager
+
+log = logging.getLogger("batchjob.engine.native")
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,11 @@ def _collecting(hook: str, variant_of: Callable[..., KernelVariant], handled: bo
     lock = threading.Lock()
 
     def record(**kwargs: Any) -> bool:
-        variant = variant_of(**kwargs)
+        try:
+            variant = variant_of(**kwargs)
+        except Exception:  # a hook that raised would fail the launch: this variant goes unrecorded instead
+            log.debug("a Triton kernel variant could not be recorded", exc_info=True)
+            return handled
         with lock:
             found.setdefault(variant.key, variant)
         return handled

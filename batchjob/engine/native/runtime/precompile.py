@@ -11,7 +11,8 @@ With a CUDA device and `engine.compile_workers` (auto: up to 8, from the CPUs th
 2. `compile_before_start`, once the weights are on the device: without a plan, the start-up's steps (the KV
    sizing's largest step, every graph's work, the warm-up) run on a scratch runner under
    `kernel_variants.skipping_launches`, which lists their variants in about a second, and the workers compile
-   them. It waits for the workers (`COMPILE_TIMEOUT_S` at most).
+   them. It waits for the workers (`COMPILE_TIMEOUT_S` at most). The ranks of a tensor-parallel engine list
+   nothing (the steps' collectives would have to meet on every rank); they follow a plan where there is one.
 3. `recording` wraps the start-up proper: its launches load the binaries from the cache. What it launched is kept
    as the next start-up's plan (rewritten only when it changed).
 
@@ -108,10 +109,23 @@ class KernelPrecompile:
 
     @classmethod
     def begin(cls, model_path: str | Path, opts: NativeOptions, device: torch.device) -> KernelPrecompile | None:
-        """None where nothing compiles (no CUDA device, Triton interpreting) or workers are off."""
+        """None where nothing compiles (no CUDA device, Triton interpreting) or workers are off. Compiling ahead
+        only ever saves time: whatever fails here is logged and the start-up compiles its kernels itself."""
         workers = compile_workers(opts)
         if device.type != "cuda" or workers <= 0 or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             return None
+        try:
+            return cls._begin(model_path, opts, device, workers)
+        except Exception as exc:
+            log.warning(
+                "kernels not compiled ahead (%s: %s): the start-up compiles them itself", type(exc).__name__, exc
+            )
+            return None
+
+    @classmethod
+    def _begin(
+        cls, model_path: str | Path, opts: NativeOptions, device: torch.device, workers: int
+    ) -> KernelPrecompile:
         from triton.runtime.driver import driver
 
         from batchjob.engine.native.runtime.compile_pool import CompilePool
@@ -119,15 +133,13 @@ class KernelPrecompile:
 
         key = plan_key(model_path, opts, device)
         plan = _load_plan(key)
-        if plan and cached(plan):
+        # The ranks of a tensor-parallel engine follow a plan but list nothing: listing runs steps, whose
+        # collectives every rank must meet, and one rank could find a plan another did not.
+        if (plan and cached(plan)) or (not plan and opts.tensor_parallel > 1):
             return cls(key, plan, None)
         with torch.cuda.device(device):
             target = driver.active.get_current_target()
-        try:
-            pool = CompilePool(workers, (target.backend, target.arch, target.warp_size))
-        except OSError as exc:
-            log.warning("kernel compile workers could not start (%s): the start-up compiles its kernels itself", exc)
-            return cls(key, plan, None)
+        pool = CompilePool(workers, (target.backend, target.arch, target.warp_size))
         pool.submit(plan)
         return cls(key, plan, pool)
 
@@ -137,7 +149,11 @@ class KernelPrecompile:
             return
         if not self.plan:
             started = time.perf_counter()
-            variants = list_variants()
+            try:
+                variants = list_variants()
+            except Exception as exc:  # the start-up proper compiles what is not listed
+                log.warning("kernel variants not listed (%s: %s)", type(exc).__name__, exc)
+                variants = []
             self.stats["kernel_listing_s"] = time.perf_counter() - started
             self.pool.submit(variants)
         report = self.pool.wait(COMPILE_TIMEOUT_S)
