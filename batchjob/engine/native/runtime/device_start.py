@@ -115,12 +115,13 @@ def start_runner(
 
 def list_start_variants(model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device) -> list:
     """The Triton kernel variants `start_runner` launches, found by launching its steps (the KV sizing's largest,
-    every graph's work, the warm-up) on a scratch runner with a one-block cache, each launch of a variant not
-    compiled yet skipped (`kernel_variants.py`)."""
+    every graph's work, the warm-up) through one layer of each kind on a scratch runner with a one-block cache,
+    each launch of a variant not compiled yet skipped (`kernel_variants.py`)."""
     from batchjob.engine.native.runtime.kernel_variants import skipping_launches, zeroed_allocations
 
     with torch.no_grad(), zeroed_allocations(), skipping_launches() as found:
-        profile_peak_bytes(model, spec, opts, device)
+        with model.kernel_layers():
+            profile_peak_bytes(model, spec, opts, device)
         runner, limits = _make_runner(model, spec, opts, device, allocate_kv_cache(spec, 1, opts.block_size, device))
         if opts.cuda_graphs:
             runner.graphs.launch_uncaptured(*_graph_kinds(opts))
