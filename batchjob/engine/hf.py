@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from batchjob.engine.api import Completion, Request, Sample, SamplingParams
+from batchjob.engine.devices import torch_device
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.hf_options import OPTION_DEFAULTS, check_options
 from batchjob.engine.hf_sampling import RowState, choose_tokens, constraint_mask
@@ -46,9 +47,10 @@ class HFEngine:
 
     @classmethod
     def check_model(cls, model_path: str, options: Mapping[str, Any]) -> None:
-        """Refuse weight files that cannot load (a missing shard, a truncated copy) from their headers; a hub id
-        is left to transformers, which fetches it."""
+        """Refuse weight files that cannot load (a missing shard, a truncated copy) from their headers (a hub id
+        is left to transformers, which fetches it), and a device this machine does not have."""
         check_local_weight_files(model_path)
+        torch_device(options.get("device", OPTION_DEFAULTS["device"]))
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -57,10 +59,7 @@ class HFEngine:
     def __init__(self, model_path: str, **options: Any) -> None:
         self.check_options(options)
         opts = {**OPTION_DEFAULTS, **options}
-        device = opts["device"]
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = torch_device(opts["device"])
         dtype = opts["dtype"]
         if dtype == "auto":
             # CPU kernels for half types are slow and inexact; GPUs want bf16.

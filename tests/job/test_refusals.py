@@ -65,6 +65,16 @@ def test_a_truncated_copy_of_the_weights_is_refused_before_loading(tmp_path: Pat
     assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("engine", ["hf", "native", "native_sync"])
+def test_a_gpu_this_machine_does_not_have_is_refused_before_loading(tmp_path: Path, engine: str) -> None:
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last visible GPU; without CUDA, any GPU
+    done = run_cli(f"engine={engine}", f"engine.device={missing}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, f"engine.device={missing} but ", "use engine.device=")
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
 def test_a_model_without_tokenizer_files_says_so(tmp_path: Path, model_dir: str) -> None:
     bare = tmp_path / "no-tokenizer"
     shutil.copytree(model_dir, bare)
