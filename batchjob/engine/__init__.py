@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -100,10 +101,21 @@ def check_engine_options(name: str, options: Mapping[str, Any]) -> None:
     if name == AUTO:
         native, fallback = _split_auto(options)
         check_engine_options("native", native)
-        check_engine_options("hf", fallback)
+        try:
+            check_engine_options("hf", fallback)
+        except ValueError as err:
+            raise ValueError(_under_hf(str(err))) from None
         return
     _known(name)
     _imported(OPTION_CHECKS[name])({**options, **BACKENDS[name][1]})
+
+
+def _under_hf(message: str) -> str:
+    """The hf check's message with its keys as engine=auto spells them: the fallback's own options live under
+    `engine.hf.` (`engine.hf.lookahead`), the shared ones at `engine.` (`engine.dtype`)."""
+    return re.sub(
+        r"\bengine\.(\w+)", lambda key: key[0] if key[1] in SHARED_OPTIONS else f"engine.hf.{key[1]}", message
+    )
 
 
 def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> BackendChoice:
