@@ -115,6 +115,8 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("job.max_error_fraction=1.5", "job.max_error_fraction=1.5: must be a number from 0 to 1"),
         ("job.max_error_fraction=half", "job.max_error_fraction='half': must be a number from 0 to 1"),
         ("engine.max_batch_size=0", "engine.max_batch_size must be a positive integer"),
+        ("engine.max_batch_size=true", "engine.max_batch_size must be a positive integer, got True"),
+        ("engine.attn_implementation=flash", "engine.attn_implementation='flash': use sdpa, eager, flex_attention"),
         ("+engine.max_batch_siz=4", "engine.max_batch_siz (did you mean engine.max_batch_size?)"),
         ("data.passthrough_columns=[nope]", "passthrough_columns names nope, not in the input"),
         ("shard.index=3", "shard.index=3 must be below shard.count=1"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -73,6 +74,18 @@ def test_a_gpu_this_machine_does_not_have_is_refused_before_loading(tmp_path: Pa
     done = run_cli(f"engine={engine}", f"engine.device={missing}", f"output.dir={tmp_path / 'out'}")
     assert_refused(done, f"engine.device={missing} but ", "use engine.device=")
     assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+def test_a_flash_attention_that_cannot_run_here_is_refused_as_the_engine_starts(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("FlashAttention 2 may run here")
+    done = run_cli("engine.attn_implementation=flash_attention_2", f"output.dir={tmp_path / 'out'}")
+    assert_refused(
+        done, "engine.attn_implementation=flash_attention_2 cannot run this model here (", "attn_implementation=sdpa"
+    )
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_a_model_without_tokenizer_files_says_so(tmp_path: Path, model_dir: str) -> None:
