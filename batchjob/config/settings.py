@@ -337,6 +337,12 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     if shard_index >= shard_count:
         raise ConfigError(f"shard.index={shard_index} must be below shard.count={shard_count}")
     data = cfg.data
+    for key, default in (("model.path", "the embedded tiny model"), ("data.path", "the bundled sample prompts")):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and not value.strip():
+            # `data.path=$DATA` with DATA unset: the bundled prompts (for model.path: the working directory) would
+            # run instead, and exit 0.
+            raise ConfigError(f"{key} is empty (an unset shell variable?): set {key}=PATH, or {key}=null for {default}")
     passthrough = data.passthrough_columns
     if isinstance(passthrough, str):
         passthrough = [passthrough]

@@ -109,6 +109,8 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
     [
         ("data.prompt_column=question", "no column 'question'; its columns are id, prompt, topic"),
         ("data.path=/nonexistent/prompts.parquet", "/nonexistent/prompts.parquet"),
+        ("data.path=", "data.path is empty (an unset shell variable?): set data.path=PATH"),
+        ("model.path=", "model.path is empty (an unset shell variable?): set model.path=PATH"),
         ("sampling.top_p=1.5", "top_p must be in (0, 1]"),
         ("sampling.max_new_tokens=0", "max_new_tokens must be >= 1"),
         ("on_error=ignore", "on_error='ignore': choose one of record, skip, fail"),
