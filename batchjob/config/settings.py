@@ -233,7 +233,7 @@ def _prompt(cfg: DictConfig) -> PromptSpec:
         messages_column=data.messages_column,
         template=pipeline.template,
         system_prompt=pipeline.system_prompt,
-        add_special_tokens=bool(pipeline.add_special_tokens),
+        add_special_tokens=_flag(pipeline.add_special_tokens, "pipeline.add_special_tokens"),
     )
 
 
@@ -394,7 +394,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             data_files=OmegaConf.to_container(data.data_files)
             if OmegaConf.is_config(data.data_files)
             else data.data_files,
-            streaming=bool(data.streaming),
+            streaming=_flag(data.streaming, "data.streaming"),
             id_column=data.id_column,
             passthrough_columns=None if passthrough is None else tuple(passthrough),
             limit=limit,
@@ -407,14 +407,14 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             dir=str(out.dir),
             commit_every_rows=_positive_int(out.commit_every_rows, "output.commit_every_rows"),
             commit_every_s=commit_every_s,
-            ordered=bool(out.ordered),
-            token_ids=bool(out.token_ids),
+            ordered=_flag(out.ordered, "output.ordered"),
+            token_ids=_flag(out.token_ids, "output.token_ids"),
             overwrite=_flag(out.overwrite, "output.overwrite"),
             lock_timeout_s=lock_timeout_s,
         ),
         shard_index=shard_index,
         shard_count=shard_count,
-        resume=bool(cfg.resume),
+        resume=_flag(cfg.resume, "resume"),
         on_error=on_error,
         max_error_fraction=_fraction(
             cfg.job.max_error_fraction,

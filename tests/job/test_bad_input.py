@@ -114,6 +114,9 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("sampling.top_p=1.5", "top_p must be in (0, 1]"),
         ("sampling.max_new_tokens=0", "max_new_tokens must be >= 1"),
         ("on_error=ignore", "on_error='ignore': choose one of record, skip, fail"),
+        ("resume=no", "resume='no': must be true or false"),  # bool("no") would resume
+        ("pipeline.add_special_tokens=off", "pipeline.add_special_tokens='off': must be true or false"),
+        ("output.ordered=yes", "output.ordered='yes': must be true or false"),
         ("job.max_error_fraction=1.5", "job.max_error_fraction=1.5: must be a number from 0 to 1"),
         ("job.max_error_fraction=half", "job.max_error_fraction='half': must be a number from 0 to 1"),
         ("engine.max_batch_size=0", "engine.max_batch_size must be a positive integer"),
