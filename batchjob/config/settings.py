@@ -346,6 +346,12 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     passthrough = data.passthrough_columns
     if isinstance(passthrough, str):
         passthrough = [passthrough]
+    listed = isinstance(passthrough, list) or OmegaConf.is_list(passthrough)
+    if passthrough is not None and not (listed and all(isinstance(name, str) for name in passthrough)):
+        raise ConfigError(
+            f"data.passthrough_columns={_raw_value(cfg, 'data.passthrough_columns')}: give a list of column names, "
+            """data.passthrough_columns=[a,b] ([] for none), quoting a name Hydra reads as a number: '["2024"]'"""
+        )
     out = cfg.output
     if not out.dir:
         raise ConfigError("output.dir is empty: set output.dir=/path/to/results")

@@ -124,6 +124,7 @@ def unloadable_model(tmp_path: Path, model_dir: str) -> Path:
         ("engine.attn_implementation=flash", "engine.attn_implementation='flash': use sdpa, eager, flex_attention"),
         ("+engine.max_batch_siz=4", "engine.max_batch_siz (did you mean engine.max_batch_size?)"),
         ("data.passthrough_columns=[nope]", "passthrough_columns names nope, not in the input"),
+        ("data.passthrough_columns=[1,topic]", "data.passthrough_columns=[1, 'topic']: give a list of column names"),
         ("shard.index=3", "shard.index=3 must be below shard.count=1"),
         ("output.lock_timeout_s=0", "output.lock_timeout_s=0: must be a number of seconds > 0"),
         ("output.commit_every_s=soon", "output.commit_every_s='soon': must be a number of seconds > 0"),
