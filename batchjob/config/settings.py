@@ -193,9 +193,9 @@ def _sampling(cfg: DictConfig) -> SamplingParams:
     stop_ids = raw.pop("stop_token_ids", None) or []
     if isinstance(stop, str):
         stop = [stop]
-    if not all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ConfigError(f"sampling.stop={stop!r}: must be a string or a list of strings")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ConfigError(f"sampling.stop_token_ids={stop_ids!r}: must be a list of token ids (integers)")
     fields = SamplingParams.__dataclass_fields__
     for key, value in raw.items():
@@ -225,6 +225,13 @@ def _prompt(cfg: DictConfig) -> PromptSpec:
             kind = "template"
         else:
             kind = "raw"
+    for key in ("template", "system_prompt"):
+        if pipeline[key] is not None and not isinstance(pipeline[key], str):
+            typed = _choice_text(pipeline[key])
+            raise ConfigError(
+                f"pipeline.{key}={typed}: must be text; quote it for Hydra inside the shell's quotes, "
+                f"""'pipeline.{key}="{typed}"'"""
+            )
     if kind == "template" and not pipeline.template:
         raise ConfigError('pipeline.kind=template needs pipeline.template, e.g. "Q: {question}\\nA:"')
     return PromptSpec(
