@@ -140,6 +140,9 @@ def composition_error(err: Exception) -> str:
         valid = [f"{parent}.{name}" if parent else str(name) for name in siblings]
         suggestion = closest_key(key, valid or list(dotted_keys(packaged_defaults())))
         if parent in _OPEN and not suggestion:
+            foreign = _foreign_engine_option(key, cause.parent_node)
+            if foreign:
+                return foreign
             # A preset that sets only some of its backend's options leaves the others out of the config.
             return (
                 f"{key} is not in this engine preset: if it is an option of the backend, add it with "
@@ -148,3 +151,22 @@ def composition_error(err: Exception) -> str:
         return f"unknown key {key}{suggestion}: {_HELP}"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return "; ".join(lines)
+
+
+def _foreign_engine_option(key: str, engine: Any) -> str | None:
+    """Why `engine.KEY` is refused when the chosen backend has no such option (`engine=native
+    engine.enforce_eager=true`), naming the backend that has it; None when it may be one the preset left out."""
+    from batchjob.engine import BACKENDS, option_names
+
+    backend = engine.get("name") if isinstance(engine, DictConfig) else None
+    takes = option_names(backend) if isinstance(backend, str) and backend in (*BACKENDS, "auto") else None
+    option = key.rpartition(".")[2]
+    if takes is None or option in takes:
+        return None
+    owners = [name for name in ("native", "hf") if option in (option_names(name) or ())]
+    where = (
+        f"it is an option of engine={owners[0]}"
+        if owners
+        else f"if it is one of vLLM's engine arguments, it goes with engine=vllm as +{key}=VALUE"
+    )
+    return f"unknown key {key}: engine={backend} has no such option ({where}); {_HELP}"

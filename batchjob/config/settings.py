@@ -193,9 +193,9 @@ def _sampling(cfg: DictConfig) -> SamplingParams:
     stop_ids = raw.pop("stop_token_ids", None) or []
     if isinstance(stop, str):
         stop = [stop]
-    if not all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ConfigError(f"sampling.stop={stop!r}: must be a string or a list of strings")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ConfigError(f"sampling.stop_token_ids={stop_ids!r}: must be a list of token ids (integers)")
     fields = SamplingParams.__dataclass_fields__
     for key, value in raw.items():
@@ -225,6 +225,13 @@ def _prompt(cfg: DictConfig) -> PromptSpec:
             kind = "template"
         else:
             kind = "raw"
+    for key in ("template", "system_prompt"):
+        if pipeline[key] is not None and not isinstance(pipeline[key], str):
+            typed = _choice_text(pipeline[key])
+            raise ConfigError(
+                f"pipeline.{key}={typed}: must be text; quote it for Hydra inside the shell's quotes, "
+                f"""'pipeline.{key}="{typed}"'"""
+            )
     if kind == "template" and not pipeline.template:
         raise ConfigError('pipeline.kind=template needs pipeline.template, e.g. "Q: {question}\\nA:"')
     return PromptSpec(
@@ -233,7 +240,7 @@ def _prompt(cfg: DictConfig) -> PromptSpec:
         messages_column=data.messages_column,
         template=pipeline.template,
         system_prompt=pipeline.system_prompt,
-        add_special_tokens=bool(pipeline.add_special_tokens),
+        add_special_tokens=_flag(pipeline.add_special_tokens, "pipeline.add_special_tokens"),
     )
 
 
@@ -337,9 +344,21 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     if shard_index >= shard_count:
         raise ConfigError(f"shard.index={shard_index} must be below shard.count={shard_count}")
     data = cfg.data
+    for key, default in (("model.path", "the embedded tiny model"), ("data.path", "the bundled sample prompts")):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and not value.strip():
+            # `data.path=$DATA` with DATA unset: the bundled prompts (for model.path: the working directory) would
+            # run instead, and exit 0.
+            raise ConfigError(f"{key} is empty (an unset shell variable?): set {key}=PATH, or {key}=null for {default}")
     passthrough = data.passthrough_columns
     if isinstance(passthrough, str):
         passthrough = [passthrough]
+    listed = isinstance(passthrough, list) or OmegaConf.is_list(passthrough)
+    if passthrough is not None and not (listed and all(isinstance(name, str) for name in passthrough)):
+        raise ConfigError(
+            f"data.passthrough_columns={_raw_value(cfg, 'data.passthrough_columns')}: give a list of column names, "
+            """data.passthrough_columns=[a,b] ([] for none), quoting a name Hydra reads as a number: '["2024"]'"""
+        )
     out = cfg.output
     if not out.dir:
         raise ConfigError("output.dir is empty: set output.dir=/path/to/results")
@@ -388,7 +407,7 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             data_files=OmegaConf.to_container(data.data_files)
             if OmegaConf.is_config(data.data_files)
             else data.data_files,
-            streaming=bool(data.streaming),
+            streaming=_flag(data.streaming, "data.streaming"),
             id_column=data.id_column,
             passthrough_columns=None if passthrough is None else tuple(passthrough),
             limit=limit,
@@ -401,14 +420,14 @@ def load_settings(cfg: DictConfig) -> JobSettings:
             dir=str(out.dir),
             commit_every_rows=_positive_int(out.commit_every_rows, "output.commit_every_rows"),
             commit_every_s=commit_every_s,
-            ordered=bool(out.ordered),
-            token_ids=bool(out.token_ids),
+            ordered=_flag(out.ordered, "output.ordered"),
+            token_ids=_flag(out.token_ids, "output.token_ids"),
             overwrite=_flag(out.overwrite, "output.overwrite"),
             lock_timeout_s=lock_timeout_s,
         ),
         shard_index=shard_index,
         shard_count=shard_count,
-        resume=bool(cfg.resume),
+        resume=_flag(cfg.resume, "resume"),
         on_error=on_error,
         max_error_fraction=_fraction(
             cfg.job.max_error_fraction,

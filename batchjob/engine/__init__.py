@@ -17,8 +17,10 @@ plus an `hf` mapping for the transformers fallback, which also receives the keys
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,7 @@ __all__ = [
     "check_engine_options",
     "choose_backend",
     "create_engine",
+    "option_names",
 ]
 
 BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -100,10 +103,38 @@ def check_engine_options(name: str, options: Mapping[str, Any]) -> None:
     if name == AUTO:
         native, fallback = _split_auto(options)
         check_engine_options("native", native)
-        check_engine_options("hf", fallback)
+        try:
+            check_engine_options("hf", fallback)
+        except ValueError as err:
+            raise ValueError(_under_hf(str(err))) from None
         return
     _known(name)
     _imported(OPTION_CHECKS[name])({**options, **BACKENDS[name][1]})
+
+
+def _under_hf(message: str) -> str:
+    """The hf check's message with its keys as engine=auto spells them: the fallback's own options live under
+    `engine.hf.` (`engine.hf.lookahead`), the shared ones at `engine.` (`engine.dtype`)."""
+    return re.sub(
+        r"\bengine\.(\w+)", lambda key: key[0] if key[1] in SHARED_OPTIONS else f"engine.hf.{key[1]}", message
+    )
+
+
+def option_names(name: str) -> frozenset[str] | None:
+    """The `engine.*` options backend `name` takes, read without importing it (no torch); None for vllm, whose
+    options include vLLM's own `EngineArgs` fields (known only by importing vLLM)."""
+    if name == "vllm":
+        return None
+    if name == AUTO:
+        return option_names("native") | {"hf"}
+    _known(name)
+    if name == "hf":
+        from batchjob.engine.hf_options import OPTION_DEFAULTS
+
+        return frozenset(OPTION_DEFAULTS)
+    from batchjob.engine.native.options import NativeOptions
+
+    return frozenset(field.name for field in dataclasses.fields(NativeOptions))
 
 
 def choose_backend(name: str, model_path: str, options: Mapping[str, Any]) -> BackendChoice:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from batchjob.engine.api import Completion, Request, Sample, SamplingParams
+from batchjob.engine.api import Completion, EngineSetupError, Request, Sample, SamplingParams
+from batchjob.engine.devices import torch_device
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.hf_options import OPTION_DEFAULTS, check_options
 from batchjob.engine.hf_sampling import RowState, choose_tokens, constraint_mask
@@ -40,15 +42,34 @@ def cache_keyword(model: torch.nn.Module) -> str:
     raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`: engine=hf needs one")
 
 
+def _load_model(model_path: str, dtype: torch.dtype, attention: str | None) -> torch.nn.Module:
+    """The model through transformers, whose check of `attention` depends on the model class and what is installed
+    (a FlashAttention package, a GPU): its refusal is an `EngineSetupError` naming the option, not a traceback."""
+    try:
+        return from_transformers("AutoModelForCausalLM").from_pretrained(
+            model_path, dtype=dtype, attn_implementation=attention
+        )
+    except (ImportError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        chosen = attention not in (None, OPTION_DEFAULTS["attn_implementation"])
+        if not (chosen and re.search(r"attn|attention", reason, re.IGNORECASE)):
+            raise
+        raise EngineSetupError(
+            f"engine.attn_implementation={attention} cannot run this model here ({reason}): use "
+            f"engine.attn_implementation={OPTION_DEFAULTS['attn_implementation']} or eager, or install what it needs"
+        ) from err
+
+
 class HFEngine:
     """`HFEngine(model_path, dtype=, device=, max_batch_size=, max_batch_tokens=, lookahead=,
     max_model_len=, attn_implementation=)`; see `OPTION_DEFAULTS`."""
 
     @classmethod
     def check_model(cls, model_path: str, options: Mapping[str, Any]) -> None:
-        """Refuse weight files that cannot load (a missing shard, a truncated copy) from their headers; a hub id
-        is left to transformers, which fetches it."""
+        """Refuse weight files that cannot load (a missing shard, a truncated copy) from their headers (a hub id
+        is left to transformers, which fetches it), and a device this machine does not have."""
         check_local_weight_files(model_path)
+        torch_device(options.get("device", OPTION_DEFAULTS["device"]))
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -57,20 +78,13 @@ class HFEngine:
     def __init__(self, model_path: str, **options: Any) -> None:
         self.check_options(options)
         opts = {**OPTION_DEFAULTS, **options}
-        device = opts["device"]
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = torch_device(opts["device"])
         dtype = opts["dtype"]
         if dtype == "auto":
             # CPU kernels for half types are slow and inexact; GPUs want bf16.
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.tokenizer = from_transformers("AutoTokenizer").from_pretrained(model_path)
-        self.model = (
-            from_transformers("AutoModelForCausalLM")
-            .from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=opts["attn_implementation"])
-            .to(self.device)
-        )
+        self.model = _load_model(model_path, DTYPES[dtype], opts["attn_implementation"]).to(self.device)
         self.model.eval()
         self._cache_kwarg = cache_keyword(self.model)
         config = self.model.config

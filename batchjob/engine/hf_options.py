@@ -3,12 +3,16 @@ needs torch, so a job refuses a bad option before importing the engine."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from batchjob.errors import did_you_mean
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# transformers' attention implementations (flash_attention_N for any FlashAttention version it knows), optionally
+# `paged|`-prefixed, or a kernel from the hub (`org/name`, `org/name:function`): anything else is a typo.
+ATTENTION = re.compile(r"(paged\|)?(sdpa|eager|flex_attention|flash_attention_\d|[\w.-]+/[\w.:@-]+)")
 OPTION_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "device": "auto",
@@ -35,8 +39,14 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise ValueError(f"engine.device={opts['device']!r}: use auto, cpu, cuda or cuda:N")
     if not isinstance(opts["deterministic"], bool):
         raise ValueError(f"engine.deterministic must be true or false, got {opts['deterministic']!r}")
+    attention = opts["attn_implementation"]
+    if attention is not None and not (isinstance(attention, str) and ATTENTION.fullmatch(attention)):
+        raise ValueError(
+            f"engine.attn_implementation={attention!r}: use sdpa, eager, flex_attention or flash_attention_2 (3, 4: "
+            "with the package of that FlashAttention installed), or a kernel from the hub as org/name"
+        )
     for key in ("max_batch_size", "max_batch_tokens", "lookahead"):
-        if not isinstance(opts[key], int) or opts[key] < 1:
+        if not isinstance(opts[key], int) or isinstance(opts[key], bool) or opts[key] < 1:
             raise ValueError(f"engine.{key} must be a positive integer, got {opts[key]!r}")
     if opts["tensor_parallel"] != 1:
         raise ValueError(

@@ -108,6 +108,23 @@ def test_an_engine_option_of_another_backend_is_refused(tmp_path: Path) -> None:
     assert_refused(done, "unknown hf engine option(s) engine.max_num_seqs")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fix"),
+    [
+        (("engine=hf", "engine.quantization=fp8"), "it is an option of engine=native"),
+        (("engine=native", "engine.enforce_eager=true"), "it goes with engine=vllm as +engine.enforce_eager=VALUE"),
+    ],
+    ids=["native option with hf", "vLLM argument with native"],
+)
+def test_an_option_the_chosen_backend_does_not_have_names_the_backend_that_does(
+    tmp_path: Path, overrides: tuple[str, ...], fix: str
+) -> None:
+    done = run_cli(f"output.dir={tmp_path / 'out'}", *overrides)
+    key = overrides[1].split("=")[0]
+    assert_refused(done, f"unknown key {key}: {overrides[0]} has no such option", fix)
+    assert "add it with +" not in done.stderr  # the backend would refuse it then
+
+
 def test_an_unknown_preset_lists_the_available_ones(tmp_path: Path) -> None:
     done = run_cli(f"output.dir={tmp_path / 'out'}", "model=nosuch")
     assert_refused(done, "model=nosuch: no such preset", "qwen2.5-0.5b-instruct, tiny", "--config-dir")

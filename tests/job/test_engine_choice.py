@@ -100,7 +100,7 @@ def test_the_hf_fallback_takes_its_options_from_engine_hf(tmp_path: Path, gpt2_d
     code = run(f"model.path={gpt2_dir}", f"data.path={data}", f"output.dir={tmp_path / 'o'}", "engine.hf.lookahead=0")
 
     assert code == 2
-    assert "engine.lookahead must be a positive integer" in capsys.readouterr().err
+    assert "engine.hf.lookahead must be a positive integer" in capsys.readouterr().err
 
 
 def test_explicit_native_engine_on_an_unsupported_architecture_exits_2_before_locking_the_output(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -63,6 +64,28 @@ def test_a_truncated_copy_of_the_weights_is_refused_before_loading(tmp_path: Pat
     done = run_cli(f"engine={engine}", f"model.path={cut}", f"output.dir={tmp_path / 'out'}")
     assert_refused(done, str(weights), f"{size - 1000:,} bytes", f"{size:,}", "truncated", "copy or download it again")
     assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("engine", ["hf", "native", "native_sync"])
+def test_a_gpu_this_machine_does_not_have_is_refused_before_loading(tmp_path: Path, engine: str) -> None:
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last visible GPU; without CUDA, any GPU
+    done = run_cli(f"engine={engine}", f"engine.device={missing}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, f"engine.device={missing} but ", "use engine.device=")
+    assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+def test_a_flash_attention_that_cannot_run_here_is_refused_as_the_engine_starts(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("FlashAttention 2 may run here")
+    done = run_cli("engine.attn_implementation=flash_attention_2", f"output.dir={tmp_path / 'out'}")
+    assert_refused(
+        done, "engine.attn_implementation=flash_attention_2 cannot run this model here (", "attn_implementation=sdpa"
+    )
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_a_model_without_tokenizer_files_says_so(tmp_path: Path, model_dir: str) -> None:

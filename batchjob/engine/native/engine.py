@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchjob.engine.api import Completion, Request
+from batchjob.engine.devices import torch_device
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.native.layers import parallel
 from batchjob.engine.native.options import NativeOptions
@@ -72,7 +73,7 @@ def _check_gpu_count(opts: NativeOptions) -> None:
             f"engine.device={opts.device} with engine.tensor_parallel={opts.tensor_parallel}: use "
             "engine.device=cuda or auto (rank r runs on the r-th visible GPU; CUDA_VISIBLE_DEVICES picks them)"
         )
-    if opts.tensor_parallel > 1 and _device(opts.device).type == "cuda":
+    if opts.tensor_parallel > 1 and torch_device(opts.device).type == "cuda":
         visible = torch.cuda.device_count()
         if visible < opts.tensor_parallel:
             raise ValueError(
@@ -80,14 +81,6 @@ def _check_gpu_count(opts: NativeOptions) -> None:
                 f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); lower it or "
                 "request more GPUs"
             )
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"engine.device={name} but CUDA is not available here; use engine.device=cpu")
-    return torch.device(name)
 
 
 def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
@@ -113,7 +106,7 @@ class NativeEngine:
     def check_model(cls, model_path: str, options: Mapping[str, Any]) -> str:
         """The architecture the engine will run, from the model's config files alone. Raises
         `UnsupportedModelError` when the native engine cannot run the model, or `ValueError` when the options
-        do not fit it (max_model_len beyond the model's)."""
+        do not fit it (max_model_len beyond the model's) or this machine (a GPU it does not have)."""
         from batchjob.engine.native.loading.model_loader import read_model_spec
         from batchjob.engine.native.loading.sharding import check_tensor_parallel
         from batchjob.engine.native.models.spec import check_batch_invariant
@@ -124,6 +117,7 @@ class NativeEngine:
         if opts.deterministic:
             check_batch_invariant(spec)
         _check_gpu_count(opts)
+        torch_device(opts.device)
         return spec.architecture
 
     def __init__(self, model_path: str, **options: Any) -> None:
@@ -133,7 +127,7 @@ class NativeEngine:
             _check_gpu_count(opts)
             self._start_ranks(model_path)
             return
-        self.device = _device(opts.device)
+        self.device = torch_device(opts.device)
         started = time.perf_counter()
         with short_thread_switches(), compiling_ahead(model_path, opts, self.device) as kernels:
             # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
@@ -161,7 +155,7 @@ class NativeEngine:
         opts = self.options
         started = time.perf_counter()
         self.device = torch.device("cpu")  # this process computes nothing; the ranks have the devices
-        device = _device(opts.device)
+        device = torch_device(opts.device)
         # the dtype the ranks run
         spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
         self.spec = device_dtype(spec, opts.dtype, device)
