@@ -103,4 +103,7 @@ def cli(app: Callable[[], None] = main) -> None:
 
 
 if __name__ == "__main__":
+    from batchjob.job.stderr import drop_stderr_when_unread
+
+    drop_stderr_when_unread()
     cli()

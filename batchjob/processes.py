@@ -2,8 +2,11 @@
 killer) runs no code of its own, so each kind of child is tied to it in advance (Linux):
 
 - a child batchjob starts has the kernel signal it when the job dies (`dies_with_us`, or `on_parent_death` in
-  the child itself): SIGTERM for a data-parallel shard, which then stops as on preemption (commits what it has,
-  exits); SIGKILL for a tensor-parallel rank, which holds no data of its own;
+  the child itself): the data-parallel parent's own signal for a shard (`PARENT_GONE`), which then stops as on
+  preemption (commits what it has, exits); SIGKILL for a tensor-parallel rank, which holds no data of its own.
+  The kernel ties that signal to the thread that started the child, not to its process: it comes when that
+  thread ends, and again for each thread of the job the child is then handed to. So such a child is started by
+  a thread that lasts as long as the job (`popen_for_life`), and a shard takes repeats of it for one stop;
 - processes another library starts (vLLM's engine) are watched by a small process that outlives the job and
   kills them once it is gone (`reap_when_gone`).
 
@@ -12,11 +15,15 @@ Otherwise they would keep their GPUs, and the job's rerun would find them busy o
 
 from __future__ import annotations
 
+import functools
 import os
+import queue
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -56,6 +63,33 @@ def dies_with_us(sig: int) -> Callable[[], None] | None:
             os.kill(os.getpid(), sig)
 
     return tie
+
+
+def popen_for_life(*args: object, **kwargs: object) -> subprocess.Popen:
+    """`subprocess.Popen(*args, **kwargs)`, run by a thread that lasts as long as this process (the main thread, or
+    one kept for it), so that a child tied to this process (`dies_with_us`, `on_parent_death`) is not signalled when
+    the thread that asked for it ends: a pool's worker, or a thread that built an engine through the Python API."""
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(*args, **kwargs)
+    started: Future[subprocess.Popen] = Future()
+    _starter().put((args, kwargs, started))
+    return started.result()
+
+
+@functools.cache
+def _starter() -> queue.SimpleQueue:
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_start_forever, args=(requests,), name="batchjob-child-starter", daemon=True).start()
+    return requests
+
+
+def _start_forever(requests: queue.SimpleQueue) -> None:
+    while True:
+        args, kwargs, started = requests.get()
+        try:
+            started.set_result(subprocess.Popen(*args, **kwargs))
+        except BaseException as err:  # the caller's to handle, as Popen's own error
+            started.set_exception(err)
 
 
 def _prctl() -> Callable[..., int]:

@@ -81,3 +81,36 @@ def test_without_a_watch_it_would_outlive_the_job():
     finally:
         for pid in orphans:
             subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def test_a_child_tied_to_its_job_outlives_the_thread_that_started_it():
+    """The kernel's death signal answers the exit of the thread that started a child: one started for a worker
+    thread (as a tensor-parallel engine built through the Python API starts its ranks) must wait for the job."""
+    code = textwrap.dedent(
+        """
+        import subprocess, sys, threading, time
+        from batchjob.processes import popen_for_life
+
+        TIED = "import signal, sys, time; from batchjob.processes import on_parent_death; " \\
+            "on_parent_death(signal.SIGKILL); print('tied', flush=True); time.sleep(300)"
+
+        def start():
+            child = popen_for_life([sys.executable, "-c", TIED], stdout=subprocess.PIPE, text=True)
+            assert child.stdout.readline() == "tied\\n"
+            print(child.pid, threading.get_native_id(), flush=True)
+
+        worker = threading.Thread(target=start)
+        worker.start()
+        worker.join()
+        time.sleep(300)
+        """
+    )
+    job = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        child, worker = map(int, job.stdout.readline().split())
+        assert _wait_gone(worker, timeout=10.0)  # the thread has ended
+        assert not _wait_gone(child, timeout=1.0), "the child died with the thread that started it"
+    finally:
+        job.kill()
+        job.wait()
+    assert _wait_gone(child), "the child outlived its SIGKILLed job"

@@ -7,6 +7,12 @@ N ways, exactly as Slurm tasks of one step would (`index * N + i` of `count * N`
 array task with data_parallel=8, and the output is the same as 8 Slurm tasks would write. Signals to
 the parent (Ctrl-C, Slurm's USR1/TERM) are passed to every child, which commits and exits resumable;
 rerunning the same command resumes every child shard.
+
+A child often hears of one stop twice: from whoever signalled (a terminal signals its whole process group, Slurm
+every process of a step) and from the parent. And when the parent dies, the kernel sends the child its death
+signal once for every thread of the parent it is handed to as they exit. So the parent relays each stop signal as
+a signal of its own (`RELAYED`) and dies with another (`PARENT_GONE`), and the child (`job/signals.py`) counts a
+second stop only when one route brings it twice.
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ from batchjob.processes import dies_with_us
 # Overrides the parent rewrites for each child; everything else is passed through unchanged.
 _OWN_KEYS = ("engine.data_parallel", "shard.index", "shard.count")
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# Real-time signals, which nothing else sends a job (Linux); elsewhere the stop signals themselves.
+if hasattr(signal, "SIGRTMIN"):
+    RELAYED = {sig: signal.SIGRTMIN + i for i, sig in enumerate(_FORWARDED)}
+    PARENT_GONE = signal.SIGRTMIN + len(_FORWARDED)
+else:
+    RELAYED = {sig: sig for sig in _FORWARDED}
+    PARENT_GONE = signal.SIGTERM
 
 
 @dataclass(frozen=True)
@@ -86,9 +99,9 @@ def run_data_parallel(
     first of a child that did not complete, else EXIT_TOO_MANY_FAILED (every shard is complete, one has too many
     failed rows), so that the status says whether a rerun has anything left to do."""
     children = plan_children(data_parallel, shard_index, shard_count, tensor_parallel=tensor_parallel)
-    # A child stops as on preemption (SIGTERM: it commits and exits) when this process dies, SIGKILL included:
-    # it would otherwise keep its GPU and write its shard beside the rerun's.
-    tie = dies_with_us(signal.SIGTERM)
+    # A child stops as on preemption (it commits and exits) when this process dies, SIGKILL included: it would
+    # otherwise keep its GPU and write its shard beside the rerun's.
+    tie = dies_with_us(PARENT_GONE)
     procs = [
         subprocess.Popen(child_command(overrides, c), env={**os.environ, "CUDA_VISIBLE_DEVICES": c.gpu}, preexec_fn=tie)
         for c in children
@@ -97,7 +110,7 @@ def run_data_parallel(
     def forward(signum: int, frame: object) -> None:
         for proc in procs:
             if proc.poll() is None:
-                proc.send_signal(signum)
+                proc.send_signal(RELAYED[signum])
 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
@@ -105,8 +118,10 @@ def run_data_parallel(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    # Popen reports death by signal N as -N; the shell convention 128+N keeps the cause visible.
-    statuses = [128 - s if s < 0 else s for s in statuses]
+    # Popen reports death by signal N as -N; the shell convention 128+N keeps the cause visible (a relayed
+    # signal's, as the signal it relays: a child still starting dies of it).
+    relayed_as = {relay: sig for sig, relay in RELAYED.items()}
+    statuses = [128 + relayed_as.get(-s, -s) if s < 0 else s for s in statuses]
     failed = [(c, s) for c, s in zip(children, statuses, strict=True) if s != 0]
     for child, status in failed:
         print(

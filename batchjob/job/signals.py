@@ -5,6 +5,11 @@ the handler also raises `Interrupted` at once, so it need not wait for a long ba
 had finished is committed and the rest is recomputed on rerun. Outside that window (building rows,
 committing) the job checks `requested` at its next step. A second signal interrupts unconditionally,
 which is safe because a commit torn by it is repaired on the next open, exactly as after a crash.
+
+A data-parallel child hears of one stop by up to three routes (`cluster/data_parallel.py`): the signal itself, its
+parent's relay of it, and its parent's death signal, which the kernel may send more than once. A second signal is
+one that the same route brings again, and the death signal never counts twice: a child whose parent is gone stops
+once, committing what it has.
 """
 
 from __future__ import annotations
@@ -14,7 +19,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+from batchjob.cluster.data_parallel import PARENT_GONE, RELAYED
+
+# Each signal handled: the route it comes by (None: one whose repeats are the same stop) and the stop it asks for,
+# a parent's death as on preemption. Where the relays are the stop signals themselves (not Linux), they count as sent.
+_ROUTES: dict[int, tuple[str | None, int]] = {
+    PARENT_GONE: (None, signal.SIGTERM),
+    **{relay: ("relayed", sig) for sig, relay in RELAYED.items()},
+    **{sig: ("signalled", sig) for sig in RELAYED},
+}
 
 
 class Interrupted(Exception):
@@ -35,13 +48,14 @@ class StopSignals:
         self.signum: int | None = None
         self._interruptible = False
         self._previous: dict[int, object] = {}
+        self._routes: set[str] = set()  # those a stop came by
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
     def __enter__(self) -> StopSignals:
-        for sig in HANDLED_SIGNALS:
+        for sig in _ROUTES:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -60,9 +74,12 @@ class StopSignals:
             self._interruptible = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        again = self.requested
-        if not again:
-            self.signum = signum
+        route, asked = _ROUTES[signum]
+        again = route in self._routes
+        if route is not None:
+            self._routes.add(route)
+        if not self.requested:
+            self.signum = asked
         if again or self._interruptible:
             self._interruptible = False
             raise Interrupted(self.signum)

@@ -1,15 +1,18 @@
 """A data-parallel job (`engine.data_parallel=2`: one child job per shard) killed with SIGKILL: its children
-stop as on preemption (commit, exit) instead of running on without it, and the rerun writes every row once."""
+stop as on preemption (commit, exit) instead of running on without it, and the rerun writes every row once.
+Interrupted from its terminal, each child stops once, though it hears the signal from the terminal and its parent."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from jobtools import REPO, SAMPLE_PROMPTS, cli_command, cli_env, read_output, running, wait_for
+from jobtools import HUNG_S, REPO, SAMPLE_PROMPTS, cli_command, cli_env, read_output, running, wait_for, wait_for_line
 
 from batchjob.processes import descendants
 from batchjob.status import job_status
@@ -27,9 +30,14 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in cli_env().items() if not k.startswith("SLURM_") and k != "CUDA_VISIBLE_DEVICES"}
 
 
-def test_a_killed_data_parallel_job_stops_its_children_and_resumes_every_row_once(tmp_path: Path) -> None:
+def _prompts(tmp_path: Path) -> Path:
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pa.concat_tables([pq.read_table(SAMPLE_PROMPTS)] * COPIES), prompts)
+    return prompts
+
+
+def test_a_killed_data_parallel_job_stops_its_children_and_resumes_every_row_once(tmp_path: Path) -> None:
+    prompts = _prompts(tmp_path)
     rows = pq.read_metadata(prompts).num_rows
     out = tmp_path / "out"
     command = cli_command(f"data.path={prompts}", f"output.dir={out}", *ARGS)
@@ -52,3 +60,27 @@ def test_a_killed_data_parallel_job_stops_its_children_and_resumes_every_row_onc
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert sorted(read_output(out).column("row_id").to_pylist()) == list(range(rows))
     assert job_status(str(out)).complete
+
+
+def test_a_data_parallel_job_interrupted_from_its_terminal_stops_each_child_once(tmp_path: Path) -> None:
+    """Ctrl-C signals the terminal's whole foreground process group: the children as well as the parent, which
+    relays it to them. Each child commits and exits 130; none takes the relay for a second Ctrl-C."""
+    out = tmp_path / "out"
+    command = cli_command(f"data.path={_prompts(tmp_path)}", f"output.dir={out}", *ARGS)
+    # A process group of its own, as a shell gives a job it starts.
+    parent = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ready = [wait_for_line(parent, "ready to generate") for _ in range(2)]  # a child still starting dies of a signal
+    wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 1, parent, "a committed part")
+    os.killpg(parent.pid, signal.SIGINT)
+    stderr = "".join(ready) + parent.communicate(timeout=HUNG_S)[1]
+    assert parent.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    assert "interrupted again" not in stderr, stderr[-3000:]
+    assert stderr.count(" rows committed; resumable: rerun the same command") == 2, stderr[-3000:]

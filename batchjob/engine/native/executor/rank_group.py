@@ -43,6 +43,7 @@ from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
 from batchjob.engine.native.runtime.packed_step import PackedStep
 from batchjob.engine.native.runtime.step_layout import GraphBuckets, layout_step
 from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.processes import popen_for_life
 
 log = logging.getLogger("batchjob.engine.native")
 
@@ -111,7 +112,8 @@ class RankGroup:
                     str(theirs.fileno()),
                     str(rank),
                 ]
-                self.procs.append(subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=env))
+                # The kernel kills a rank when the thread that started it ends (`on_parent_death`), not the process.
+                self.procs.append(popen_for_life(command, pass_fds=(theirs.fileno(),), env=env))
                 theirs.close()  # the rank's end lives in the rank only, so its exit is an end of file here
                 _limit_send_wait(ours, STEP_TIMEOUT_S)
                 self.conns.append(ours)
