@@ -26,6 +26,8 @@ from batchjob.engine import SamplingParams, check_engine_options
 from batchjob.engine.grammar import GrammarError, check_constraint
 from batchjob.errors import ConfigError
 from batchjob.io.layout import OutputDirError, bookkeeping_dir
+from batchjob.io.openai_batch_reader import looks_like_openai_batch
+from batchjob.io.storage import Storage
 from batchjob.pipelines.prompts import PROMPT_KINDS, PromptSpec
 
 BUNDLED_PROMPTS = Path(__file__).parents[1] / "data" / "sample_prompts.parquet"
@@ -322,6 +324,22 @@ def data_parallel(cfg: DictConfig) -> int:
     return _positive_int(cfg.engine.get("data_parallel", 1), "engine.data_parallel")
 
 
+def _may_be_openai_batch(data_format: str, path: Any) -> bool:
+    """Whether the job reads an OpenAI batch file, whose lines each set their own sampling, `n` and response format
+    (so the engine's graphs are not narrowed to the job's sampling): `data.format=openai_batch`, or under auto a
+    .jsonl file whose first line is a batch request. One that cannot be opened here counts as one: the input
+    checks report why later."""
+    if data_format != "auto":
+        return data_format == "openai_batch"
+    if not path or not str(path).endswith(".jsonl"):
+        return False
+    try:
+        storage, inner = Storage.for_uri(str(path))
+        return looks_like_openai_batch(storage, inner)
+    except Exception:  # noqa: BLE001 - unreadable here (missing, remote and unreachable): the input checks say why
+        return True
+
+
 def load_settings(cfg: DictConfig) -> JobSettings:
     """Check `cfg` (and the engine options, through the backend's own check) without loading anything."""
     check_resolvable(cfg)
@@ -381,17 +399,18 @@ def load_settings(cfg: DictConfig) -> JobSettings:
     sampling = _sampling(cfg)
     _check_constraints_supported(engine_cfg, sampling, data.json_schema_column)
     _check_stops_apply(sampling)
-    may_constrain = sampling.constraint is not None or data.json_schema_column or data.format == "openai_batch"
+    batch_file = _may_be_openai_batch(data.format, data.path)
+    may_constrain = sampling.constraint is not None or data.json_schema_column or batch_file
     if not may_constrain and "graph_constrained" in engine_cfg:
         # No row of this job can carry a constraint: the graphs of its split steps would only cost start-up
         # (more than half the graphs a native engine captures).
         engine_cfg["graph_constrained"] = False
-    rows = None if limit is None or data.format == "openai_batch" else limit * sampling.n  # (a line may set n)
+    rows = None if limit is None or batch_file else limit * sampling.n  # (a line may set n)
     seqs = engine_cfg.get("max_num_seqs")
     if rows and isinstance(seqs, int) and not isinstance(seqs, bool) and rows < seqs:
         # A job of `data.limit` rows never has more sequences in flight: fewer decode graphs to capture.
         engine_cfg["max_num_seqs"] = rows
-    if data.format != "openai_batch" and engine_cfg.get("graph_sampling") in (True, "all"):
+    if not batch_file and engine_cfg.get("graph_sampling") in (True, "all"):
         # Every row of this job samples alike (an OpenAI batch file may set a temperature per line): the graphs
         # of the other two sampler modes would be two thirds of the start-up's capture, never replayed.
         engine_cfg["graph_sampling"] = _sampler_mode_name(sampling)

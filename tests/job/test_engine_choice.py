@@ -169,6 +169,26 @@ def test_a_job_whose_rows_all_sample_alike_captures_graphs_of_that_sampler_mode_
     assert load_settings(cfg).engine_options["graph_sampling"] == captured
 
 
+def test_an_openai_batch_file_read_under_format_auto_keeps_every_sampler_graph(tmp_path: Path) -> None:
+    """Its lines set their own temperature, n and response format: under data.format=auto the graphs are not
+    narrowed to the job's sampling (they were, before the format was recognised, leaving per-line temperatures and
+    schemas to eager steps); a plain .jsonl of prompts still is."""
+    import json
+
+    from batchjob.config.settings import load_settings
+
+    batch = tmp_path / "requests.jsonl"
+    request = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}}
+    batch.write_text(json.dumps(request) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    out = f"output.dir={tmp_path / 'out'}"
+    options = load_settings(job_config("engine=native", out, f"data.path={batch}", "data.limit=20")).engine_options
+    assert (options["graph_sampling"], options["graph_constrained"], options["max_num_seqs"]) == ("all", True, 512)
+    options = load_settings(job_config("engine=native", out, f"data.path={prompts}", "data.limit=20")).engine_options
+    assert (options["graph_sampling"], options["graph_constrained"], options["max_num_seqs"]) == ("greedy", False, 20)
+
+
 @pytest.mark.parametrize(
     ("overrides", "seqs"),
     [
