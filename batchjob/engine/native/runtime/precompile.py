@@ -184,7 +184,8 @@ class KernelPrecompile:
                     len(missed),
                     ", ".join(sorted({v.qualname for v in missed})),
                 )
-        if {v.key: v.cache_hash for v in launched} != {v.key: v.cache_hash for v in self.plan}:
+        # Nothing new launched: a second engine of this process, whose kernels the first loaded. Its plan stays.
+        if launched and {v.key: v.cache_hash for v in launched} != {v.key: v.cache_hash for v in self.plan}:
             store_entry(PLANS, self.key, {"variants": [v.to_json() for v in launched]})
 
     def close(self) -> None:
