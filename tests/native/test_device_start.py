@@ -69,3 +69,25 @@ def test_a_shorter_interval_lets_a_waiting_thread_back_sooner_beside_a_busy_one(
         short = waits_beside_a_busy_thread()
     assert sys.getswitchinterval() == before
     assert short < default
+
+
+def test_listing_the_kernel_variants_runs_every_start_up_step_and_leaves_the_model_as_it_was(model_dir):
+    """The listing pass (runtime/precompile.py) runs the graphs' work uncaptured and the warm-up on a scratch
+    runner; on CPU it lists nothing (no Triton kernel runs compiled there), but every step goes through, and the
+    weights, torch's allocators and Triton's hooks are as before it."""
+    import torch
+    from triton import knobs
+
+    from batchjob.engine.native.options import NativeOptions
+
+    opts = NativeOptions(
+        device="cpu", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, cuda_graphs=True, warmup=True
+    )
+    model, spec = device_start.load_on_device(model_dir, opts, torch.device("cpu"))
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    hooks = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    assert device_start.list_start_variants(model, spec, opts, torch.device("cpu")) == []
+    assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == hooks
+    assert (torch.empty, torch.empty_like, torch.Tensor.new_empty) == empty

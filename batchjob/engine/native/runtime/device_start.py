@@ -119,17 +119,21 @@ def list_start_variants(model: CausalLM, spec: ModelSpec, opts: NativeOptions, d
     each launch of a variant not compiled yet skipped (`kernel_variants.py`)."""
     from batchjob.engine.native.runtime.kernel_variants import skipping_launches, zeroed_allocations
 
+    cuda = device.type == "cuda"
     with torch.no_grad(), zeroed_allocations(), skipping_launches() as found:
-        with model.kernel_layers():
-            profile_peak_bytes(model, spec, opts, device)
+        if cuda:  # the KV sizing's profile (a GPU's only)
+            with model.kernel_layers():
+                profile_peak_bytes(model, spec, opts, device)
         runner, limits = _make_runner(model, spec, opts, device, allocate_kv_cache(spec, 1, opts.block_size, device))
         if opts.cuda_graphs:
             runner.graphs.launch_uncaptured(*_graph_kinds(opts))
         if _warms_up(opts, device):
             launch_steps(runner, _warmup_steps(opts, spec, limits), opts.block_size)
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         del runner
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return found
 
 

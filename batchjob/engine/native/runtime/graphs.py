@@ -20,7 +20,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Protocol
 
@@ -37,9 +37,10 @@ class StepRunner(Protocol):
     two IO slots, its compute stream, and the three launches a graph records."""
 
     device: torch.device
+    cuda: bool
     model: CausalLM
     slots: list[IOSlot]
-    compute: torch.cuda.Stream
+    compute: torch.cuda.Stream  # on a CUDA device
     max_model_len: int
 
     def run_step(
@@ -244,7 +245,8 @@ class StepGraphs:
                 self._decode(bucket, mode, None, split, record=self._launch_once)
 
     def _launch_once(self, work: Callable[[], None], pool, warm_up: bool = True) -> None:
-        with torch.cuda.stream(self.runner.compute), self.runner.model.kernel_layers():
+        runner = self.runner
+        with torch.cuda.stream(runner.compute) if runner.cuda else nullcontext(), runner.model.kernel_layers():
             work()
 
     def _decode(self, bucket: int, mode: SamplerMode, pool, split: bool, record: Callable | None = None) -> None:
