@@ -7,5 +7,6 @@ scaled matmul, and the batch-invariant matmul of `engine.deterministic`.
 
 The bottom layer: a kernel module imports torch, Triton and other kernel modules, nothing else of batchjob (the
 import-linter contract in pyproject.toml checks it). What a kernel computes is tested against plain torch under
-Triton's interpreter on CPU (tests/native) and compiled on a GPU (tests/gpu).
+Triton's interpreter on CPU (tests/native) and compiled on a GPU (tests/gpu); that each compiles for an H100 and
+fits its shared memory is checked without a GPU too (tests/native/test_kernels_compile.py).
 """

@@ -1,0 +1,151 @@
+"""Run by test_kernels_compile.py in a process of its own: the engine's Triton kernels compiled for an H100 (sm_90)
+by Triton's real compiler, on a machine without a GPU. A driver for a device that is not here makes each launch a
+no-op after the checks a real launch makes first (the kernel's shared memory against an H100's 227 KB, its threads),
+so every kernel a call launches gets compiled and checked, not only the first. Each call is one engine path (a
+norm, a rotary step, an attention step, a sampler, a matmul, the MoE layer); prints one JSON object: each call's
+"ok" or its error, and how many kernel variants were compiled.
+
+    python kernels_compile_scenario.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+H100_SHARED_BYTES = 232448  # shared memory a block may opt into on an H100 (and an H200)
+H100_SMS = 132
+
+
+class AbsentDevice:
+    """The Triton driver of a device that is not here: what compiling and launching ask of a driver, with
+    launches that do nothing."""
+
+    def __init__(self) -> None:
+        self.target = GPUTarget("cuda", 90, 32)
+        self.utils = self
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_device_properties(self, device: int) -> dict[str, int]:
+        return {"max_shared_mem": H100_SHARED_BYTES, "multiprocessor_count": H100_SMS, "max_num_regs": 65536}
+
+    def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[Any, Any, int, int, int]:
+        return None, None, 0, 0, 1024
+
+    def launcher_cls(self, src: Any, metadata: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def calls() -> dict[str, Callable[[], Any]]:
+    from batchjob.engine.native.kernels import fp8, fused_moe, fused_ops, invariant_matmul, sampling_race, token_mask
+    from batchjob.engine.native.layers.attention import make_metadata
+    from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
+
+    invariant_matmul._sm_count = lambda device: H100_SMS
+    bf16 = torch.bfloat16
+    x = torch.randn(37, 2048, dtype=bf16)
+    w = torch.randn(2048, dtype=bf16)
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    table = torch.randn(4096, 2 * dim, dtype=bf16)
+
+    def rotary_and_store() -> None:
+        q, k, v = (torch.randn(37, n, dim, dtype=bf16) for n in (heads, kv_heads, kv_heads))
+        cache = torch.zeros(64, block, kv_heads, dim, dtype=bf16)
+        slots = torch.arange(37, dtype=torch.int64)
+        fused_ops.rotary_qk_(q, k, torch.arange(37), table, None, (v, cache, cache.clone(), slots))
+
+    def attention(query_lens: list[int], seq_lens: list[int], splits: int | None = None) -> Callable[[], Any]:
+        def step() -> Any:
+            blocks = [-(-s // block) for s in seq_lens]
+            tables = [list(range(1 + sum(blocks[:i]), 1 + sum(blocks[: i + 1]))) for i in range(len(blocks))]
+            cache = torch.zeros(2 + sum(blocks), block, kv_heads, dim, dtype=bf16)
+            meta = make_metadata(query_lens, seq_lens, tables, block)
+            q = torch.randn(sum(query_lens), heads, dim, dtype=bf16)
+            k, v = (torch.randn(sum(query_lens), kv_heads, dim, dtype=bf16) for _ in range(2))
+            return TritonPagedAttention(num_decode_splits=splits).forward(q, k, v, cache, cache, meta, dim**-0.5)
+
+        return step
+
+    def sampled() -> None:
+        logits = torch.randn(16, 128256)
+        keys = torch.randint(0, 2**62, (16,), dtype=torch.int64)
+        filters = (torch.full((16,), 20), torch.full((16,), 0.9), torch.full((16,), 0.01))
+        sampling_race.sample_tokens(logits, torch.full((16,), 0.8), keys, filters)
+
+    def masked_greedy() -> None:
+        logits = torch.randn(16, 128256, dtype=bf16)
+        bitmask = torch.full((16, -(-128256 // 32)), -1, dtype=torch.int32)
+        sampling_race.greedy_tokens(logits, (bitmask, torch.arange(16, dtype=torch.int32)))
+        token_mask.apply_token_bitmask(logits.float(), bitmask, torch.arange(16, dtype=torch.int32))
+
+    def experts() -> None:
+        tokens, hidden, inter, num_experts, top_k = 48, 1024, 768, 32, 4
+        w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=bf16)
+        w2 = torch.randn(num_experts, hidden, inter, dtype=bf16)
+        ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
+        fused_moe.fused_moe(torch.randn(tokens, hidden, dtype=bf16), w13, w2, torch.rand(tokens, top_k), ids)
+
+    def fp8_projection(group: int | None, weight_block: tuple[int, int]) -> Callable[[], Any]:
+        def step() -> Any:
+            q, scales = fp8.quantize(x, group)
+            weight = torch.randn(1024, 2048).to(fp8.FP8)
+            rows, cols = weight_block
+            weight_scales = torch.rand(-(-1024 // rows), -(-2048 // cols))
+            return fp8.scaled_matmul(q, scales, weight, weight_scales, weight_block, bf16)
+
+        return step
+
+    return {
+        "rms_norm": lambda: fused_ops.rms_norm(x, w, 1e-5),
+        "rms_norm with residual": lambda: fused_ops.rms_norm(x, w, 1e-5, residual=x.clone()),
+        "rms_norm of split-K parts": lambda: fused_ops.rms_norm(torch.randn(3, 37, 2048), w, 1e-5, residual=x.clone()),
+        "rotary on q and k, storing k and v": rotary_and_store,
+        "silu_and_mul": lambda: fused_ops.silu_and_mul(torch.randn(37, 2 * 8192, dtype=bf16)),
+        "decode attention": attention([1] * 8, [5, 17, 64, 130, 300, 1, 2, 1000]),
+        "split decode attention": attention([1] * 4, [700, 1500, 64, 3000], splits=4),
+        "prefill and mixed attention": attention([5, 7, 1, 70, 1], [5, 37, 19, 70, 2]),
+        "invariant matmul, K split": lambda: invariant_matmul.matmul(x, torch.randn(3072, 2048, dtype=bf16)),
+        "invariant matmul, serial": lambda: invariant_matmul.matmul(
+            torch.randn(2304, 2048, dtype=bf16), torch.randn(3072, 2048, dtype=bf16)
+        ),
+        "fp8 per-token activations, per-row weights": fp8_projection(None, (1, 2048)),
+        "fp8 group activations, 128x128 weight blocks": fp8_projection(128, (128, 128)),
+        "sampler with filters": sampled,
+        "greedy under a bitmask, and the bitmask applied": masked_greedy,
+        "fused mixture of experts": experts,
+    }
+
+
+def main() -> None:
+    driver.set_active(AbsentDevice())
+    results = {}
+    for name, call in calls().items():
+        try:
+            call()
+            results[name] = "ok"
+        except Exception as exc:
+            results[name] = f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-1500:]
+    folder = os.environ["TRITON_CACHE_DIR"]
+    print(json.dumps({"results": results, "compiled": len(os.listdir(folder)) if os.path.isdir(folder) else 0}))
+
+
+if __name__ == "__main__":
+    main()
