@@ -20,26 +20,19 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
+from batchjob.engine.native.runtime.compile_pool import TargetOnlyDriver
+
 H100_SHARED_BYTES = 232448  # shared memory a block may opt into on an H100 (and an H200)
 H100_SMS = 132
 
 
-class AbsentDevice:
-    """The Triton driver of a device that is not here: what compiling and launching ask of a driver, with
-    launches that do nothing."""
+class AbsentDevice(TargetOnlyDriver):
+    """The Triton driver of an H100 that is not here: what compiling and launching ask of a driver, with launches
+    that do nothing."""
 
     def __init__(self) -> None:
-        self.target = GPUTarget("cuda", 90, 32)
+        super().__init__(GPUTarget("cuda", 90, 32))
         self.utils = self
-
-    def get_current_target(self) -> GPUTarget:
-        return self.target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")

@@ -158,7 +158,7 @@ def _answer(stdout: IO[str]) -> dict[str, Any] | None:
     return json.loads(line) if line else None
 
 
-class _TargetOnly:
+class TargetOnlyDriver:
     """The part of a Triton driver that compiling asks for: the device to compile for, never a real one."""
 
     def __init__(self, target: Any) -> None:
@@ -179,7 +179,7 @@ def use_target(backend: str, arch: int | str, warp_size: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    driver.set_active(_TargetOnly(GPUTarget(backend, arch, warp_size)))
+    driver.set_active(TargetOnlyDriver(GPUTarget(backend, arch, warp_size)))
 
 
 def compile_variant(variant: dict[str, str]) -> str:
