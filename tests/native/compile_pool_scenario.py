@@ -5,6 +5,7 @@ each launch must find its binary in the cache (Triton's own key) instead of comp
 
     python compile_pool_scenario.py WORKERS [EXTRA_VARIANT_JSON ...]
     python compile_pool_scenario.py --workers-killed WORKERS
+    python compile_pool_scenario.py --stalled (a worker that never answers)
     python compile_pool_scenario.py --plan (twice: the first start-up lists, the second follows the plan)
 """
 
@@ -118,7 +119,38 @@ def start_up_with_plan() -> None:
     )
 
 
+class Hang:
+    """A "kernel" whose compile never ends, as a worker stuck in the compiler would be."""
+
+    @staticmethod
+    def preload(data: str) -> None:
+        time.sleep(3600)
+
+
+def stalled() -> None:
+    """A pool with a worker stuck in a compile: `wait` gives up `STALL_S` after the last progress, the stuck
+    variant fails and the others are compiled."""
+    from batchjob.engine.native.runtime import compile_pool
+
+    compile_pool.STALL_S = 3.0
+    here = os.path.dirname(os.path.abspath(__file__))  # where the workers find this module's `Hang`
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    use_target(*TARGET)
+    with zeroed_allocations(), skipping_launches() as found:
+        for step in steps():
+            step()
+    pool = CompilePool(2, TARGET)
+    pool.submit([KernelVariant("compile_pool_scenario", "Hang", "{}"), *found])
+    started = time.perf_counter()
+    done = pool.wait(timeout_s=600)
+    waited = time.perf_counter() - started
+    failed = [v.qualname for v, _ in done.failed]
+    print(json.dumps({"compiled": len(done.compiled), "failed": failed, "wait_s": waited}))
+
+
 def main() -> None:
+    if sys.argv[1] == "--stalled":
+        return stalled()
     if sys.argv[1] == "--workers-killed":
         return workers_killed(int(sys.argv[2]))
     if sys.argv[1] == "--plan":

@@ -84,6 +84,12 @@ def test_a_plan_whose_binaries_are_gone_is_compiled_by_the_workers_without_listi
     assert again["new_cache_entries"] == 0
 
 
+def test_a_worker_stuck_in_a_compile_holds_the_start_up_only_until_progress_stalls(tmp_path: Path) -> None:
+    report = run_scenario(tmp_path, "--stalled")
+    assert report["failed"] == ["Hang"] and report["compiled"] == 3
+    assert report["wait_s"] < 120, "gave up on the stuck worker soon after the others finished, not at the timeout"
+
+
 def test_compile_workers_is_checked_with_the_engine_options() -> None:
     from batchjob.engine.native.options import NativeOptions
 

@@ -34,6 +34,9 @@ from batchjob.engine.native.runtime.kernel_variants import KernelVariant
 from batchjob.processes import dies_with_us
 
 log = logging.getLogger("batchjob.engine.native")
+# `wait` gives up once no worker has finished a variant (or become ready, or been given work) for this long: a
+# variant compiles in seconds, and a worker that hangs must not hold the start-up for the whole timeout.
+STALL_S = 60.0
 
 
 @dataclass
@@ -54,6 +57,7 @@ class CompilePool:
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._feeding = workers  # feeding threads still running: with none, nothing waiting will be compiled
+        self._progress_at = time.perf_counter()  # the last time a worker became ready or finished a variant
         command = [sys.executable, "-m", __name__, json.dumps(list(target))]
         self._procs = [
             subprocess.Popen(
@@ -75,15 +79,22 @@ class CompilePool:
     def submit(self, variants: list[KernelVariant]) -> None:
         with self._lock:
             self._pending += len(variants)
+            self._progress_at = time.perf_counter()  # new work: the stall clock starts again
         for variant in variants:
             self._todo.put(variant)
 
     def wait(self, timeout_s: float) -> CompileReport:
         """Wait until every submitted variant is compiled or failed (at most `timeout_s`), then stop the workers.
-        A variant left waiting, or in a worker when it was stopped, counts as failed."""
+        A variant left waiting, or in a worker when it was stopped, counts as failed; so does everything once no
+        worker has made progress for `STALL_S`."""
         started = time.perf_counter()
+        deadline = started + timeout_s
         with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0 or not self._feeding, timeout=timeout_s)
+            while self._pending and self._feeding:
+                now = time.perf_counter()
+                if now >= deadline or now - self._progress_at >= STALL_S:
+                    break
+                self._idle.wait(min(deadline, self._progress_at + STALL_S) - now)
         self.close()
         while True:
             try:
@@ -91,7 +102,7 @@ class CompilePool:
             except queue.Empty:
                 break
             if variant is not None:
-                self._done(variant, {"error": f"not compiled within {timeout_s:.0f} s, or no compile worker left"})
+                self._done(variant, {"error": "no compile worker got to it (stopped, stalled or gone)"})
         self._report.seconds += time.perf_counter() - started
         return self._report
 
@@ -119,6 +130,7 @@ class CompilePool:
             else:
                 self._report.failed.append((variant, str(answer.get("error", "no answer"))))
             self._pending -= 1
+            self._progress_at = time.perf_counter()
             self._idle.notify_all()
 
     def _feed(self, proc: subprocess.Popen) -> None:
@@ -135,6 +147,8 @@ class CompilePool:
         assert stdin is not None and stdout is not None
         if _answer(stdout) is None:  # the worker died before it was ready
             return
+        with self._idle:
+            self._progress_at = time.perf_counter()
         while (variant := self._todo.get()) is not None:
             try:
                 stdin.write(json.dumps({"module": variant.module, "qualname": variant.qualname, "data": variant.data}))
