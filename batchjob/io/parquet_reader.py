@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from batchjob.io.content_digest import parquet_footer_sha256, relative_names
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec, list_input_files
+from batchjob.io.parquet_columns import common_schema, hive_partitions
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
@@ -36,7 +37,7 @@ class RowGroup:
 def open_parquet(spec: InputSpec) -> ParquetSource:
     storage, path = Storage.for_uri(spec.path)
     files = list_input_files(storage, path, spec.path, ".parquet", "Parquet files", PATH_HELP)
-    return ParquetSource(spec, storage, files)
+    return ParquetSource(spec, storage, files, hive_root=path.rstrip("/") if storage.isdir(path) else None)
 
 
 def open_parquet_files(spec: InputSpec, uris: list[str], revision: str | None) -> ParquetSource:
@@ -60,7 +61,15 @@ def _footer(filesystem: pafs.FileSystem, file: str, name: str) -> tuple[pq.FileM
 
 
 class ParquetSource(InputSource):
-    def __init__(self, spec: InputSpec, storage: Storage, files: list[str], revision: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: InputSpec,
+        storage: Storage,
+        files: list[str],
+        revision: str | None = None,
+        hive_root: str | None = None,
+    ) -> None:
+        """`hive_root`: the directory below which `key=value` directory names are columns (None: none are)."""
         self.storage = storage
         self.files = files
         self.revision = revision
@@ -75,13 +84,13 @@ class ParquetSource(InputSource):
             for index in range(metadata.num_row_groups):
                 start = self.row_groups[-1].start + self.row_groups[-1].rows if self.row_groups else 0
                 self.row_groups.append(RowGroup(file, index, start, metadata.row_group(index).num_rows))
-        schema = schemas[0]
-        for file, other in zip(files, schemas, strict=True):
-            if other.names != schema.names:
-                raise InputError(
-                    f"{file} has columns {other.names} but {files[0]} has {schema.names}: all Parquet "
-                    "files of one input must share their columns; point data.path at one kind of file"
-                )
+        schema = common_schema(files, schemas)
+        # Files whose batches need a cast to `schema` (the rest are read as they are).
+        self._cast = {file for file, own in zip(files, schemas, strict=True) if not own.equals(schema)}
+        self._file_columns = list(schema.names)
+        self.partitions = hive_partitions(hive_root, files, schema.names) if hive_root is not None else None
+        if self.partitions is not None:
+            schema = pa.schema([*schema, *self.partitions.fields])
         super().__init__(spec, list(schema.names))
         self.schema = schema
         self.total_rows = sum(g.rows for g in self.row_groups)
@@ -105,8 +114,10 @@ class ParquetSource(InputSource):
             with self._pafs.open_input_file(file) as f:
                 reader = pq.ParquetFile(f, buffer_size=_READ_BUFFER_BYTES)
                 for group in groups:
-                    ids = reader.read_row_group(group.index, columns=[self.spec.id_column], use_threads=False)
-                    yield ids.column(0).slice(0, self.limited_rows - group.start)
+                    id_column = [self.spec.id_column]
+                    table = reader.read_row_group(group.index, columns=self._in_file(id_column), use_threads=False)
+                    ids = self._as_input(table, file, id_column).column(self.spec.id_column)
+                    yield ids.slice(0, self.limited_rows - group.start)
 
     def column_types(self, columns: list[str]) -> pa.Schema:
         return pa.schema([self.schema.field(c) for c in columns])
@@ -123,10 +134,10 @@ class ParquetSource(InputSource):
                 batches = reader.iter_batches(
                     batch_size=self.spec.batch_rows,
                     row_groups=[g.index for g in groups],
-                    columns=read_columns,
+                    columns=self._in_file(read_columns),
                     use_threads=False,
                 )
-                for batch in batches:
+                for batch in (self._as_input(b, file, read_columns) for b in batches):
                     first, last = max(position, self.start), min(position + batch.num_rows, self.stop)
                     if first < last:
                         sliced = batch.slice(first - position, last - first)
@@ -134,6 +145,19 @@ class ParquetSource(InputSource):
                         if made is not None:
                             yield made
                     position += batch.num_rows
+
+    def _in_file(self, columns: list[str]) -> list[str]:
+        """Those of `columns` stored in the files (not in directory names)."""
+        return [c for c in columns if c in self._file_columns]
+
+    def _as_input(self, data: pa.Table | pa.RecordBatch, file: str, columns: list[str]) -> pa.Table | pa.RecordBatch:
+        """`data` as read from `file`, typed as the whole input and with its partition columns among `columns`."""
+        if file in self._cast:
+            for index, field in enumerate(data.schema):
+                target = self.schema.field(field.name).type
+                if field.type != target:
+                    data = data.set_column(index, field.name, data.column(index).cast(target))
+        return data if self.partitions is None else self.partitions.add_to(data, file, columns)
 
     def _runs(
         self, skip_row_ids: np.ndarray | None, start: int | None = None, stop: int | None = None
