@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.io.content_digest import relative_names, sampled_sha256
+from batchjob.io.file_errors import BUILDER_KINDS, unreadable_file
 from batchjob.io.inputs import INPUT_ERROR_COLUMN, PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.parquet_reader import open_parquet_files
 from batchjob.io.sharding import all_skipped, shard_range
@@ -65,14 +66,22 @@ def _pick_split(loaded: datasets.Dataset | datasets.DatasetDict, spec: InputSpec
 
 
 def _load_dataset(spec: InputSpec) -> datasets.Dataset | datasets.IterableDataset:
+    builder_logger = datasets.utils.logging.get_logger()
+    level = builder_logger.level
+    # A builder logs the error it then raises: the user gets it once, in the InputError below.
+    builder_logger.setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(
             spec.path, name=spec.name, data_files=spec.data_files, split=spec.split, streaming=spec.streaming
         )
     except Exception as exc:  # datasets raises many types here; the user needs one clear message
+        if spec.path in BUILDER_KINDS and isinstance(spec.data_files, str):
+            raise unreadable_file(spec.path, spec.data_files, exc) from exc
         raise InputError(
             f"datasets.load_dataset({spec.path!r}, split={spec.split!r}) failed: {exc}; {PATH_HELP}"
         ) from exc
+    finally:
+        builder_logger.setLevel(level)
 
 
 def _resolve_data_files(spec: InputSpec) -> tuple[list[str], str | None]:

@@ -58,6 +58,15 @@ def test_parquet_files_typing_a_column_differently_are_named_before_the_model_lo
     assert not (tmp_path / "out").exists()
 
 
+def test_a_json_lines_file_with_a_broken_line_is_one_line_naming_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "Hello"}\n{"prompt": "unterminated\n{"prompt": "World"}\n')
+    done = run_cli(f"data.path={bad}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, str(bad), "line 2 is not JSON", "fix or delete that line")
+    assert done.stderr.count("\n") == 1, done.stderr  # no log lines of the datasets builder around it
+    assert not (tmp_path / "out").exists()
+
+
 def test_pickle_only_weights_are_refused_by_the_native_engine_before_loading(tmp_path: Path, model_dir: str) -> None:
     import torch
     from safetensors.torch import load_file
