@@ -63,11 +63,9 @@ def _plain(type_: pa.DataType) -> pa.DataType:
     """A dictionary-encoded or view type as its plain type, which every file's values can be cast to."""
     if pa.types.is_dictionary(type_):
         return _plain(type_.value_type)
-    if type_ == pa.string_view():
-        return pa.large_string()
-    if type_ == pa.binary_view():
-        return pa.large_binary()
-    return type_
+    # By name: the view types have no pyarrow objects before pyarrow 16.
+    plain = {"string_view": pa.large_string(), "binary_view": pa.large_binary()}
+    return plain.get(str(type_), type_)
 
 
 def _type_clash(files: list[str], schemas: list[pa.Schema]) -> InputError:
