@@ -169,7 +169,9 @@ class InputSource(ABC):
         if self.ids_are_positions:
             row_ids = positions.astype(np.int64, copy=False)
         else:
-            row_ids = np.asarray(data.column(self.spec.id_column).to_numpy(), dtype=np.int64)
+            id_values = data.column(self.spec.id_column)
+            check_row_id_range(id_values, self.spec.id_column)
+            row_ids = np.asarray(id_values.to_numpy(), dtype=np.int64)
         keep = keep_mask(row_ids, skip)
         names = ["row_id", *self._batch_columns(columns)]
         if INPUT_ERROR_COLUMN in data.schema.names:
@@ -179,6 +181,19 @@ class InputSource(ABC):
         if keep is not None:
             batch = batch.filter(pa.array(keep))
         return batch if batch.num_rows else None
+
+
+def check_row_id_range(ids: pa.Array | pa.ChunkedArray, id_column: str) -> None:
+    """Raise `InputError` if integer ids exceed what `row_id` (int64) holds: uint64 ids, such as 64-bit hashes,
+    above 2**63-1 would wrap around to negative row ids."""
+    if not pa.types.is_uint64(ids.type) or len(ids) == ids.null_count:
+        return
+    largest = pc.max(ids).as_py()
+    if largest > np.iinfo(np.int64).max:
+        raise InputError(
+            f"data.id_column={id_column!r} holds {largest}, larger than row_id (int64) can hold (2**63-1): store "
+            "the ids as strings (a string id column is carried to the output), or set data.id_column=null"
+        )
 
 
 def _chunked_to_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
