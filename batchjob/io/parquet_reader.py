@@ -85,6 +85,10 @@ class ParquetSource(InputSource):
                 start = self.row_groups[-1].start + self.row_groups[-1].rows if self.row_groups else 0
                 self.row_groups.append(RowGroup(file, index, start, metadata.row_group(index).num_rows))
         schema = common_schema(files, schemas)
+        if spec.id_column in schema.names and pa.types.is_dictionary(schema.field(spec.id_column).type):
+            # pandas' category and polars' Categorical ids: read as the strings (or integers) they encode.
+            index = schema.get_field_index(spec.id_column)
+            schema = schema.set(index, schema.field(index).with_type(schema.field(index).type.value_type))
         # Files whose batches need a cast to `schema` (the rest are read as they are).
         self._cast = {file for file, own in zip(files, schemas, strict=True) if not own.equals(schema)}
         self._file_columns = list(schema.names)

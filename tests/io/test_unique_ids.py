@@ -72,3 +72,19 @@ def test_uint64_ids_within_int64_are_row_ids(tmp_path: Path) -> None:
     source = open_input(InputSpec(str(path), id_column="uid"))
     check_unique_ids(source)
     assert next(source.iter_batches(["prompt"])).column("row_id").to_pylist() == [7, 2**63 - 1]
+
+
+@pytest.mark.parametrize("values", [["b", "a", "b"], [9, 4, 9]], ids=["strings", "integers"])
+def test_dictionary_encoded_ids_are_the_values_they_encode(tmp_path: Path, values: list) -> None:
+    # pandas' category and polars' Categorical columns are dictionary-encoded in Parquet.
+    path = write_ids(tmp_path / "p.parquet", pa.array(values[:2]).dictionary_encode())
+    source = open_input(InputSpec(str(path), id_column="uid"))
+    check_unique_ids(source)
+    batch = next(source.iter_batches(["prompt"]))
+    if isinstance(values[0], str):
+        assert batch.column("uid").to_pylist() == ["b", "a"] and batch.column("uid").type == pa.string()
+    else:
+        assert batch.column("row_id").to_pylist() == [9, 4]
+    repeated = write_ids(tmp_path / "r.parquet", pa.array(values).dictionary_encode())
+    with pytest.raises(InputError, match="repeats values"):
+        check_unique_ids(open_input(InputSpec(str(repeated), id_column="uid")))
