@@ -22,6 +22,7 @@ from batchjob.io.parquet_columns import common_schema, hive_partitions
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
+_DELTA_LOG = "_delta_log"
 # Read column chunks through a buffer instead of whole: bounds memory for inputs with huge row groups.
 _READ_BUFFER_BYTES = 1 << 20
 
@@ -36,8 +37,17 @@ class RowGroup:
 
 def open_parquet(spec: InputSpec) -> ParquetSource:
     storage, path = Storage.for_uri(spec.path)
+    directory = storage.isdir(path)
+    if directory and _DELTA_LOG in storage.list_dirs(path):
+        # Deleted and replaced rows stay in the table's Parquet files until a vacuum: only the log says which
+        # files are current, and reading them all would bring back old rows or repeat updated ones.
+        raise InputError(
+            f"{spec.path} is a Delta Lake table ({_DELTA_LOG} beside its Parquet files), whose files may also hold "
+            "rows its later versions deleted or replaced: write its current version to Parquet (e.g. from "
+            "deltalake's DeltaTable(path).to_pyarrow_table()) and point data.path there"
+        )
     files = list_input_files(storage, path, spec.path, ".parquet", "Parquet files", PATH_HELP)
-    return ParquetSource(spec, storage, files, hive_root=path.rstrip("/") if storage.isdir(path) else None)
+    return ParquetSource(spec, storage, files, hive_root=path.rstrip("/") if directory else None)
 
 
 def open_parquet_files(spec: InputSpec, uris: list[str], revision: str | None) -> ParquetSource:

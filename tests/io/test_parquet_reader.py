@@ -220,3 +220,10 @@ def test_memory_filesystem_uri_is_read_through_fsspec() -> None:
     batch = next(source.iter_batches(["prompt"]))
     assert batch.to_pydict() == {"row_id": [1, 2], "prompt": ["b", "c"]}
     assert source.fingerprint()["files"][0]["size"] > 0
+
+
+def test_a_delta_lake_table_is_refused_since_its_files_hold_earlier_versions(prompts_dir: Path) -> None:
+    (prompts_dir / "_delta_log").mkdir()
+    (prompts_dir / "_delta_log" / "00000000000000000000.json").write_text("{}\n")
+    with pytest.raises(InputError, match="is a Delta Lake table .*write its current version to Parquet"):
+        open_input(InputSpec(str(prompts_dir)))
