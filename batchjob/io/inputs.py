@@ -203,14 +203,22 @@ def _chunked_to_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 def list_input_files(storage: Storage, path: str, shown: str, suffix: str, kind: str, help_text: str) -> list[str]:
-    """Sorted `suffix` files of a file, a directory (recursive, skipping `_`/`.` names like pyarrow) or a glob;
-    `InputError` naming `shown` and `help_text` when there is none. `kind` names them ("Parquet files")."""
+    """Sorted `suffix` files of a file, a directory (recursive, skipping `_`/`.` names like pyarrow) or a glob (the
+    same); `InputError` naming `shown` and `help_text` when there is none. `kind` names them ("Parquet files")."""
     if storage.isdir(path):
         base = path.rstrip("/")
         found = [p for p in storage.fs.find(path) if p.endswith(suffix)]
         found = [p for p in found if not _is_hidden(posixpath.relpath(p, base))]
     elif any(ch in path for ch in "*?["):
-        found = [p for p in storage.fs.glob(path) if storage.fs.isfile(p)]
+        # fsspec's `*` also matches dot files (Hadoop's .crc) and `_` files (_SUCCESS, Dask's _metadata, whose
+        # row groups are the data files' again): they are skipped as in a directory, unless the pattern names them.
+        base = path[: min(path.index(ch) for ch in "*?[" if ch in path)].rpartition("/")[0]
+        named_hidden = _is_hidden(posixpath.relpath(path, base))
+        found = [
+            p
+            for p in storage.fs.glob(path)
+            if storage.fs.isfile(p) and (named_hidden or not _is_hidden(posixpath.relpath(p, base)))
+        ]
     elif storage.exists(path):
         found = [path]
     else:

@@ -63,11 +63,18 @@ def _footer(filesystem: pafs.FileSystem, file: str, name: str) -> tuple[pq.FileM
     try:
         with filesystem.open_input_file(file) as f:
             metadata = pq.ParquetFile(f).metadata
-            return metadata, {"name": name, "size": f.size(), "footer_sha256": parquet_footer_sha256(f)}
+            identity = {"name": name, "size": f.size(), "footer_sha256": parquet_footer_sha256(f)}
     except (pa.ArrowException, OSError) as err:  # not Parquet, truncated, unreadable footer or file
         raise InputError(
             f"{file} is not a readable Parquet file ({err}): replace it with a good copy, or move it out of data.path"
         ) from err
+    if metadata.num_row_groups and metadata.row_group(0).num_columns and metadata.row_group(0).column(0).file_path:
+        # Dask's and Spark's _metadata: every data file's footer gathered in one, its rows in those files.
+        raise InputError(
+            f"{file} is a summary of other Parquet files' row groups (a _metadata file), not data: point data.path "
+            "at the directory holding it, or at the data files"
+        )
+    return metadata, identity
 
 
 class ParquetSource(InputSource):

@@ -227,3 +227,29 @@ def test_a_delta_lake_table_is_refused_since_its_files_hold_earlier_versions(pro
     (prompts_dir / "_delta_log" / "00000000000000000000.json").write_text("{}\n")
     with pytest.raises(InputError, match="is a Delta Lake table .*write its current version to Parquet"):
         open_input(InputSpec(str(prompts_dir)))
+
+
+def spark_and_dask_sidecars(directory: Path) -> None:
+    """What Spark (_SUCCESS, Hadoop's .crc checksums) and Dask (_metadata, _common_metadata) write beside parts."""
+    (directory / "_SUCCESS").write_bytes(b"")
+    (directory / ".a.parquet.crc").write_bytes(b"crc\x00")
+    files = sorted(directory.glob("*.parquet"))
+    collected: list = []
+    for file in files:
+        collected.append(pq.read_metadata(file))
+        collected[-1].set_file_path(file.name)
+    schema = pq.read_schema(files[0])
+    pq.write_metadata(schema, directory / "_common_metadata")
+    pq.write_metadata(schema, directory / "_metadata", metadata_collector=collected)
+
+
+def test_a_glob_skips_underscore_and_dot_files_as_a_directory_does(prompts_dir: Path) -> None:
+    spark_and_dask_sidecars(prompts_dir)
+    table = read_all(InputSpec(str(prompts_dir / "*")), ["prompt"])
+    assert table.column("row_id").to_pylist() == list(range(100))
+
+
+def test_a_metadata_summary_file_named_by_a_glob_is_refused_as_no_data(prompts_dir: Path) -> None:
+    spark_and_dask_sidecars(prompts_dir)
+    with pytest.raises(InputError, match="_metadata is a summary of other Parquet files' row groups"):
+        open_input(InputSpec(str(prompts_dir / "_meta*")))
