@@ -253,3 +253,9 @@ def test_a_metadata_summary_file_named_by_a_glob_is_refused_as_no_data(prompts_d
     spark_and_dask_sidecars(prompts_dir)
     with pytest.raises(InputError, match="_metadata is a summary of other Parquet files' row groups"):
         open_input(InputSpec(str(prompts_dir / "_meta*")))
+
+
+@pytest.mark.parametrize("name", ["PROMPTS.PARQUET", "prompts.parq", "part-00000"])
+def test_a_parquet_file_named_without_the_parquet_suffix_is_read_as_parquet(tmp_path: Path, name: str) -> None:
+    path = write_prompts(tmp_path / name, 0, 5, row_group_rows=5)
+    assert read_all(InputSpec(str(path)), ["prompt"]).column("row_id").to_pylist() == list(range(5))
