@@ -124,6 +124,12 @@ class InputSource(ABC):
                 "number rows by position"
             )
         self.string_ids = id_type is not None and (pa.types.is_string(id_type) or pa.types.is_large_string(id_type))
+        if id_type is not None and pa.types.is_floating(id_type):
+            raise InputError(
+                f"data.id_column={id_column!r} has type {id_type}, but ids must be integers or strings (pandas and "
+                "CSV readers make integers with a missing value floats): fill the missing ids and write the column "
+                "as integers, or set data.id_column=null to number rows by position"
+            )
         if not (self.string_ids or (id_type is not None and pa.types.is_integer(id_type))):
             raise InputError(
                 f"data.id_column={id_column!r} has type {type_name}, but ids must be integers or strings: "

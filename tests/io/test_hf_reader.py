@@ -158,3 +158,10 @@ def test_a_csv_parse_error_is_one_line_naming_the_file_and_the_parsers_reason(tm
     assert "\n" not in str(refused.value)
     assert "prompts.csv cannot be read as CSV (ParserError: " in str(refused.value)
     assert "Expected 2 fields in line 3, saw 3): fix the file" in str(refused.value)
+
+
+def test_an_integer_id_column_with_a_blank_cell_says_the_blank_made_it_floats(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.csv"
+    path.write_text("id,prompt\n1,hello\n,there\n3,again\n")
+    with pytest.raises(InputError, match="has type double.*fill the missing ids and write the column as integers"):
+        open_input(InputSpec(str(path), id_column="id"))
