@@ -165,3 +165,20 @@ def test_an_integer_id_column_with_a_blank_cell_says_the_blank_made_it_floats(tm
     path.write_text("id,prompt\n1,hello\n,there\n3,again\n")
     with pytest.raises(InputError, match="has type double.*fill the missing ids and write the column as integers"):
         open_input(InputSpec(str(path), id_column="id"))
+
+
+def test_streaming_a_file_with_a_broken_line_names_the_line_as_it_opens(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(InputError, match="prompts.jsonl cannot be read as JSON Lines or JSON: line 2 is not JSON"):
+        open_input(InputSpec(str(path), streaming=True))
+
+
+def test_streaming_to_a_broken_line_past_the_first_block_names_the_line_where_it_is_met(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    rows = 120_000  # about 12 MB: more than the 10 MB block datasets' JSON builder reads at once
+    path.write_text("".join(f'{{"prompt": "prompt number {i:07d} {"x" * 70}"}}\n' for i in range(rows)) + "{oops\n")
+    source = open_input(InputSpec(str(path), streaming=True, batch_rows=50_000))
+    with pytest.raises(InputError, match=f"line {rows + 1} is not JSON .*: fix or delete that line"):
+        for _ in source.iter_batches(["prompt"]):
+            pass
