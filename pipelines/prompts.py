@@ -78,14 +78,53 @@ def check_columns(spec: PromptSpec, columns: list[str], schema_column: str | Non
         raise ConfigError("no prompt source: set data.prompt_column, data.messages_column or pipeline.template")
     missing = [c for c in spec.input_columns if c not in columns]
     if missing:
+        near = {c: n for c in missing for n in columns if n.strip().casefold() == c.strip().casefold()}
+        hint = "".join(f"; {n!r} differs from {c!r} only in case or spaces" for c, n in near.items())
         raise ConfigError(
-            f"input has no column {', '.join(map(repr, missing))}; its columns are {', '.join(columns)} "
+            f"input has no column {', '.join(map(repr, missing))}; its columns are {', '.join(columns)}{hint} "
             "(set data.prompt_column / data.messages_column / pipeline.template accordingly)"
         )
     if schema_column is not None and schema_column not in columns:
         raise ConfigError(
             f"data.json_schema_column={schema_column!r} is not in the input; its columns are {', '.join(columns)}"
         )
+
+
+def check_column_types(spec: PromptSpec, types: pa.Schema | None) -> None:
+    """Raise `ConfigError` if the column a prompt is read from holds values that can never be one (numbers,
+    lists, structs): every row would fail. `types`: the input's types of `spec.input_columns`, when known."""
+    if types is None or spec.kind in (OPENAI_BATCH, "template"):
+        return
+    if spec.kind == "chat" and spec.messages_column:
+        type_ = types.field(spec.messages_column).type
+        if not (_holds_text(type_) or _holds_messages(type_)):
+            raise ConfigError(
+                f"data.messages_column={spec.messages_column!r} holds {type_}, not a list of {{role, content}} or "
+                "its JSON text: choose the column of conversations, or data.prompt_column for a column of text"
+            )
+        return
+    type_ = types.field(spec.prompt_column).type
+    if _holds_text(type_):
+        return
+    if _holds_messages(type_):
+        fix = f"it looks like chat messages: set data.messages_column={spec.prompt_column}"
+    else:
+        fix = f"choose a text column, or make the prompt from it with pipeline.template='{{{spec.prompt_column}}}'"
+    raise ConfigError(f"data.prompt_column={spec.prompt_column!r} holds {type_}, not text: {fix}")
+
+
+# By name: the view types have no pyarrow objects before pyarrow 16.
+_TEXT_TYPES = frozenset({"string", "large_string", "string_view", "binary", "large_binary", "binary_view"})
+
+
+def _holds_text(type_: pa.DataType) -> bool:
+    if pa.types.is_dictionary(type_):
+        return _holds_text(type_.value_type)
+    return pa.types.is_null(type_) or str(type_) in _TEXT_TYPES
+
+
+def _holds_messages(type_: pa.DataType) -> bool:
+    return (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and pa.types.is_struct(type_.value_type)
 
 
 def _template_fields(template: str) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import datasets
@@ -21,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.io.content_digest import relative_names, sampled_sha256
+from batchjob.io.file_errors import BUILDER_KINDS, unreadable_file
 from batchjob.io.inputs import INPUT_ERROR_COLUMN, PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.parquet_reader import open_parquet_files
 from batchjob.io.sharding import all_skipped, shard_range
@@ -64,15 +66,45 @@ def _pick_split(loaded: datasets.Dataset | datasets.DatasetDict, spec: InputSpec
     return loaded[spec.split]
 
 
+@contextmanager
+def _builder_errors_unlogged() -> Iterator[None]:
+    """A builder logs the error it then raises: the user gets it once, in the `InputError` made of it."""
+    builder_logger = datasets.utils.logging.get_logger()
+    level = builder_logger.level
+    builder_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        builder_logger.setLevel(level)
+
+
 def _load_dataset(spec: InputSpec) -> datasets.Dataset | datasets.IterableDataset:
     try:
-        return datasets.load_dataset(
-            spec.path, name=spec.name, data_files=spec.data_files, split=spec.split, streaming=spec.streaming
-        )
+        with _builder_errors_unlogged():
+            return datasets.load_dataset(
+                spec.path, name=spec.name, data_files=spec.data_files, split=spec.split, streaming=spec.streaming
+            )
     except Exception as exc:  # datasets raises many types here; the user needs one clear message
-        raise InputError(
-            f"datasets.load_dataset({spec.path!r}, split={spec.split!r}) failed: {exc}; {PATH_HELP}"
-        ) from exc
+        raise _load_error(spec, exc) from exc
+
+
+def _load_error(spec: InputSpec, exc: Exception) -> InputError:
+    if spec.path in BUILDER_KINDS and isinstance(spec.data_files, str):
+        return unreadable_file(spec.path, spec.data_files, exc)
+    return InputError(f"datasets.load_dataset({spec.path!r}, split={spec.split!r}) failed: {exc}; {PATH_HELP}")
+
+
+def _read_as_loaded(spec: InputSpec, items: Iterator[Any]) -> Iterator[Any]:
+    """`items` of a streaming dataset, whose files are read (and can fail) only now, failing as loading does."""
+    while True:
+        try:
+            with _builder_errors_unlogged():
+                item = next(items)
+        except StopIteration:
+            return
+        except Exception as exc:  # as in _load_dataset
+            raise _load_error(spec, exc) from exc
+        yield item
 
 
 def _resolve_data_files(spec: InputSpec) -> tuple[list[str], str | None]:
@@ -154,7 +186,7 @@ class StreamingDatasetSource(InputSource):
         if dataset.features is not None:
             schema = dataset.features.arrow_schema
         else:  # features unknown until the first row is read
-            first = next(iter(dataset.with_format("arrow").iter(batch_size=1)), None)
+            first = next(_read_as_loaded(spec, iter(dataset.with_format("arrow").iter(batch_size=1))), None)
             schema = pa.schema([]) if first is None else first.schema
         super().__init__(spec, list(schema.names))
         self.dataset = dataset
@@ -192,7 +224,7 @@ class StreamingDatasetSource(InputSource):
         # Every shard reads the whole stream, so each sees every id: the later occurrence of an id is the
         # duplicate, in every shard and on every rerun alike.
         seen: set = set()
-        for table in stream.iter(batch_size=self.spec.batch_rows):
+        for table in _read_as_loaded(self.spec, iter(stream.iter(batch_size=self.spec.batch_rows))):
             positions = np.arange(position, position + table.num_rows)
             position += table.num_rows
             mine = positions % self.spec.shard_count == self.spec.shard_index

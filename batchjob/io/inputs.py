@@ -124,6 +124,12 @@ class InputSource(ABC):
                 "number rows by position"
             )
         self.string_ids = id_type is not None and (pa.types.is_string(id_type) or pa.types.is_large_string(id_type))
+        if id_type is not None and pa.types.is_floating(id_type):
+            raise InputError(
+                f"data.id_column={id_column!r} has type {id_type}, but ids must be integers or strings (pandas and "
+                "CSV readers make integers with a missing value floats): fill the missing ids and write the column "
+                "as integers, or set data.id_column=null to number rows by position"
+            )
         if not (self.string_ids or (id_type is not None and pa.types.is_integer(id_type))):
             raise InputError(
                 f"data.id_column={id_column!r} has type {type_name}, but ids must be integers or strings: "
@@ -169,7 +175,9 @@ class InputSource(ABC):
         if self.ids_are_positions:
             row_ids = positions.astype(np.int64, copy=False)
         else:
-            row_ids = np.asarray(data.column(self.spec.id_column).to_numpy(), dtype=np.int64)
+            id_values = data.column(self.spec.id_column)
+            check_row_id_range(id_values, self.spec.id_column)
+            row_ids = np.asarray(id_values.to_numpy(), dtype=np.int64)
         keep = keep_mask(row_ids, skip)
         names = ["row_id", *self._batch_columns(columns)]
         if INPUT_ERROR_COLUMN in data.schema.names:
@@ -181,6 +189,19 @@ class InputSource(ABC):
         return batch if batch.num_rows else None
 
 
+def check_row_id_range(ids: pa.Array | pa.ChunkedArray, id_column: str) -> None:
+    """Raise `InputError` if integer ids exceed what `row_id` (int64) holds: uint64 ids, such as 64-bit hashes,
+    above 2**63-1 would wrap around to negative row ids."""
+    if not pa.types.is_uint64(ids.type) or len(ids) == ids.null_count:
+        return
+    largest = pc.max(ids).as_py()
+    if largest > np.iinfo(np.int64).max:
+        raise InputError(
+            f"data.id_column={id_column!r} holds {largest}, larger than row_id (int64) can hold (2**63-1): store "
+            "the ids as strings (a string id column is carried to the output), or set data.id_column=null"
+        )
+
+
 def _chunked_to_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(values, pa.ChunkedArray):
         return values.combine_chunks()
@@ -188,14 +209,22 @@ def _chunked_to_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 def list_input_files(storage: Storage, path: str, shown: str, suffix: str, kind: str, help_text: str) -> list[str]:
-    """Sorted `suffix` files of a file, a directory (recursive, skipping `_`/`.` names like pyarrow) or a glob;
-    `InputError` naming `shown` and `help_text` when there is none. `kind` names them ("Parquet files")."""
+    """Sorted `suffix` files of a file, a directory (recursive, skipping `_`/`.` names like pyarrow) or a glob (the
+    same); `InputError` naming `shown` and `help_text` when there is none. `kind` names them ("Parquet files")."""
     if storage.isdir(path):
         base = path.rstrip("/")
         found = [p for p in storage.fs.find(path) if p.endswith(suffix)]
         found = [p for p in found if not _is_hidden(posixpath.relpath(p, base))]
     elif any(ch in path for ch in "*?["):
-        found = [p for p in storage.fs.glob(path) if storage.fs.isfile(p)]
+        # fsspec's `*` also matches dot files (Hadoop's .crc) and `_` files (_SUCCESS, Dask's _metadata, whose
+        # row groups are the data files' again): they are skipped as in a directory, unless the pattern names them.
+        base = path[: min(path.index(ch) for ch in "*?[" if ch in path)].rpartition("/")[0]
+        named_hidden = _is_hidden(posixpath.relpath(path, base))
+        found = [
+            p
+            for p in storage.fs.glob(path)
+            if storage.fs.isfile(p) and (named_hidden or not _is_hidden(posixpath.relpath(p, base)))
+        ]
     elif storage.exists(path):
         found = [path]
     else:

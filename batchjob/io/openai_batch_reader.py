@@ -132,6 +132,9 @@ class OpenAIBatchSource(InputSource):
     def job_rows(self) -> int:
         return self.limited_rows
 
+    def column_types(self, columns: list[str]) -> pa.Schema:
+        return pa.schema([SCHEMA.field(c) for c in columns])
+
     def id_chunks(self) -> Iterator[pa.Array]:
         """The custom ids of every well-formed line of the job (a malformed line's row is an error row)."""
         ids: list[str] = []
@@ -170,7 +173,8 @@ class OpenAIBatchSource(InputSource):
     def _lines(self, skip_row_ids: np.ndarray | None, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
         """(row position, line) of rows [start, stop), minus stretches between checkpoints already finished
         (single finished rows of an unfinished stretch are dropped by `_make_batch`)."""
-        bounds = [c.position for c in self.checkpoints[1:]] + [self.total_rows]
+        # Each checkpoint's stretch ends where the next begins (the last at the end); a file without lines has none.
+        bounds = [c.position for c in self.checkpoints[1:]] + [self.total_rows] * bool(self.checkpoints)
         for checkpoint, end in zip(self.checkpoints, bounds, strict=True):
             first, last = max(checkpoint.position, start), min(end, stop)
             if first >= last or all_skipped(skip_row_ids, first, last):

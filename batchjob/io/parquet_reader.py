@@ -18,9 +18,11 @@ import pyarrow.parquet as pq
 
 from batchjob.io.content_digest import parquet_footer_sha256, relative_names
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec, list_input_files
+from batchjob.io.parquet_columns import common_schema, hive_partitions
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
+_DELTA_LOG = "_delta_log"
 # Read column chunks through a buffer instead of whole: bounds memory for inputs with huge row groups.
 _READ_BUFFER_BYTES = 1 << 20
 
@@ -35,8 +37,17 @@ class RowGroup:
 
 def open_parquet(spec: InputSpec) -> ParquetSource:
     storage, path = Storage.for_uri(spec.path)
+    directory = storage.isdir(path)
+    if directory and _DELTA_LOG in storage.list_dirs(path):
+        # Deleted and replaced rows stay in the table's Parquet files until a vacuum: only the log says which
+        # files are current, and reading them all would bring back old rows or repeat updated ones.
+        raise InputError(
+            f"{spec.path} is a Delta Lake table ({_DELTA_LOG} beside its Parquet files), whose files may also hold "
+            "rows its later versions deleted or replaced: write its current version to Parquet (e.g. from "
+            "deltalake's DeltaTable(path).to_pyarrow_table()) and point data.path there"
+        )
     files = list_input_files(storage, path, spec.path, ".parquet", "Parquet files", PATH_HELP)
-    return ParquetSource(spec, storage, files)
+    return ParquetSource(spec, storage, files, hive_root=path.rstrip("/") if directory else None)
 
 
 def open_parquet_files(spec: InputSpec, uris: list[str], revision: str | None) -> ParquetSource:
@@ -52,15 +63,30 @@ def _footer(filesystem: pafs.FileSystem, file: str, name: str) -> tuple[pq.FileM
     try:
         with filesystem.open_input_file(file) as f:
             metadata = pq.ParquetFile(f).metadata
-            return metadata, {"name": name, "size": f.size(), "footer_sha256": parquet_footer_sha256(f)}
+            identity = {"name": name, "size": f.size(), "footer_sha256": parquet_footer_sha256(f)}
     except (pa.ArrowException, OSError) as err:  # not Parquet, truncated, unreadable footer or file
         raise InputError(
             f"{file} is not a readable Parquet file ({err}): replace it with a good copy, or move it out of data.path"
         ) from err
+    if metadata.num_row_groups and metadata.row_group(0).num_columns and metadata.row_group(0).column(0).file_path:
+        # Dask's and Spark's _metadata: every data file's footer gathered in one, its rows in those files.
+        raise InputError(
+            f"{file} is a summary of other Parquet files' row groups (a _metadata file), not data: point data.path "
+            "at the directory holding it, or at the data files"
+        )
+    return metadata, identity
 
 
 class ParquetSource(InputSource):
-    def __init__(self, spec: InputSpec, storage: Storage, files: list[str], revision: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: InputSpec,
+        storage: Storage,
+        files: list[str],
+        revision: str | None = None,
+        hive_root: str | None = None,
+    ) -> None:
+        """`hive_root`: the directory below which `key=value` directory names are columns (None: none are)."""
         self.storage = storage
         self.files = files
         self.revision = revision
@@ -75,13 +101,17 @@ class ParquetSource(InputSource):
             for index in range(metadata.num_row_groups):
                 start = self.row_groups[-1].start + self.row_groups[-1].rows if self.row_groups else 0
                 self.row_groups.append(RowGroup(file, index, start, metadata.row_group(index).num_rows))
-        schema = schemas[0]
-        for file, other in zip(files, schemas, strict=True):
-            if other.names != schema.names:
-                raise InputError(
-                    f"{file} has columns {other.names} but {files[0]} has {schema.names}: all Parquet "
-                    "files of one input must share their columns; point data.path at one kind of file"
-                )
+        schema = common_schema(files, schemas)
+        if spec.id_column in schema.names and pa.types.is_dictionary(schema.field(spec.id_column).type):
+            # pandas' category and polars' Categorical ids: read as the strings (or integers) they encode.
+            index = schema.get_field_index(spec.id_column)
+            schema = schema.set(index, schema.field(index).with_type(schema.field(index).type.value_type))
+        # Files whose batches need a cast to `schema` (the rest are read as they are).
+        self._cast = {file for file, own in zip(files, schemas, strict=True) if not own.equals(schema)}
+        self._file_columns = list(schema.names)
+        self.partitions = hive_partitions(hive_root, files, schema.names) if hive_root is not None else None
+        if self.partitions is not None:
+            schema = pa.schema([*schema, *self.partitions.fields])
         super().__init__(spec, list(schema.names))
         self.schema = schema
         self.total_rows = sum(g.rows for g in self.row_groups)
@@ -105,8 +135,10 @@ class ParquetSource(InputSource):
             with self._pafs.open_input_file(file) as f:
                 reader = pq.ParquetFile(f, buffer_size=_READ_BUFFER_BYTES)
                 for group in groups:
-                    ids = reader.read_row_group(group.index, columns=[self.spec.id_column], use_threads=False)
-                    yield ids.column(0).slice(0, self.limited_rows - group.start)
+                    id_column = [self.spec.id_column]
+                    table = reader.read_row_group(group.index, columns=self._in_file(id_column), use_threads=False)
+                    ids = self._as_input(table, file, id_column).column(self.spec.id_column)
+                    yield ids.slice(0, self.limited_rows - group.start)
 
     def column_types(self, columns: list[str]) -> pa.Schema:
         return pa.schema([self.schema.field(c) for c in columns])
@@ -123,10 +155,10 @@ class ParquetSource(InputSource):
                 batches = reader.iter_batches(
                     batch_size=self.spec.batch_rows,
                     row_groups=[g.index for g in groups],
-                    columns=read_columns,
+                    columns=self._in_file(read_columns),
                     use_threads=False,
                 )
-                for batch in batches:
+                for batch in (self._as_input(b, file, read_columns) for b in batches):
                     first, last = max(position, self.start), min(position + batch.num_rows, self.stop)
                     if first < last:
                         sliced = batch.slice(first - position, last - first)
@@ -134,6 +166,19 @@ class ParquetSource(InputSource):
                         if made is not None:
                             yield made
                     position += batch.num_rows
+
+    def _in_file(self, columns: list[str]) -> list[str]:
+        """Those of `columns` stored in the files (not in directory names)."""
+        return [c for c in columns if c in self._file_columns]
+
+    def _as_input(self, data: pa.Table | pa.RecordBatch, file: str, columns: list[str]) -> pa.Table | pa.RecordBatch:
+        """`data` as read from `file`, typed as the whole input and with its partition columns among `columns`."""
+        if file in self._cast:
+            for index, field in enumerate(data.schema):
+                target = self.schema.field(field.name).type
+                if field.type != target:
+                    data = data.set_column(index, field.name, data.column(index).cast(target))
+        return data if self.partitions is None else self.partitions.add_to(data, file, columns)
 
     def _runs(
         self, skip_row_ids: np.ndarray | None, start: int | None = None, stop: int | None = None

@@ -18,6 +18,7 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 # Files read through datasets' builder of their kind (`load_dataset(builder, data_files=file)`), by extension.
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
+_PARQUET_MAGIC = b"PAR1"
 # Compressions datasets opens by itself.
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
@@ -47,6 +48,11 @@ def file_builder(path: str) -> str | None:
     return FILE_BUILDERS.get(os.path.splitext(name)[1])
 
 
+def _is_parquet(storage: Storage, path: str) -> bool:
+    with storage.fs.open(path, "rb") as f:
+        return f.read(4) == _PARQUET_MAGIC
+
+
 def resolve_format(spec: InputSpec) -> str:
     """auto: .parquet file/dir/glob -> parquet; a .jsonl file of OpenAI batch requests -> openai_batch;
     save_to_disk dir -> hf_disk; another JSON Lines, JSON, CSV or text file -> file (read by datasets' builder
@@ -70,6 +76,8 @@ def resolve_format(spec: InputSpec) -> str:
             return "openai_batch"
         if file_builder(path) is not None:
             return "file"
+        if _is_parquet(storage, path):  # named otherwise: .PARQUET, .parq, .pq, no suffix
+            return "parquet"
         raise InputError(
             f"{spec.path} is neither Parquet, an OpenAI batch file, a JSON Lines, JSON, CSV or text file nor a "
             f"dataset directory; {PATH_HELP}"

@@ -8,7 +8,7 @@ is checked alone, by sorting. Memory then holds one piece plus one sorted partit
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchjob.io.inputs import InputError, InputSource
+from batchjob.io.inputs import InputError, InputSource, check_row_id_range
 
 PARTITION_ROWS = 2_000_000
 _HASH_ROWS = 1 << 18  # strings are hashed as Python objects: a slice at a time bounds them
@@ -31,7 +31,7 @@ def check_unique_ids(source: InputSource, partition_rows: int = PARTITION_ROWS) 
     if chunks is None:
         return
     total = source.job_rows()
-    nulls, repeated = find_duplicates(chunks, total or 0, partition_rows)
+    nulls, repeated = find_duplicates(_in_row_id_range(chunks, id_column), total or 0, partition_rows)
     if nulls:
         raise InputError(
             f"data.id_column={id_column!r} has {nulls} null values: every row needs an id; fill them, or "
@@ -44,6 +44,14 @@ def check_unique_ids(source: InputSource, partition_rows: int = PARTITION_ROWS) 
             "ids must be unique, or resume could not tell the rows apart; deduplicate the input, or set "
             "data.id_column=null to number rows by position"
         )
+
+
+def _in_row_id_range(
+    chunks: Iterable[pa.Array | pa.ChunkedArray], id_column: str
+) -> Iterator[pa.Array | pa.ChunkedArray]:
+    for chunk in chunks:
+        check_row_id_range(chunk, id_column)
+        yield chunk
 
 
 def find_duplicates(

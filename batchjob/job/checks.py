@@ -31,7 +31,7 @@ from batchjob.io.unique_ids import check_unique_ids
 from batchjob.job.fingerprint import job_record, resolve_model_path
 from batchjob.job.startup import StartupClock
 from batchjob.pipelines.pipeline import Builder, for_openai_batch, make_builder
-from batchjob.pipelines.prompts import check_columns
+from batchjob.pipelines.prompts import check_column_types, check_columns
 from batchjob.pipelines.rows import RESERVED_COLUMNS
 
 log = logging.getLogger("batchjob")
@@ -137,6 +137,7 @@ def check_model_and_input(settings: JobSettings) -> CheckedInput:
         spec = dataclasses.replace(spec, id_column=id_column)
     source = open_input(spec)
     check_columns(settings.prompt, list(source.columns), data.json_schema_column)
+    check_column_types(settings.prompt, source.column_types(list(settings.prompt.input_columns)))
     passthrough = passthrough_columns(
         settings, list(source.columns), settings.prompt.consumed_columns, string_ids=source.string_ids
     )

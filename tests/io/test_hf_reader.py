@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import datasets
@@ -111,3 +112,73 @@ def test_a_file_of_another_kind_names_the_kinds_read(tmp_path: Path) -> None:
     path.write_bytes(b"PK")
     with pytest.raises(InputError, match="a JSON Lines, JSON, CSV or text file"):
         open_input(InputSpec(str(path)))
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        # A byte order mark and a blank line do not shift the count: lines are numbered as an editor shows them.
+        ('\ufeff{"prompt": "a"}\n\n{"prompt": b}\n', "line 3 is not JSON (Expecting value at column 12)"),
+        ('{"prompt": "a"}\r\n["b"]\r\n', "line 2 is a JSON list, not an object of column values"),
+    ],
+)
+def test_a_json_lines_line_that_cannot_be_a_row_is_named_by_its_number(tmp_path: Path, content: str, said: str):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content.encode())
+    with pytest.raises(
+        InputError, match=re.escape(f"prompts.jsonl cannot be read as JSON Lines or JSON: {said}: fix or delete")
+    ):
+        open_input(InputSpec(str(path)))
+
+
+def test_a_csv_file_not_in_utf8_says_to_save_it_as_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.csv"
+    path.write_bytes("prompt\nfine\ncaf\xe9\n".encode("latin-1"))
+    with pytest.raises(
+        InputError, match="prompts.csv cannot be read as CSV: line 3 is not UTF-8 .*save the file as UTF"
+    ):
+        open_input(InputSpec(str(path)))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "said"), [("p.jsonl", "\n\n", "no line with text"), ("p.csv", "prompt\n", "only a header")]
+)
+def test_a_file_without_rows_says_so(tmp_path: Path, name: str, content: str, said: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(InputError, match=f"it holds no rows \\({said}\\): give a file with prompts"):
+        open_input(InputSpec(str(path)))
+
+
+def test_a_csv_parse_error_is_one_line_naming_the_file_and_the_parsers_reason(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.csv"
+    path.write_text("prompt,topic\nhello,a\nx,y,z\n")
+    with pytest.raises(InputError) as refused:
+        open_input(InputSpec(str(path)))
+    assert "\n" not in str(refused.value)
+    assert "prompts.csv cannot be read as CSV (ParserError: " in str(refused.value)
+    assert "Expected 2 fields in line 3, saw 3): fix the file" in str(refused.value)
+
+
+def test_an_integer_id_column_with_a_blank_cell_says_the_blank_made_it_floats(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.csv"
+    path.write_text("id,prompt\n1,hello\n,there\n3,again\n")
+    with pytest.raises(InputError, match="has type double.*fill the missing ids and write the column as integers"):
+        open_input(InputSpec(str(path), id_column="id"))
+
+
+def test_streaming_a_file_with_a_broken_line_names_the_line_as_it_opens(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(InputError, match="prompts.jsonl cannot be read as JSON Lines or JSON: line 2 is not JSON"):
+        open_input(InputSpec(str(path), streaming=True))
+
+
+def test_streaming_to_a_broken_line_past_the_first_block_names_the_line_where_it_is_met(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    rows = 120_000  # about 12 MB: more than the 10 MB block datasets' JSON builder reads at once
+    path.write_text("".join(f'{{"prompt": "prompt number {i:07d} {"x" * 70}"}}\n' for i in range(rows)) + "{oops\n")
+    source = open_input(InputSpec(str(path), streaming=True, batch_rows=50_000))
+    with pytest.raises(InputError, match=f"line {rows + 1} is not JSON .*: fix or delete that line"):
+        for _ in source.iter_batches(["prompt"]):
+            pass

@@ -130,10 +130,77 @@ def test_requesting_a_missing_column_lists_the_columns(prompts_dir: Path) -> Non
         next(source.iter_batches(["messages"]))
 
 
-def test_files_with_different_columns_are_refused(prompts_dir: Path) -> None:
-    pq.write_table(pa.table({"text": ["x"]}), prompts_dir / "d.parquet")
-    with pytest.raises(InputError, match="must share their columns"):
+def test_files_with_different_columns_are_refused_naming_the_difference(prompts_dir: Path) -> None:
+    pq.write_table(pa.table({"id": [1], "prompt": ["x"]}), prompts_dir / "d.parquet")
+    with pytest.raises(InputError, match="d.parquet lacks 'topic' beside the columns of .*a.parquet: all Parquet"):
         open_input(InputSpec(str(prompts_dir)))
+
+
+def test_files_with_the_same_columns_in_another_order_are_one_input(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"prompt": ["a"], "n": [1]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"n": [2], "prompt": ["b"]}), tmp_path / "b.parquet")
+    source = open_input(InputSpec(str(tmp_path)))
+    assert source.columns == ["prompt", "n"]
+    assert read_all(InputSpec(str(tmp_path)), ["prompt", "n"]).to_pydict() == {
+        "row_id": [0, 1],
+        "prompt": ["a", "b"],
+        "n": [1, 2],
+    }
+
+
+def test_a_column_stored_with_other_types_in_other_files_reads_as_one_widened_type(tmp_path: Path) -> None:
+    first = {"prompt": pa.array(["a"]).dictionary_encode(), "n": pa.array([1], pa.int32())}
+    pq.write_table(pa.table(first), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"prompt": pa.array(["b"], pa.large_string()), "n": [2**40]}), tmp_path / "b.parquet")
+    source = open_input(InputSpec(str(tmp_path)))
+    expected = pa.schema([("prompt", pa.large_string()), ("n", pa.int64())])
+    assert source.column_types(["prompt", "n"]) == expected
+    batches = list(source.iter_batches(["prompt", "n"]))
+    assert [b.schema for b in batches] == [pa.schema([("row_id", pa.int64()), *expected])] * 2
+    assert pa.Table.from_batches(batches).column("n").to_pylist() == [1, 2**40]
+
+
+def test_a_column_of_types_no_cast_reconciles_is_refused_naming_both_files(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"prompt": ["a"], "n": [1]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["b"], "n": ["x"]}), tmp_path / "b.parquet")
+    with pytest.raises(InputError, match="column 'n' is int64 in .*a.parquet but string in .*b.parquet: write it"):
+        open_input(InputSpec(str(tmp_path)))
+
+
+def test_a_file_with_two_columns_of_one_name_is_refused_naming_the_name(tmp_path: Path) -> None:
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"]), path)
+    with pytest.raises(InputError, match="p.parquet has more than one column named 'prompt'.*rename them"):
+        open_input(InputSpec(str(path)))
+
+
+@pytest.mark.parametrize("writer", ["pandas", "polars", "duckdb"])
+def test_hive_partition_directories_are_columns_of_their_files_rows(tmp_path: Path, writer: str) -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame({"prompt": ["p0", "p1", "p2", "p3"], "lang": ["en", "fr", "en", "de"], "year": [1, 1, 2, 2]})
+    root = tmp_path / "partitioned"
+    if writer == "pandas":
+        frame.to_parquet(root, partition_cols=["lang", "year"])
+    elif writer == "polars":
+        import polars as pl
+
+        pl.from_pandas(frame).write_parquet(root, partition_by=["lang", "year"])
+    else:
+        import duckdb
+
+        duckdb.sql(f"COPY (SELECT * FROM frame) TO '{root}' (FORMAT PARQUET, PARTITION_BY (lang, year))")
+    source = open_input(InputSpec(str(root)))
+    assert sorted(source.columns) == ["lang", "prompt", "year"]
+    table = pa.Table.from_batches(list(source.iter_batches(["prompt", "lang", "year"])))
+    # Rows in sorted path order: lang=de, then lang=en/year=1, lang=en/year=2, then lang=fr.
+    assert table.select(["row_id", "prompt", "lang", "year"]).to_pylist() == [
+        {"row_id": 0, "prompt": "p3", "lang": "de", "year": 2},
+        {"row_id": 1, "prompt": "p0", "lang": "en", "year": 1},
+        {"row_id": 2, "prompt": "p2", "lang": "en", "year": 2},
+        {"row_id": 3, "prompt": "p1", "lang": "fr", "year": 1},
+    ]
+    assert source.column_types(["year"]) == pa.schema([("year", pa.int64())])  # integer names are integers
 
 
 def test_fingerprint_changes_when_a_file_changes(prompts_dir: Path) -> None:
@@ -153,3 +220,42 @@ def test_memory_filesystem_uri_is_read_through_fsspec() -> None:
     batch = next(source.iter_batches(["prompt"]))
     assert batch.to_pydict() == {"row_id": [1, 2], "prompt": ["b", "c"]}
     assert source.fingerprint()["files"][0]["size"] > 0
+
+
+def test_a_delta_lake_table_is_refused_since_its_files_hold_earlier_versions(prompts_dir: Path) -> None:
+    (prompts_dir / "_delta_log").mkdir()
+    (prompts_dir / "_delta_log" / "00000000000000000000.json").write_text("{}\n")
+    with pytest.raises(InputError, match="is a Delta Lake table .*write its current version to Parquet"):
+        open_input(InputSpec(str(prompts_dir)))
+
+
+def spark_and_dask_sidecars(directory: Path) -> None:
+    """What Spark (_SUCCESS, Hadoop's .crc checksums) and Dask (_metadata, _common_metadata) write beside parts."""
+    (directory / "_SUCCESS").write_bytes(b"")
+    (directory / ".a.parquet.crc").write_bytes(b"crc\x00")
+    files = sorted(directory.glob("*.parquet"))
+    collected: list = []
+    for file in files:
+        collected.append(pq.read_metadata(file))
+        collected[-1].set_file_path(file.name)
+    schema = pq.read_schema(files[0])
+    pq.write_metadata(schema, directory / "_common_metadata")
+    pq.write_metadata(schema, directory / "_metadata", metadata_collector=collected)
+
+
+def test_a_glob_skips_underscore_and_dot_files_as_a_directory_does(prompts_dir: Path) -> None:
+    spark_and_dask_sidecars(prompts_dir)
+    table = read_all(InputSpec(str(prompts_dir / "*")), ["prompt"])
+    assert table.column("row_id").to_pylist() == list(range(100))
+
+
+def test_a_metadata_summary_file_named_by_a_glob_is_refused_as_no_data(prompts_dir: Path) -> None:
+    spark_and_dask_sidecars(prompts_dir)
+    with pytest.raises(InputError, match="_metadata is a summary of other Parquet files' row groups"):
+        open_input(InputSpec(str(prompts_dir / "_meta*")))
+
+
+@pytest.mark.parametrize("name", ["PROMPTS.PARQUET", "prompts.parq", "part-00000"])
+def test_a_parquet_file_named_without_the_parquet_suffix_is_read_as_parquet(tmp_path: Path, name: str) -> None:
+    path = write_prompts(tmp_path / name, 0, 5, row_group_rows=5)
+    assert read_all(InputSpec(str(path)), ["prompt"]).column("row_id").to_pylist() == list(range(5))

@@ -54,3 +54,37 @@ def test_saved_dataset_duplicates_are_refused(tmp_path: Path) -> None:
     datasets.Dataset.from_dict({"uid": [5, 6, 5], "prompt": ["a", "b", "c"]}).save_to_disk(str(tmp_path / "ds"))
     with pytest.raises(InputError, match=r"repeats values \(5\)"):
         check_unique_ids(open_input(InputSpec(str(tmp_path / "ds"), id_column="uid")))
+
+
+def test_uint64_ids_beyond_int64_are_refused_before_the_run_and_while_reading(tmp_path: Path) -> None:
+    # 64-bit hashes as uint64: the largest would wrap around to a negative row_id.
+    path = write_ids(tmp_path / "p.parquet", pa.array([1, 2**63 + 1, 3], pa.uint64()))
+    source = open_input(InputSpec(str(path), id_column="uid"))
+    refused = r"data.id_column='uid' holds 9223372036854775809, larger than row_id \(int64\) can hold"
+    with pytest.raises(InputError, match=refused):
+        check_unique_ids(source)
+    with pytest.raises(InputError, match=refused):  # a streaming reader, which has no scan, reads them too
+        next(source.iter_batches(["prompt"]))
+
+
+def test_uint64_ids_within_int64_are_row_ids(tmp_path: Path) -> None:
+    path = write_ids(tmp_path / "p.parquet", pa.array([7, 2**63 - 1], pa.uint64()))
+    source = open_input(InputSpec(str(path), id_column="uid"))
+    check_unique_ids(source)
+    assert next(source.iter_batches(["prompt"])).column("row_id").to_pylist() == [7, 2**63 - 1]
+
+
+@pytest.mark.parametrize("values", [["b", "a", "b"], [9, 4, 9]], ids=["strings", "integers"])
+def test_dictionary_encoded_ids_are_the_values_they_encode(tmp_path: Path, values: list) -> None:
+    # pandas' category and polars' Categorical columns are dictionary-encoded in Parquet.
+    path = write_ids(tmp_path / "p.parquet", pa.array(values[:2]).dictionary_encode())
+    source = open_input(InputSpec(str(path), id_column="uid"))
+    check_unique_ids(source)
+    batch = next(source.iter_batches(["prompt"]))
+    if isinstance(values[0], str):
+        assert batch.column("uid").to_pylist() == ["b", "a"] and batch.column("uid").type == pa.string()
+    else:
+        assert batch.column("row_id").to_pylist() == [9, 4]
+    repeated = write_ids(tmp_path / "r.parquet", pa.array(values).dictionary_encode())
+    with pytest.raises(InputError, match="repeats values"):
+        check_unique_ids(open_input(InputSpec(str(repeated), id_column="uid")))

@@ -159,6 +159,38 @@ def test_bad_config_fails_before_model_load_naming_the_problem(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        (pa.array([1, 2]), "holds int64, not text: choose a text column, or make the prompt from it with pipeline."),
+        (pa.array([["a"], ["b"]]), "data.prompt_column='prompt' holds list<element: string>, not text: choose a text"),
+        (pa.array([{"text": "a"}, {"text": "b"}]), "holds struct<text: string>, not text"),
+        (
+            pa.array([[{"role": "user", "content": "Hi"}]] * 2),
+            "looks like chat messages: set data.messages_column=prompt",
+        ),
+    ],
+    ids=["int", "list", "struct", "messages"],
+)
+def test_a_prompt_column_that_holds_no_text_fails_before_model_load(
+    tmp_path: Path, unloadable_model: Path, capsys, prompts: pa.Array, message: str
+) -> None:
+    data = write_table(tmp_path / "p.parquet", {"prompt": prompts})
+    code = run_in_process(f"model.path={unloadable_model}", f"data.path={data}", f"output.dir={tmp_path / 'o'}")
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["Prompt", " prompt "])
+def test_a_column_named_like_the_prompt_column_but_for_case_or_spaces_is_pointed_out(
+    tmp_path: Path, unloadable_model: Path, capsys, name: str
+) -> None:
+    data = write_table(tmp_path / "p.parquet", {name: ["Hi"]})
+    code = run_in_process(f"model.path={unloadable_model}", f"data.path={data}", f"output.dir={tmp_path / 'o'}")
+    assert code == 2
+    assert f"{name!r} differs from 'prompt' only in case or spaces" in capsys.readouterr().err
+
+
 def test_missing_model_path_is_a_config_error(tmp_path: Path, capsys) -> None:
     assert run_in_process("model.path=/no/such/model", f"output.dir={tmp_path / 'o'}") == 2
     assert "model.path=/no/such/model does not exist" in capsys.readouterr().err

@@ -24,6 +24,18 @@ def test_parquet_directory_input_reads_every_file(tmp_path: Path) -> None:
     assert table.column("id").to_pylist() == expected_ids
 
 
+def test_a_hive_partitioned_directory_keeps_its_partition_column(tmp_path: Path) -> None:
+    frame = pq.read_table(SAMPLE_PROMPTS).slice(0, 6).to_pandas()
+    frame["lang"] = ["en", "fr", "en", "de", "fr", "en"]
+    frame.to_parquet(tmp_path / "data", partition_cols=["lang"])
+    template = "pipeline.template='[{lang}] {prompt}'"
+    overrides = (f"data.path={tmp_path / 'data'}", template, "data.passthrough_columns=[lang]")
+    assert run_in_process(*overrides, f"output.dir={tmp_path / 'o'}") == 0
+    table = read_output(tmp_path / "o").sort_by("row_id")
+    assert table.column("lang").to_pylist() == ["de", "en", "en", "en", "fr", "fr"]  # lang=de/ sorts first
+    assert table.column("error").null_count == 6
+
+
 def test_hf_save_to_disk_input(tmp_path: Path) -> None:
     import datasets
 

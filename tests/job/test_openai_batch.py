@@ -251,3 +251,25 @@ def test_sigkill_then_rerun_gives_every_custom_id_exactly_once(tmp_path: Path) -
     assert sorted(got.column("row_id").to_pylist()) == list(range(len(lines)))
     assert sorted(custom_ids) == sorted(x["custom_id"] for x in lines if isinstance(x, dict))
     assert got.to_pylist() == read_output(reference).to_pylist()
+
+
+def test_a_shard_without_lines_commits_a_part_with_custom_id_and_url(tmp_path: Path) -> None:
+    batch_file = tmp_path / "requests.jsonl"
+    batch_file.write_text(json.dumps(completion("only", "Hello", max_tokens=2)) + "\n")
+    out = tmp_path / "out"
+    for shard in (0, 1):
+        assert (
+            run_in_process(f"data.path={batch_file}", f"output.dir={out}", "shard.count=2", f"shard.index={shard}") == 0
+        )
+    # Shard 0 owns no line, and its part is the first a reader opens: it must not hide the custom ids.
+    table = read_output(out)
+    assert table.column("custom_id").to_pylist() == ["only"]
+    assert table.column("url").to_pylist() == [COMPLETIONS]
+
+
+def test_an_empty_batch_file_is_a_job_of_no_rows(tmp_path: Path) -> None:
+    batch_file = tmp_path / "requests.jsonl"
+    batch_file.write_text("\n")
+    out = tmp_path / "out"
+    assert run_in_process(f"data.path={batch_file}", "data.format=openai_batch", f"output.dir={out}") == 0
+    assert read_output(out).num_rows == 0

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from jobtools import REPO, bookkeeping, cli_env, read_only, run_cli, tree_bytes, write_prompts
 
@@ -38,6 +40,31 @@ def test_a_corrupt_parquet_file_is_named(tmp_path: Path) -> None:
     done = run_cli(f"data.path={bad}", f"output.dir={tmp_path / 'out'}")
     assert_refused(done, str(bad), "is not a readable Parquet file", "replace it")
     assert not (tmp_path / "out").exists() and not bookkeeping(tmp_path / "out").exists()
+
+
+def test_a_parquet_file_with_two_columns_of_one_name_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["Hi"]), pa.array(["Hello"])], names=["prompt", "prompt"]), bad)
+    done = run_cli(f"data.path={bad}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, str(bad), "more than one column named 'prompt'", "rename them")
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_files_typing_a_column_differently_are_named_before_the_model_loads(tmp_path: Path) -> None:
+    write_prompts(tmp_path / "data" / "a.parquet", 2, n=[1, 2])
+    write_prompts(tmp_path / "data" / "b.parquet", 2, n=["x", "y"])
+    done = run_cli(f"data.path={tmp_path / 'data'}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, "column 'n' is int64 in", "but string in", "write it with one type in every file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_json_lines_file_with_a_broken_line_is_one_line_naming_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "Hello"}\n{"prompt": "unterminated\n{"prompt": "World"}\n')
+    done = run_cli(f"data.path={bad}", f"output.dir={tmp_path / 'out'}")
+    assert_refused(done, str(bad), "line 2 is not JSON", "fix or delete that line")
+    assert done.stderr.count("\n") == 1, done.stderr  # no log lines of the datasets builder around it
+    assert not (tmp_path / "out").exists()
 
 
 def test_pickle_only_weights_are_refused_by_the_native_engine_before_loading(tmp_path: Path, model_dir: str) -> None:
