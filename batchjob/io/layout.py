@@ -19,7 +19,8 @@ rewrite) under a staged name, `.part-sNNNNN-NNNNNN.parquet.tmp`: hidden and not 
 duckdb and datasets skip it, though polars refuses a directory holding one.
 
 Since every reader reads the whole of `output.dir`, a job writes only into an empty or new folder or its own
-output: anything in `output.dir` but parts, staged parts and an NFS client's temporary names is refused.
+output: anything in `output.dir` but parts, staged parts and an NFS client's temporary names is refused, and so
+is an `output.dir` inside another job's `output.dir` (its reads would take this job's files in) or bookkeeping folder.
 """
 
 from __future__ import annotations
@@ -77,6 +78,17 @@ def staged_name(name: str) -> str:
     return f".{name}.tmp"
 
 
+def enclosing_folders(path: str) -> list[str]:
+    """The folders holding `path` (a storage path: absolute on a local disk, `bucket/key` on an object store),
+    nearest first, down to (not including) the filesystem root or the bucket."""
+    folders = []
+    parent = posixpath.dirname(path.rstrip("/"))
+    while parent.strip("/") and (parent.startswith("/") or "/" in parent):
+        folders.append(parent)
+        parent = posixpath.dirname(parent)
+    return folders
+
+
 def foreign_names(names: list[str]) -> list[str]:
     """Of the names directly in output.dir (folders ending in `/`), those batchjob did not write."""
     ours = (PART_RE, STAGED_RE, NFS_SILLY_RENAME_RE)
@@ -91,6 +103,17 @@ def foreign_content_message(output_dir: str, foreign: list[str]) -> str:
         f"output.dir={output_dir} holds files batchjob did not write ({shown}); every reader of the output reads "
         "the whole folder, so batchjob writes only into its own output: set output.dir to an empty or new folder"
     )
+
+
+def nested_output_message(output_dir: str, enclosing: str, is_bookkeeping: bool) -> str:
+    if is_bookkeeping:
+        why = "the folder where batchjob keeps another job's record, manifests and locks"
+    else:
+        why = (
+            "another job's output.dir; every reader of that folder reads all of it, so this job's files would show "
+            "up there as extra or duplicate rows"
+        )
+    return f"output.dir={output_dir} is inside {enclosing}, {why}: set output.dir to a folder outside {enclosing}"
 
 
 def old_layout_message(output_dir: str) -> str:

@@ -33,6 +33,7 @@ from batchjob.io import manifest, recovery
 from batchjob.io.crash_points import crash_point
 from batchjob.io.layout import (
     BOOKKEEPING_SUFFIX,
+    JOB_RECORD_NAME,
     LOCKS_DIR_NAME,
     OLD_LAYOUT_RE,
     REPORT_NAME,
@@ -40,8 +41,10 @@ from batchjob.io.layout import (
     OutputDirError,
     ShardOutput,
     bookkeeping_dir,
+    enclosing_folders,
     foreign_content_message,
     foreign_names,
+    nested_output_message,
     old_layout_message,
     part_seq,
     staged_name,
@@ -131,13 +134,21 @@ class OutputDataset:
 
     def check_dir(self) -> None:
         """`OutputDirError` unless output.dir is absent, empty or holds only batchjob's parts (of any shard, any
-        job: the job record decides whose), since every reader reads the whole folder. Reads one listing."""
+        job: the job record decides whose), and lies inside no other job's output.dir or bookkeeping folder, since
+        every reader reads the whole folder. Reads one listing, and looks for a job record beside each folder
+        above output.dir."""
         names = self.storage.list_names(self.path)
         if any(OLD_LAYOUT_RE.match(name) for name in names):
             raise OutputDirError(old_layout_message(self.shard.dir))
         foreign = foreign_names(names)
         if foreign:
             raise OutputDirError(foreign_content_message(self.shard.dir, foreign))
+        scheme = self.shard.dir.partition("://")[0] + "://" if "://" in self.shard.dir else ""
+        for folder in enclosing_folders(self.path):
+            if self.storage.exists(self.storage.join(folder + BOOKKEEPING_SUFFIX, JOB_RECORD_NAME)):
+                raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder, is_bookkeeping=False))
+            if folder.endswith(BOOKKEEPING_SUFFIX) and self.storage.exists(self.storage.join(folder, JOB_RECORD_NAME)):
+                raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder, is_bookkeeping=True))
 
     def _choose_staging(self) -> Staging:
         """Try a rename from the temp folder into output.dir (an empty probe file): the one check that sees a

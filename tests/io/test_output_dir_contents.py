@@ -89,6 +89,38 @@ def test_a_jobs_own_output_resumes_with_other_shards_parts_and_a_crashs_leftover
     assert not (out / ".part-s00001-000001.parquet.tmp").exists(), "its shard's next open deleted it"
 
 
+def test_an_output_dir_inside_another_jobs_output_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    first = tmp_path / "run1"
+    with OutputDataset(str(first)) as dataset:
+        dataset.open(JOB)
+        dataset.commit(rows([0, 1]))
+    for inside in (first / "retry", first / "a" / "b"):
+        with pytest.raises(OutputDirError) as refused:
+            OutputDataset(str(inside)).open(JOB)
+        assert str(refused.value) == (
+            f"output.dir={inside} is inside {first}, another job's output.dir; every reader of that folder reads all "
+            "of it, so this job's files would show up there as extra or duplicate rows: set output.dir to a folder "
+            f"outside {first}"
+        )
+    assert os.listdir(first) == ["part-s00000-000000.parquet"]
+
+
+def test_an_output_dir_inside_a_jobs_bookkeeping_folder_is_refused(tmp_path: Path) -> None:
+    with OutputDataset(str(tmp_path / "run1")) as dataset:
+        dataset.open(JOB)
+    inside = bookkeeping(tmp_path / "run1") / "out"
+    with pytest.raises(OutputDirError, match=r"keeps another job's record, manifests and locks: set output.dir"):
+        OutputDataset(str(inside)).open(JOB)
+    assert not inside.exists()
+
+
+def test_a_sibling_of_a_jobs_output_is_accepted(tmp_path: Path) -> None:
+    for name in ("run1", "run2"):
+        with OutputDataset(str(tmp_path / name)) as dataset:
+            dataset.open(JOB)
+            dataset.commit(rows([0]))
+
+
 def test_the_check_alone_writes_nothing(tmp_path: Path) -> None:
     out = strangers_folder(tmp_path)
     with pytest.raises(OutputDirError):
@@ -103,3 +135,10 @@ def test_a_prefix_holding_other_objects_is_refused_on_an_s3_server(s3_output_dir
     with pytest.raises(OutputDirError, match=r"holds files batchjob did not write \(notes.csv\)"):
         OutputDataset(s3_output_dir).open(JOB)
     assert not fs.exists(path + ".batchjob")
+
+
+def test_a_prefix_inside_another_jobs_output_is_refused_on_an_s3_server(s3_output_dir: str) -> None:
+    with OutputDataset(s3_output_dir) as dataset:
+        dataset.open(JOB)
+    with pytest.raises(OutputDirError, match=rf"is inside {s3_output_dir}, another job's output.dir"):
+        OutputDataset(f"{s3_output_dir}/retry").open(JOB)

@@ -124,3 +124,20 @@ def test_parts_whose_job_record_was_lost_are_refused_not_adopted(tmp_path: Path)
     fresh = run_cli(*args, "sampling.max_new_tokens=5", "output.overwrite=true")
     assert fresh.returncode == 0, fresh.stderr
     assert sorted(read_output(out).column("row_id").to_pylist()) == list(range(ROWS))
+
+
+def test_a_rerun_into_a_folder_inside_the_first_output_is_refused_and_every_reader_still_reads_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    before = tree_bytes(tmp_path)
+    refused = run_cli(*job_args(tmp_path, out / "retry"), "sampling.max_new_tokens=3")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: output.dir={out / 'retry'} is inside {out}, another job's output.dir; every reader of that folder "
+        "reads all of it, so this job's files would show up there as extra or duplicate rows: set output.dir to a "
+        f"folder outside {out}"
+    )
+    assert tree_bytes(tmp_path) == before
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
