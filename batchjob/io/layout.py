@@ -25,6 +25,7 @@ is an `output.dir` inside another job's `output.dir` (its reads would take this 
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 from dataclasses import dataclass
@@ -59,9 +60,21 @@ class OutputDirError(ValueError):
     """output.dir cannot hold a job's output: written by an older layout, a bucket's root, a mount point."""
 
 
+def local_dir(output_dir: str) -> str | None:
+    """A local `output_dir` (a path or a `file://` URL) as an absolute path without `.`, `..` or a trailing `/`,
+    as the storage layer opens it: the folder beside `run1/.` is `run1.batchjob`, never `run1/..batchjob` inside
+    it. None for an object store's URL."""
+    scheme, sep, path = output_dir.partition("://")
+    if sep and scheme != "file":
+        return None
+    path = path if sep else output_dir
+    return os.path.abspath(path) if path else ""
+
+
 def bookkeeping_dir(output_dir: str) -> str:
     """The folder beside `output_dir` that holds its job record, manifests, locks, reports and logs."""
-    trimmed = output_dir.rstrip("/")
+    local = local_dir(output_dir)
+    trimmed = output_dir.rstrip("/") if local is None else local.rstrip("/")
     _, scheme_sep, path = trimmed.rpartition("://")
     at_root = "/" not in path.strip("/") if scheme_sep else not trimmed
     if at_root:

@@ -27,7 +27,7 @@ from batchjob.io.crash_points import ENV, EXIT_STATUS
 ROWS = 12
 
 
-def job_args(tmp_path: Path, out: Path) -> tuple[str, ...]:
+def job_args(tmp_path: Path, out: Path | str) -> tuple[str, ...]:
     return (
         f"data.path={write_prompts(tmp_path / 'p.parquet', ROWS)}",
         f"output.dir={out}",
@@ -141,3 +141,18 @@ def test_a_rerun_into_a_folder_inside_the_first_output_is_refused_and_every_read
     )
     assert tree_bytes(tmp_path) == before
     assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_an_output_dir_spelled_with_a_trailing_dot_keeps_its_logs_beside_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_cli(*job_args(tmp_path, f"{out}/."))  # a str: pathlib drops the dot
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(out)) == [
+        "part-s00000-000000.parquet",
+        "part-s00000-000001.parquet",
+        "part-s00000-000002.parquet",
+    ]
+    assert (bookkeeping(out) / "_hydra" / "shard-0-of-1" / "batchjob.log").is_file()
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+    again = run_cli(*job_args(tmp_path, out))
+    assert again.returncode == 0 and "already complete" in again.stderr, again.stderr
