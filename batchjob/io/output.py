@@ -125,7 +125,7 @@ class OutputDataset:
                 raise
         try:
             with full_disk_reported(self.shard.dir):
-                self._parts = recovery.recover(self.files)
+                self._parts = recovery.recover(self.files, self._meta(self.shard.success_name))
         except BaseException:
             self._lock.release()
             raise
@@ -189,9 +189,15 @@ class OutputDataset:
         return {"shard_count": self.shard.shard_count, **job_record}
 
     def is_complete_for(self, job_record: dict[str, Any]) -> bool:
-        """Whether this shard is complete (success marker present) and the directory records this same job.
-        Takes no lock and writes nothing: a complete shard is never written again unless reset."""
-        return self.is_success() and record_is_stored(self.shard.dir, self._stored_record(job_record))
+        """Whether this shard is complete (success marker present), the directory records this same job, and
+        output.dir holds the parts its manifest objects name (a part deleted since makes the shard incomplete, and
+        open() recomputes its rows). Takes no lock and writes nothing: a complete shard is never written again
+        unless reset."""
+        return (
+            self.is_success()
+            and record_is_stored(self.shard.dir, self._stored_record(job_record))
+            and manifest.recorded_names(self.storage, self.files.manifest_dir) == set(self.files.visible_parts())
+        )
 
     def _require_open(self) -> None:
         if not self._is_open:

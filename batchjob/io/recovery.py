@@ -113,14 +113,18 @@ def _checks(files: ShardFiles, entries: dict[str, PartEntry], present: dict[str,
             yield PartCheck(name, None, entry is not None, str(err))
 
 
-def recover(files: ShardFiles) -> dict[str, PartEntry]:
-    """Repair the shard after whatever stopped its last writer; returns the committed parts by name."""
+def recover(files: ShardFiles, success_marker: str) -> dict[str, PartEntry]:
+    """Repair the shard after whatever stopped its last writer (or whatever a user deleted); returns the committed
+    parts by name. Where a committed part's rows are to be recomputed, the shard's `success_marker` goes first: a
+    crash midway must not leave a shard called complete without those rows."""
     storage = files.storage
     rewrite = manifest.read_rewrite(storage, files.manifest_dir)
     if rewrite is not None:
         log.warning("%s: finishing an ordered rewrite that was interrupted", files.manifest_dir)
         roll_forward(files, rewrite)
     found = check_parts(files)
+    if found.missing or any(check.problem is not None for check in found.parts):
+        storage.remove(success_marker)
     for name in found.unreadable:
         manifest.remove_entry(storage, files.manifest_dir, name)
     for name in found.missing:

@@ -125,6 +125,26 @@ def test_damaged_part_is_uncommitted_and_its_rows_recomputed(
     assert sorted(view_ids(out).tolist()) == [0, 1, 2, 3]
 
 
+def test_a_part_deleted_from_a_complete_shard_makes_it_incomplete_until_its_rows_are_recomputed(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    with opened(out) as dataset:
+        dataset.commit(rows([0, 1]))
+        dataset.commit(rows([2, 3]))
+        dataset.mark_success()
+    assert OutputDataset(str(out)).is_complete_for(JOB)
+    (out / "part-s00000-000000.parquet").unlink()
+    assert not OutputDataset(str(out)).is_complete_for(JOB)
+    with opened(out) as dataset:
+        assert not dataset.is_success(), "a crash from here must not leave the shard called complete"
+        assert dataset.committed_row_ids().tolist() == [2, 3]
+        dataset.commit(rows([0, 1]))
+        dataset.mark_success()
+    assert OutputDataset(str(out)).is_complete_for(JOB)
+    assert sorted(view_ids(out).tolist()) == [0, 1, 2, 3]
+
+
 def test_unreadable_manifest_object_gets_its_part_checked_and_kept(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with opened(out) as dataset:

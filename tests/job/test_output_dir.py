@@ -156,3 +156,13 @@ def test_an_output_dir_spelled_with_a_trailing_dot_keeps_its_logs_beside_it(tmp_
     assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
     again = run_cli(*job_args(tmp_path, out))
     assert again.returncode == 0 and "already complete" in again.stderr, again.stderr
+
+
+def test_a_part_deleted_from_a_finished_job_is_recomputed_by_the_rerun(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    (out / "part-s00000-000001.parquet").unlink()
+    again = run_cli(*job_args(tmp_path, out))
+    assert again.returncode == 0, again.stderr
+    assert "part-s00000-000001.parquet is missing: its rows are recomputed" in again.stderr
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
