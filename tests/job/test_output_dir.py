@@ -166,3 +166,16 @@ def test_a_part_deleted_from_a_finished_job_is_recomputed_by_the_rerun(tmp_path:
     assert again.returncode == 0, again.stderr
     assert "part-s00000-000001.parquet is missing: its rows are recomputed" in again.stderr
     assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_a_part_put_back_after_its_rows_were_recomputed_is_not_read_twice(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    moved = tmp_path / "looking-at.parquet"
+    (out / "part-s00000-000001.parquet").rename(moved)
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    moved.rename(out / "part-s00000-000001.parquet")
+    again = run_cli(*job_args(tmp_path, out))
+    assert again.returncode == 0, again.stderr
+    assert "part-s00000-000001.parquet holds rows that other parts committed" in again.stderr
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
