@@ -118,15 +118,21 @@ def foreign_content_message(output_dir: str, foreign: list[str]) -> str:
     )
 
 
-def nested_output_message(output_dir: str, enclosing: str, is_bookkeeping: bool) -> str:
-    if is_bookkeeping:
-        why = "the folder where batchjob keeps another job's record, manifests and locks"
-    else:
-        why = (
-            "another job's output.dir; every reader of that folder reads all of it, so this job's files would show "
-            "up there as extra or duplicate rows"
-        )
-    return f"output.dir={output_dir} is inside {enclosing}, {why}: set output.dir to a folder outside {enclosing}"
+def nested_output_message(output_dir: str, enclosing: str) -> str:
+    return (
+        f"output.dir={output_dir} is inside {enclosing}, another job's output.dir; every reader of that folder reads "
+        "all of it, so this job's files would show up there as extra or duplicate rows: set output.dir to a folder "
+        f"outside {enclosing}"
+    )
+
+
+def bookkeeping_folder_message(output_dir: str, folder: str, inside: bool) -> str:
+    job_output = folder[: -len(BOOKKEEPING_SUFFIX)]
+    return (
+        f"output.dir={output_dir} is {'inside ' if inside else ''}{folder}, where batchjob keeps the record, manifests "
+        f"and locks of the output {job_output}: set output.dir={job_output} to resume that job, or a folder outside "
+        f"{folder}"
+    )
 
 
 def old_layout_message(output_dir: str) -> str:

@@ -41,6 +41,7 @@ from batchjob.io.layout import (
     OutputDirError,
     ShardOutput,
     bookkeeping_dir,
+    bookkeeping_folder_message,
     enclosing_folders,
     foreign_content_message,
     foreign_names,
@@ -134,21 +135,26 @@ class OutputDataset:
 
     def check_dir(self) -> None:
         """`OutputDirError` unless output.dir is absent, empty or holds only batchjob's parts (of any shard, any
-        job: the job record decides whose), and lies inside no other job's output.dir or bookkeeping folder, since
-        every reader reads the whole folder. Reads one listing, and looks for a job record beside each folder
-        above output.dir."""
+        job: the job record decides whose), and is not another job's folder (`_refuse_other_jobs_folders`),
+        since every reader reads the whole folder. Reads one listing, and a name or two for each folder above."""
+        self._refuse_other_jobs_folders()
         names = self.storage.list_names(self.path)
         if any(OLD_LAYOUT_RE.match(name) for name in names):
             raise OutputDirError(old_layout_message(self.shard.dir))
         foreign = foreign_names(names)
         if foreign:
             raise OutputDirError(foreign_content_message(self.shard.dir, foreign))
+
+    def _refuse_other_jobs_folders(self) -> None:
+        """`OutputDirError` where output.dir is or lies inside a job's bookkeeping folder (a job record in it), or
+        lies inside another job's output.dir (a job record beside it), whose readers would read this job's files."""
         scheme = self.shard.dir.partition("://")[0] + "://" if "://" in self.shard.dir else ""
-        for folder in enclosing_folders(self.path):
-            if self.storage.exists(self.storage.join(folder + BOOKKEEPING_SUFFIX, JOB_RECORD_NAME)):
-                raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder, is_bookkeeping=False))
+        for folder in (self.path, *enclosing_folders(self.path)):
+            inside = folder != self.path
             if folder.endswith(BOOKKEEPING_SUFFIX) and self.storage.exists(self.storage.join(folder, JOB_RECORD_NAME)):
-                raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder, is_bookkeeping=True))
+                raise OutputDirError(bookkeeping_folder_message(self.shard.dir, scheme + folder, inside))
+            if inside and self.storage.exists(self.storage.join(folder + BOOKKEEPING_SUFFIX, JOB_RECORD_NAME)):
+                raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder))
 
     def _choose_staging(self) -> Staging:
         """Try a rename from the temp folder into output.dir (an empty probe file): the one check that sees a

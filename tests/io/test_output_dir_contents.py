@@ -105,13 +105,19 @@ def test_an_output_dir_inside_another_jobs_output_is_refused_and_writes_nothing(
     assert os.listdir(first) == ["part-s00000-000000.parquet"]
 
 
-def test_an_output_dir_inside_a_jobs_bookkeeping_folder_is_refused(tmp_path: Path) -> None:
-    with OutputDataset(str(tmp_path / "run1")) as dataset:
+def test_a_jobs_bookkeeping_folder_or_a_folder_inside_it_is_refused_as_output_dir(tmp_path: Path) -> None:
+    run1 = tmp_path / "run1"
+    with OutputDataset(str(run1)) as dataset:
         dataset.open(JOB)
-    inside = bookkeeping(tmp_path / "run1") / "out"
-    with pytest.raises(OutputDirError, match=r"keeps another job's record, manifests and locks: set output.dir"):
-        OutputDataset(str(inside)).open(JOB)
-    assert not inside.exists()
+    folder = bookkeeping(run1)
+    for out, inside in ((folder, ""), (folder / "manifests", "inside "), (folder / "new", "inside ")):
+        with pytest.raises(OutputDirError) as refused:
+            OutputDataset(str(out)).open(JOB)
+        assert str(refused.value) == (
+            f"output.dir={out} is {inside}{folder}, where batchjob keeps the record, manifests and locks of the "
+            f"output {run1}: set output.dir={run1} to resume that job, or a folder outside {folder}"
+        )
+    assert not (folder / "new").exists()
 
 
 def test_a_sibling_of_a_jobs_output_is_accepted(tmp_path: Path) -> None:
