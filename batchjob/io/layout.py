@@ -108,13 +108,20 @@ def foreign_names(names: list[str]) -> list[str]:
     return sorted(n for n in names if not any(pattern.match(n) for pattern in ours))
 
 
-def foreign_content_message(output_dir: str, foreign: list[str]) -> str:
+def foreign_content_message(output_dir: str, foreign: list[str], holds_parts: bool) -> str:
+    """`holds_parts`: the folder is a job's output with something added (a `.DS_Store`, a notebook's checkpoints),
+    which the user resumes by deleting what was added, not by starting over elsewhere."""
     shown = ", ".join(foreign[:_FOREIGN_SHOWN]) + (
         f" and {len(foreign) - _FOREIGN_SHOWN} more" if len(foreign) > _FOREIGN_SHOWN else ""
     )
+    fix = (
+        "delete them (or move them out) to resume this output, or set output.dir to a new folder"
+        if holds_parts
+        else "set output.dir to an empty or new folder"
+    )
     return (
         f"output.dir={output_dir} holds files batchjob did not write ({shown}); every reader of the output reads "
-        "the whole folder, so batchjob writes only into its own output: set output.dir to an empty or new folder"
+        f"the whole folder, so batchjob writes only into its own output: {fix}"
     )
 
 

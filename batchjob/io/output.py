@@ -36,6 +36,7 @@ from batchjob.io.layout import (
     JOB_RECORD_NAME,
     LOCKS_DIR_NAME,
     OLD_LAYOUT_RE,
+    PART_RE,
     REPORT_NAME,
     TMP_DIR_NAME,
     OutputDirError,
@@ -143,7 +144,8 @@ class OutputDataset:
             raise OutputDirError(old_layout_message(self.shard.dir))
         foreign = foreign_names(names)
         if foreign:
-            raise OutputDirError(foreign_content_message(self.shard.dir, foreign))
+            holds_parts = any(PART_RE.match(name) for name in names)
+            raise OutputDirError(foreign_content_message(self.shard.dir, foreign, holds_parts))
 
     def _refuse_other_jobs_folders(self) -> None:
         """`OutputDirError` where output.dir is or lies inside a job's bookkeeping folder (a job record in it), or

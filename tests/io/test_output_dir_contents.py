@@ -52,6 +52,21 @@ def test_a_folder_holding_hidden_files_is_refused(tmp_path: Path) -> None:
         OutputDataset(str(out)).open(JOB)
 
 
+def test_a_jobs_output_with_a_file_added_is_refused_with_the_fix_that_resumes_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with OutputDataset(str(out)) as dataset:
+        dataset.open(JOB)
+        dataset.commit(rows([0]))
+    (out / ".ipynb_checkpoints").mkdir()
+    fix = r"\(\.ipynb_checkpoints/\); .*: delete them \(or move them out\) to resume"
+    with pytest.raises(OutputDirError, match=fix):
+        OutputDataset(str(out)).open(JOB)
+    (out / ".ipynb_checkpoints").rmdir()
+    with OutputDataset(str(out)) as dataset:
+        dataset.open(JOB)
+        assert dataset.committed_row_ids().tolist() == [0]
+
+
 def test_a_long_list_of_other_files_is_cut_short_with_a_count(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

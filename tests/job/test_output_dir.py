@@ -179,3 +179,30 @@ def test_a_part_put_back_after_its_rows_were_recomputed_is_not_read_twice(tmp_pa
     assert again.returncode == 0, again.stderr
     assert "part-s00000-000001.parquet holds rows that other parts committed" in again.stderr
     assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_a_file_added_to_an_unfinished_output_is_refused_naming_it_and_resumes_once_deleted(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = job_args(tmp_path, out)
+    killed = subprocess.run(
+        cli_command(*args),
+        cwd=REPO,
+        env={**cli_env(), ENV: "manifest-synced:1"},  # ended as by kill -9 once the first part is committed
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == EXIT_STATUS, killed.stderr
+    (out / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")  # the folder was opened in a file browser
+    refused = run_cli(*args)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: output.dir={out} holds files batchjob did not write (.DS_Store); every reader of the output reads "
+        "the whole folder, so batchjob writes only into its own output: delete them (or move them out) to resume "
+        "this output, or set output.dir to a new folder"
+    )
+    (out / ".DS_Store").unlink()
+    resumed = run_cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 4 rows already committed, 8 to go" in resumed.stderr
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
