@@ -61,14 +61,15 @@ class OutputDirError(ValueError):
 
 
 def local_dir(output_dir: str) -> str | None:
-    """A local `output_dir` (a path or a `file://` URL) as an absolute path without `.`, `..` or a trailing `/`,
-    as the storage layer opens it: the folder beside `run1/.` is `run1.batchjob`, never `run1/..batchjob` inside
-    it. None for an object store's URL."""
+    """A local `output_dir` (a path or a `file://` URL) as an absolute path without `~`, `.`, `..` or a trailing
+    `/`, as the storage layer (fsspec) opens it: the folder beside `run1/.` is `run1.batchjob`, never
+    `run1/..batchjob` inside it, and the one beside `~/run1` is in the home folder, not in a `~` folder here.
+    None for an object store's URL."""
     scheme, sep, path = output_dir.partition("://")
     if sep and scheme != "file":
         return None
     path = path if sep else output_dir
-    return os.path.abspath(path) if path else ""
+    return os.path.abspath(os.path.expanduser(path)) if path else ""
 
 
 def bookkeeping_dir(output_dir: str) -> str:

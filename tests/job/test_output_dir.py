@@ -206,3 +206,18 @@ def test_a_file_added_to_an_unfinished_output_is_refused_naming_it_and_resumes_o
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming: 4 rows already committed, 8 to go" in resumed.stderr
     assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_an_output_dir_under_the_home_folder_keeps_its_logs_beside_it_not_in_a_tilde_folder(tmp_path: Path) -> None:
+    from batchjob.caches import cache_root
+
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    env = {**cli_env(), "HOME": str(home), "BATCHJOB_CACHE": str(cache_root())}
+    args = job_args(tmp_path, '"~/run1"')  # quoted for Hydra, as its message asks
+    done = subprocess.run(cli_command(*args), cwd=here, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(here) == [], "no folder named ~ in the working directory"
+    assert (home / "run1.batchjob" / "_hydra" / "shard-0-of-1" / "batchjob.log").is_file()
+    assert every_reader_reads(home / "run1", list(range(ROWS))), row_ids_by_reader(home / "run1")
