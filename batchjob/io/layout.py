@@ -12,11 +12,12 @@ the tree. A bookkeeping folder inside `output.dir` cannot satisfy polars, so it 
 
 A part is committed when it appears under its final name in `output.dir` (an atomic rename on local disks,
 an atomic PUT on object stores); its manifest object records its size and checksum just after. A local part is
-written in `tmp/` first, unless a rename from there cannot reach `output.dir` (it is another mount: a mount point,
-a bind mount, a container volume); it is then written inside `output.dir` as a file without a name (O_TMPFILE)
-that the commit links under its final name, or where the filesystem has no such files (and for an ordered
-rewrite) under a staged name, `.part-sNNNNN-NNNNNN.parquet.tmp`: hidden and not `*.parquet`, so pyarrow, pandas,
-duckdb and datasets skip it, though polars refuses a directory holding one.
+written in `tmp/` first, under its staged name (below: not `*.parquet`, so a glob over a folder of runs,
+`runs/**/*.parquet`, reads no part before its commit), unless a rename from there cannot reach `output.dir` (it
+is another mount: a mount point, a bind mount, a container volume); it is then written inside `output.dir` as a
+file without a name (O_TMPFILE) that the commit links under its final name, or where the filesystem has no such
+files (and for an ordered rewrite) under its staged name, `.part-sNNNNN-NNNNNN.parquet.tmp`: hidden and not
+`*.parquet`, so pyarrow, pandas, duckdb and datasets skip it, though polars refuses a directory holding one.
 
 Since every reader reads the whole of `output.dir`, a job writes only into an empty or new folder or its own
 output: anything in `output.dir` but parts, staged parts and an NFS client's temporary names is refused, and so
@@ -202,7 +203,7 @@ class ShardOutput:
 
     def owns_tmp(self, name: str) -> bool:
         """Whether a file in the temp dir was left by this shard (other shards' temps are theirs to clean)."""
-        own = (self.part_prefix, f"{self.tag}.", self.success_name, self.report_name)
+        own = (self.part_prefix, f".{self.part_prefix}", f"{self.tag}.", self.success_name, self.report_name)
         return name.startswith(own + ((REPORT_NAME,) if self.shard_count == 1 else ()))
 
 

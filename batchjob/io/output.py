@@ -188,9 +188,11 @@ class OutputDataset:
         return Staging.NAMED
 
     def _staged(self, name: str) -> str:
-        """Where part `name` is written before it is moved in (named staging)."""
+        """Where part `name` is written before it is moved in (named staging): under its staged name, which no
+        `*.parquet` glob matches, so a reader globbing the folder that holds output.dir and its bookkeeping folder
+        (`runs/**/*.parquet`) never reads a part that is not committed."""
         if self._staging is Staging.BESIDE:
-            return self.storage.join(self.tmp_dir, name)
+            return self.storage.join(self.tmp_dir, staged_name(name))
         return self.files.staged_path(name)
 
     def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:

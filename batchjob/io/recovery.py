@@ -207,9 +207,11 @@ def roll_forward(files: ShardFiles, rewrite: Rewrite) -> None:
     recorded, _ = manifest.read_entries(storage, files.manifest_dir)
     for entry in rewrite.add:
         if entry.name not in present:
-            # The temp folder's copy first: a staged one may be a copy that a crash cut short.
-            if entry.name in in_tmp:
-                files.move_in(storage.join(files.tmp_dir, entry.name), entry.name)
+            # The temp folder's copy first: a staged one may be a copy that a crash cut short. There it has its
+            # staged name, or its own where an earlier batchjob wrote it.
+            in_tmp_as = next((n for n in (staged_name(entry.name), entry.name) if n in in_tmp), None)
+            if in_tmp_as is not None:
+                files.move_in(storage.join(files.tmp_dir, in_tmp_as), entry.name)
             elif files.staged_path(entry.name) in staged:
                 storage.rename(files.staged_path(entry.name), files.part_path(entry.name))
             else:

@@ -223,7 +223,7 @@ def test_rewrite_ordered_interrupted_after_its_record_rolls_forward(tmp_path: Pa
     new = [json.loads(p.read_text()) for p in (meta / "manifests" / "s00000").iterdir()]
     record = {"remove": sorted(old), "add": new}
     for part in out.iterdir():
-        part.rename(meta / "tmp" / part.name)
+        part.rename(meta / "tmp" / f".{part.name}.tmp")
     for manifest in (meta / "manifests" / "s00000").iterdir():
         manifest.unlink()
     for name, data in old.items():
