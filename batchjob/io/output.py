@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob.io import manifest, recovery
+from batchjob.io.access import is_access_error
 from batchjob.io.crash_points import crash_point
 from batchjob.io.layout import (
     BOOKKEEPING_SUFFIX,
@@ -153,10 +154,20 @@ class OutputDataset:
         scheme = self.shard.dir.partition("://")[0] + "://" if "://" in self.shard.dir else ""
         for folder in (self.path, *enclosing_folders(self.path)):
             inside = folder != self.path
-            if folder.endswith(BOOKKEEPING_SUFFIX) and self.storage.exists(self.storage.join(folder, JOB_RECORD_NAME)):
+            if folder.endswith(BOOKKEEPING_SUFFIX) and self._holds_job_record(folder):
                 raise OutputDirError(bookkeeping_folder_message(self.shard.dir, scheme + folder, inside))
-            if inside and self.storage.exists(self.storage.join(folder + BOOKKEEPING_SUFFIX, JOB_RECORD_NAME)):
+            if inside and self._holds_job_record(folder + BOOKKEEPING_SUFFIX):
                 raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder))
+
+    def _holds_job_record(self, folder: str) -> bool:
+        """Whether `folder` holds a job record. One this process may not read holds none that matters here: a
+        bucket's policy may grant this job nothing but output.dir's prefix and the folder beside it."""
+        try:
+            return self.storage.exists(self.storage.join(folder, JOB_RECORD_NAME))
+        except Exception as err:
+            if not is_access_error(err):
+                raise
+            return False
 
     def _choose_staging(self) -> Staging:
         """Try a rename from the temp folder into output.dir (an empty probe file): the one check that sees a

@@ -4,12 +4,14 @@ anything is written, while a job's own output (parts of any shard, what a crash 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pytest
 from conftest import bookkeeping
+from fsspec.implementations.memory import MemoryFileSystem
 
 from batchjob.io import OutputDataset, OutputDirError
 
@@ -133,6 +135,33 @@ def test_a_jobs_bookkeeping_folder_or_a_folder_inside_it_is_refused_as_output_di
             f"output {run1}: set output.dir={run1} to resume that job, or a folder outside {folder}"
         )
     assert not (folder / "new").exists()
+
+
+class PrefixPolicyStore(MemoryFileSystem):
+    """An object store whose policy grants this user one prefix: asked whether anything else exists, it answers
+    403, which s3fs raises as PermissionError."""
+
+    protocol = "policy"
+    granted = "/bucket/team/me/"
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return super()._strip_protocol(path.removeprefix("policy://"))
+
+    def exists(self, path: str, **kwargs: object) -> bool:
+        if not self._strip_protocol(path).startswith(self.granted):
+            raise PermissionError(f"403 Forbidden: HEAD {path}")
+        return super().exists(path, **kwargs)
+
+
+def test_folders_above_output_dir_that_this_user_may_not_read_are_not_taken_for_another_jobs() -> None:
+    fsspec.register_implementation("policy", PrefixPolicyStore, clobber=True)
+    out = f"policy:/{PrefixPolicyStore.granted}run-{uuid.uuid4().hex}"
+    with OutputDataset(out) as dataset:
+        dataset.open(JOB)
+        dataset.commit(rows([0]))
+    with pytest.raises(PermissionError):
+        PrefixPolicyStore().exists("/bucket/team.batchjob/_job.json")
 
 
 def test_a_sibling_of_a_jobs_output_is_accepted(tmp_path: Path) -> None:
