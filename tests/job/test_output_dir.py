@@ -1,6 +1,8 @@
 """Where a job may write, through the real CLI: into an output.dir that is a mount point (a container volume, a
 bind mount) every row is committed, a killed run resumes exactly; a folder holding anything but batchjob's
-parts is refused in one line before the model loads, and nothing is written."""
+parts, or inside another job's output, is refused in one line before the model loads, and nothing is written.
+And what users do to an output between runs: a part deleted, or put back after its rows were recomputed, a file
+added; the rerun ends with every row exactly once, or names what to delete."""
 
 from __future__ import annotations
 
