@@ -12,18 +12,21 @@ the tree. A bookkeeping folder inside `output.dir` cannot satisfy polars, so it 
 
 A part is committed when it appears under its final name in `output.dir` (an atomic rename on local disks,
 an atomic PUT on object stores); its manifest object records its size and checksum just after. A local part is
-written in `tmp/` first, unless a rename from there cannot reach `output.dir` (it is another mount: a mount point,
-a bind mount, a container volume); it is then written inside `output.dir` as a file without a name (O_TMPFILE)
-that the commit links under its final name, or where the filesystem has no such files (and for an ordered
-rewrite) under a staged name, `.part-sNNNNN-NNNNNN.parquet.tmp`: hidden and not `*.parquet`, so pyarrow, pandas,
-duckdb and datasets skip it, though polars refuses a directory holding one.
+written in `tmp/` first, under its staged name (below: not `*.parquet`, so a glob over a folder of runs,
+`runs/**/*.parquet`, reads no part before its commit), unless a rename from there cannot reach `output.dir` (it
+is another mount: a mount point, a bind mount, a container volume); it is then written inside `output.dir` as a
+file without a name (O_TMPFILE) that the commit links under its final name, or where the filesystem has no such
+files (and for an ordered rewrite) under its staged name, `.part-sNNNNN-NNNNNN.parquet.tmp`: hidden and not
+`*.parquet`, so pyarrow, pandas, duckdb and datasets skip it, though polars refuses a directory holding one.
 
 Since every reader reads the whole of `output.dir`, a job writes only into an empty or new folder or its own
-output: anything in `output.dir` but parts, staged parts and an NFS client's temporary names is refused.
+output: anything in `output.dir` but parts, staged parts and an NFS client's temporary names is refused, and so
+is an `output.dir` inside another job's `output.dir` (its reads would take this job's files in) or bookkeeping folder.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 from dataclasses import dataclass
@@ -58,9 +61,22 @@ class OutputDirError(ValueError):
     """output.dir cannot hold a job's output: written by an older layout, a bucket's root, a mount point."""
 
 
+def local_dir(output_dir: str) -> str | None:
+    """A local `output_dir` (a path or a `file://` URL) as an absolute path without `~`, `.`, `..` or a trailing
+    `/`, as the storage layer (fsspec) opens it: the folder beside `run1/.` is `run1.batchjob`, never
+    `run1/..batchjob` inside it, and the one beside `~/run1` is in the home folder, not in a `~` folder here.
+    None for an object store's URL."""
+    scheme, sep, path = output_dir.partition("://")
+    if sep and scheme != "file":
+        return None
+    path = path if sep else output_dir
+    return os.path.abspath(os.path.expanduser(path)) if path else ""
+
+
 def bookkeeping_dir(output_dir: str) -> str:
     """The folder beside `output_dir` that holds its job record, manifests, locks, reports and logs."""
-    trimmed = output_dir.rstrip("/")
+    local = local_dir(output_dir)
+    trimmed = output_dir.rstrip("/") if local is None else local.rstrip("/")
     _, scheme_sep, path = trimmed.rpartition("://")
     at_root = "/" not in path.strip("/") if scheme_sep else not trimmed
     if at_root:
@@ -77,19 +93,54 @@ def staged_name(name: str) -> str:
     return f".{name}.tmp"
 
 
+def enclosing_folders(path: str) -> list[str]:
+    """The folders holding `path` (a storage path: absolute on a local disk, `bucket/key` on an object store),
+    nearest first, down to (not including) the filesystem root or the bucket."""
+    folders = []
+    parent = posixpath.dirname(path.rstrip("/"))
+    while parent.strip("/") and (parent.startswith("/") or "/" in parent):
+        folders.append(parent)
+        parent = posixpath.dirname(parent)
+    return folders
+
+
 def foreign_names(names: list[str]) -> list[str]:
     """Of the names directly in output.dir (folders ending in `/`), those batchjob did not write."""
     ours = (PART_RE, STAGED_RE, NFS_SILLY_RENAME_RE)
     return sorted(n for n in names if not any(pattern.match(n) for pattern in ours))
 
 
-def foreign_content_message(output_dir: str, foreign: list[str]) -> str:
+def foreign_content_message(output_dir: str, foreign: list[str], holds_parts: bool) -> str:
+    """`holds_parts`: the folder is a job's output with something added (a `.DS_Store`, a notebook's checkpoints),
+    which the user resumes by deleting what was added, not by starting over elsewhere."""
     shown = ", ".join(foreign[:_FOREIGN_SHOWN]) + (
         f" and {len(foreign) - _FOREIGN_SHOWN} more" if len(foreign) > _FOREIGN_SHOWN else ""
     )
+    fix = (
+        "delete them (or move them out) to resume this output, or set output.dir to a new folder"
+        if holds_parts
+        else "set output.dir to an empty or new folder"
+    )
     return (
         f"output.dir={output_dir} holds files batchjob did not write ({shown}); every reader of the output reads "
-        "the whole folder, so batchjob writes only into its own output: set output.dir to an empty or new folder"
+        f"the whole folder, so batchjob writes only into its own output: {fix}"
+    )
+
+
+def nested_output_message(output_dir: str, enclosing: str) -> str:
+    return (
+        f"output.dir={output_dir} is inside {enclosing}, another job's output.dir; every reader of that folder reads "
+        "all of it, so this job's files would show up there as extra or duplicate rows: set output.dir to a folder "
+        f"outside {enclosing}"
+    )
+
+
+def bookkeeping_folder_message(output_dir: str, folder: str, inside: bool) -> str:
+    job_output = folder[: -len(BOOKKEEPING_SUFFIX)]
+    return (
+        f"output.dir={output_dir} is {'inside ' if inside else ''}{folder}, where batchjob keeps the record, manifests "
+        f"and locks of the output {job_output}: set output.dir={job_output} to resume that job, or a folder outside "
+        f"{folder}"
     )
 
 
@@ -152,7 +203,7 @@ class ShardOutput:
 
     def owns_tmp(self, name: str) -> bool:
         """Whether a file in the temp dir was left by this shard (other shards' temps are theirs to clean)."""
-        own = (self.part_prefix, f"{self.tag}.", self.success_name, self.report_name)
+        own = (self.part_prefix, f".{self.part_prefix}", f"{self.tag}.", self.success_name, self.report_name)
         return name.startswith(own + ((REPORT_NAME,) if self.shard_count == 1 else ()))
 
 

@@ -80,9 +80,14 @@ def write_entry(storage: Storage, manifest_dir: str, entry: PartEntry, tmp_dir: 
         raise RuntimeError(f"{entry.name} is recorded twice in {manifest_dir}: two writers on one shard?")
 
 
+def recorded_names(storage: Storage, manifest_dir: str) -> set[str]:
+    """Names of the parts that have a manifest object, from one listing (nothing read)."""
+    return {n[: -len(_SUFFIX)] for n in storage.list_files(manifest_dir) if n.endswith(_SUFFIX) and n != REWRITE_NAME}
+
+
 def read_entries(storage: Storage, manifest_dir: str) -> tuple[dict[str, PartEntry], list[str]]:
     """(part name -> entry, names of parts whose manifest object is unreadable) of every object listed."""
-    names = sorted(n for n in storage.list_files(manifest_dir) if n.endswith(_SUFFIX) and n != REWRITE_NAME)
+    names = sorted(part + _SUFFIX for part in recorded_names(storage, manifest_dir))
     entries: dict[str, PartEntry] = {}
     unreadable: list[str] = []
     paths = [storage.join(manifest_dir, n) for n in names]

@@ -30,18 +30,24 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob.io import manifest, recovery
+from batchjob.io.access import is_access_error
 from batchjob.io.crash_points import crash_point
 from batchjob.io.layout import (
     BOOKKEEPING_SUFFIX,
+    JOB_RECORD_NAME,
     LOCKS_DIR_NAME,
     OLD_LAYOUT_RE,
+    PART_RE,
     REPORT_NAME,
     TMP_DIR_NAME,
     OutputDirError,
     ShardOutput,
     bookkeeping_dir,
+    bookkeeping_folder_message,
+    enclosing_folders,
     foreign_content_message,
     foreign_names,
+    nested_output_message,
     old_layout_message,
     part_seq,
     staged_name,
@@ -122,7 +128,7 @@ class OutputDataset:
                 raise
         try:
             with full_disk_reported(self.shard.dir):
-                self._parts = recovery.recover(self.files)
+                self._parts = recovery.recover(self.files, self._meta(self.shard.success_name))
         except BaseException:
             self._lock.release()
             raise
@@ -131,13 +137,37 @@ class OutputDataset:
 
     def check_dir(self) -> None:
         """`OutputDirError` unless output.dir is absent, empty or holds only batchjob's parts (of any shard, any
-        job: the job record decides whose), since every reader reads the whole folder. Reads one listing."""
+        job: the job record decides whose), and is not another job's folder (`_refuse_other_jobs_folders`),
+        since every reader reads the whole folder. Reads one listing, and a name or two for each folder above."""
+        self._refuse_other_jobs_folders()
         names = self.storage.list_names(self.path)
         if any(OLD_LAYOUT_RE.match(name) for name in names):
             raise OutputDirError(old_layout_message(self.shard.dir))
         foreign = foreign_names(names)
         if foreign:
-            raise OutputDirError(foreign_content_message(self.shard.dir, foreign))
+            holds_parts = any(PART_RE.match(name) for name in names)
+            raise OutputDirError(foreign_content_message(self.shard.dir, foreign, holds_parts))
+
+    def _refuse_other_jobs_folders(self) -> None:
+        """`OutputDirError` where output.dir is or lies inside a job's bookkeeping folder (a job record in it), or
+        lies inside another job's output.dir (a job record beside it), whose readers would read this job's files."""
+        scheme = self.shard.dir.partition("://")[0] + "://" if "://" in self.shard.dir else ""
+        for folder in (self.path, *enclosing_folders(self.path)):
+            inside = folder != self.path
+            if folder.endswith(BOOKKEEPING_SUFFIX) and self._holds_job_record(folder):
+                raise OutputDirError(bookkeeping_folder_message(self.shard.dir, scheme + folder, inside))
+            if inside and self._holds_job_record(folder + BOOKKEEPING_SUFFIX):
+                raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder))
+
+    def _holds_job_record(self, folder: str) -> bool:
+        """Whether `folder` holds a job record. One this process may not read holds none that matters here: a
+        bucket's policy may grant this job nothing but output.dir's prefix and the folder beside it."""
+        try:
+            return self.storage.exists(self.storage.join(folder, JOB_RECORD_NAME))
+        except Exception as err:
+            if not is_access_error(err):
+                raise
+            return False
 
     def _choose_staging(self) -> Staging:
         """Try a rename from the temp folder into output.dir (an empty probe file): the one check that sees a
@@ -169,18 +199,26 @@ class OutputDataset:
         return Staging.NAMED
 
     def _staged(self, name: str) -> str:
-        """Where part `name` is written before it is moved in (named staging)."""
+        """Where part `name` is written before it is moved in (named staging): under its staged name, which no
+        `*.parquet` glob matches, so a reader globbing the folder that holds output.dir and its bookkeeping folder
+        (`runs/**/*.parquet`) never reads a part that is not committed."""
         if self._staging is Staging.BESIDE:
-            return self.storage.join(self.tmp_dir, name)
+            return self.storage.join(self.tmp_dir, staged_name(name))
         return self.files.staged_path(name)
 
     def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:
         return {"shard_count": self.shard.shard_count, **job_record}
 
     def is_complete_for(self, job_record: dict[str, Any]) -> bool:
-        """Whether this shard is complete (success marker present) and the directory records this same job.
-        Takes no lock and writes nothing: a complete shard is never written again unless reset."""
-        return self.is_success() and record_is_stored(self.shard.dir, self._stored_record(job_record))
+        """Whether this shard is complete (success marker present), the directory records this same job, and
+        output.dir holds the parts its manifest objects name (a part deleted since makes the shard incomplete, and
+        open() recomputes its rows). Takes no lock and writes nothing: a complete shard is never written again
+        unless reset."""
+        return (
+            self.is_success()
+            and record_is_stored(self.shard.dir, self._stored_record(job_record))
+            and manifest.recorded_names(self.storage, self.files.manifest_dir) == set(self.files.visible_parts())
+        )
 
     def _require_open(self) -> None:
         if not self._is_open:

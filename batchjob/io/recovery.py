@@ -4,7 +4,8 @@ A part is committed when it is visible under its final name in output.dir. Its m
 just after, is what lets the part be checked: on every open each part is read back and compared (size and
 sha256). What a crash or a damaged disk can leave, and what recovery does:
 - a part without a manifest object (a crash between the two): it was durable before it became visible,
-  so it is decoded, recorded and kept;
+  so it is decoded, recorded and kept; unless it holds rows that other parts committed, which no crash leaves
+  (a copy of a part, or one a user put back after its rows were recomputed): it is deleted, so no row is read twice;
 - a part whose bytes differ from its manifest, or that does not decode: damaged, so it is deleted and its
   rows recomputed (logged);
 - a manifest object whose part is gone: its rows are recomputed (logged);
@@ -19,6 +20,10 @@ import errno
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from batchjob.io import manifest
 from batchjob.io.layout import ShardOutput, part_seq, staged_name
@@ -113,20 +118,25 @@ def _checks(files: ShardFiles, entries: dict[str, PartEntry], present: dict[str,
             yield PartCheck(name, None, entry is not None, str(err))
 
 
-def recover(files: ShardFiles) -> dict[str, PartEntry]:
-    """Repair the shard after whatever stopped its last writer; returns the committed parts by name."""
+def recover(files: ShardFiles, success_marker: str) -> dict[str, PartEntry]:
+    """Repair the shard after whatever stopped its last writer (or whatever a user deleted); returns the committed
+    parts by name. Where a committed part's rows are to be recomputed, the shard's `success_marker` goes first: a
+    crash midway must not leave a shard called complete without those rows."""
     storage = files.storage
     rewrite = manifest.read_rewrite(storage, files.manifest_dir)
     if rewrite is not None:
         log.warning("%s: finishing an ordered rewrite that was interrupted", files.manifest_dir)
         roll_forward(files, rewrite)
     found = check_parts(files)
+    if found.missing or any(check.problem is not None for check in found.parts):
+        storage.remove(success_marker)
     for name in found.unreadable:
         manifest.remove_entry(storage, files.manifest_dir, name)
     for name in found.missing:
         log.warning("committed part %s is missing: its rows are recomputed", files.part_path(name))
         manifest.remove_entry(storage, files.manifest_dir, name)
     parts: dict[str, PartEntry] = {}
+    unrecorded: list[PartEntry] = []
     for check in found.parts:
         if check.problem is not None:
             log.warning("damaged part %s: %s; it is deleted and its rows recomputed", check.name, check.problem)
@@ -134,10 +144,22 @@ def recover(files: ShardFiles) -> dict[str, PartEntry]:
             manifest.remove_entry(storage, files.manifest_dir, check.name)
             continue
         assert check.entry is not None
-        if not check.recorded:
-            log.warning("part %s was committed just before a crash; recording it", check.name)
-            manifest.write_entry(storage, files.manifest_dir, check.entry, files.tmp_dir)
-        parts[check.name] = check.entry
+        if check.recorded:
+            parts[check.name] = check.entry
+        else:
+            unrecorded.append(check.entry)
+    for entry in sorted(unrecorded, key=lambda e: part_seq(e.name)):
+        if _holds_committed_rows(files, entry, list(parts.values())):
+            log.warning(
+                "part %s holds rows that other parts committed (a copy of a part, or one put back after its rows "
+                "were recomputed): it is deleted, so that no row is read twice",
+                files.part_path(entry.name),
+            )
+            storage.remove(files.part_path(entry.name))
+            continue
+        log.warning("part %s was committed just before a crash; recording it", entry.name)
+        manifest.write_entry(storage, files.manifest_dir, entry, files.tmp_dir)
+        parts[entry.name] = entry
     for name in storage.list_files(files.tmp_dir):
         if files.shard.owns_tmp(name):
             storage.remove(storage.join(files.tmp_dir, name))
@@ -147,6 +169,27 @@ def recover(files: ShardFiles) -> dict[str, PartEntry]:
         storage.fsync_dir(files.out_dir)
         storage.fsync_dir(files.manifest_dir)
     return dict(sorted(parts.items(), key=lambda item: part_seq(item[0])))
+
+
+def _holds_committed_rows(files: ShardFiles, entry: PartEntry, committed: list[PartEntry]) -> bool:
+    """Whether unrecorded part `entry` holds a row id of the `committed` parts. A crash leaves unrecorded only the
+    part it was committing, whose rows no other part holds; reads only the parts whose row id ranges overlap."""
+    lo, hi = entry.row_id_min, entry.row_id_max
+    if lo is None or hi is None:  # a zero-row part
+        return False
+    near = [p.name for p in committed if p.row_id_min is not None and p.row_id_min <= hi and p.row_id_max >= lo]
+    if not near:
+        return False
+    return bool(np.intersect1d(_row_ids(files, [entry.name]), _row_ids(files, near)).size)
+
+
+def _row_ids(files: ShardFiles, names: list[str]) -> np.ndarray:
+    paths = [files.part_path(n) for n in names]
+    columns = [
+        pq.read_table(pa.BufferReader(data), columns=["row_id"]).column("row_id").to_numpy()
+        for _, data in files.storage.read_many(paths)
+    ]
+    return np.concatenate(columns)
 
 
 def roll_forward(files: ShardFiles, rewrite: Rewrite) -> None:
@@ -164,9 +207,11 @@ def roll_forward(files: ShardFiles, rewrite: Rewrite) -> None:
     recorded, _ = manifest.read_entries(storage, files.manifest_dir)
     for entry in rewrite.add:
         if entry.name not in present:
-            # The temp folder's copy first: a staged one may be a copy that a crash cut short.
-            if entry.name in in_tmp:
-                files.move_in(storage.join(files.tmp_dir, entry.name), entry.name)
+            # The temp folder's copy first: a staged one may be a copy that a crash cut short. There it has its
+            # staged name, or its own where an earlier batchjob wrote it.
+            in_tmp_as = next((n for n in (staged_name(entry.name), entry.name) if n in in_tmp), None)
+            if in_tmp_as is not None:
+                files.move_in(storage.join(files.tmp_dir, in_tmp_as), entry.name)
             elif files.staged_path(entry.name) in staged:
                 storage.rename(files.staged_path(entry.name), files.part_path(entry.name))
             else:

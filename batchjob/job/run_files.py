@@ -33,12 +33,11 @@ def log_root(output_dir: str) -> str:
     """The local folder for this job's logs and configs: the bookkeeping folder beside a local output.dir,
     else `batchjob-logs/<scheme>/<path>.batchjob`. Never raises: a bad output.dir is the config check's to
     report, not a traceback from a resolver."""
-    from batchjob.io.layout import BOOKKEEPING_SUFFIX  # here: the IO package costs a second to import
+    from batchjob.io.layout import BOOKKEEPING_SUFFIX, local_dir  # here: the IO package costs a second to import
 
-    scheme, sep, path = str(output_dir).partition("://")
-    if not sep:
-        path = str(output_dir)
-    elif scheme != "file":
+    path = local_dir(str(output_dir))
+    if path is None:
+        scheme, _, path = str(output_dir).partition("://")
         path = os.path.join("batchjob-logs", scheme, path)
     return path.rstrip("/") + BOOKKEEPING_SUFFIX
 

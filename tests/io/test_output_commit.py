@@ -85,6 +85,25 @@ def test_part_committed_without_its_manifest_object_is_recorded_on_open(
     assert json.loads(manifest.read_text()) == json.loads(recorded)
 
 
+def test_an_unrecorded_part_holding_rows_of_other_parts_is_deleted_not_recorded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    with opened(out) as dataset:
+        dataset.commit(rows([0, 4]))
+        dataset.commit(rows([2, 3]))
+        dataset.commit(rows([1, 5]))
+    # A crash's leftover (its rows in no other part, though its row id range overlaps theirs) beside a copy of a
+    # part (a part put back after its rows were recomputed elsewhere).
+    (bookkeeping(out) / "manifests" / "s00000" / "part-s00000-000002.parquet.json").unlink()
+    (out / "part-s00000-000007.parquet").write_bytes((out / "part-s00000-000001.parquet").read_bytes())
+    with caplog.at_level(logging.WARNING), opened(out) as dataset:
+        assert dataset.part_names == tuple(f"part-s00000-00000{i}.parquet" for i in range(3))
+        assert dataset.committed_row_ids().tolist() == [0, 1, 2, 3, 4, 5]
+    assert "part-s00000-000007.parquet holds rows that other parts committed" in caplog.text
+    assert sorted(view_ids(out).tolist()) == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_zero_row_part_is_recorded_without_a_row_id_range_and_checked_on_open(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with opened(out) as dataset:
@@ -122,6 +141,26 @@ def test_damaged_part_is_uncommitted_and_its_rows_recomputed(
         assert dataset.committed_row_ids().tolist() == [2, 3]
         dataset.commit(rows([0, 1]))  # what the rerun recomputes
     assert "its rows are recomputed" in caplog.text or "rows recomputed" in caplog.text
+    assert sorted(view_ids(out).tolist()) == [0, 1, 2, 3]
+
+
+def test_a_part_deleted_from_a_complete_shard_makes_it_incomplete_until_its_rows_are_recomputed(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    with opened(out) as dataset:
+        dataset.commit(rows([0, 1]))
+        dataset.commit(rows([2, 3]))
+        dataset.mark_success()
+    assert OutputDataset(str(out)).is_complete_for(JOB)
+    (out / "part-s00000-000000.parquet").unlink()
+    assert not OutputDataset(str(out)).is_complete_for(JOB)
+    with opened(out) as dataset:
+        assert not dataset.is_success(), "a crash from here must not leave the shard called complete"
+        assert dataset.committed_row_ids().tolist() == [2, 3]
+        dataset.commit(rows([0, 1]))
+        dataset.mark_success()
+    assert OutputDataset(str(out)).is_complete_for(JOB)
     assert sorted(view_ids(out).tolist()) == [0, 1, 2, 3]
 
 
@@ -184,7 +223,7 @@ def test_rewrite_ordered_interrupted_after_its_record_rolls_forward(tmp_path: Pa
     new = [json.loads(p.read_text()) for p in (meta / "manifests" / "s00000").iterdir()]
     record = {"remove": sorted(old), "add": new}
     for part in out.iterdir():
-        part.rename(meta / "tmp" / part.name)
+        part.rename(meta / "tmp" / f".{part.name}.tmp")
     for manifest in (meta / "manifests" / "s00000").iterdir():
         manifest.unlink()
     for name, data in old.items():

@@ -8,7 +8,9 @@ import json
 import os
 from pathlib import Path
 
+import duckdb
 import numpy as np
+import polars
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -87,8 +89,9 @@ def test_an_interrupted_rewrite_rolls_forward_from_parts_staged_inside_the_mount
 
 def test_a_rewrite_staged_beside_a_mounted_output_dir_is_copied_in(mounted_output: Path) -> None:
     """A rewrite record whose new part waits in the temp folder beside output.dir (where it would be written
-    when output.dir was not yet a mount, e.g. before a container's volume was mounted there) cannot be
-    renamed in: it is copied under its staged name and renamed into place."""
+    when output.dir was not yet a mount, e.g. before a container's volume was mounted there; here under its own
+    name, as an earlier batchjob wrote it) cannot be renamed in: it is copied under its staged name and renamed
+    into place."""
     out = mounted_output
     manifests = bookkeeping(out) / "manifests" / "s00000"
     with opened(out) as dataset:
@@ -150,8 +153,12 @@ def test_every_reader_skips_a_part_being_written_beside_output_dir(tmp_path: Pat
     out = tmp_path / "out"
     crashed = run_proc("job", str(out), str(TOTAL), str(BATCH), env={ENV: "part-written:2"})
     assert crashed.returncode == EXIT_STATUS, crashed.stderr
-    assert os.listdir(bookkeeping(out) / "tmp") == ["part-s00000-000001.parquet"]
+    assert os.listdir(bookkeeping(out) / "tmp") == [".part-s00000-000001.parquet.tmp"]
     assert every_reader_reads(out, list(range(BATCH))), row_ids_by_reader(out)
+    # A glob over the folder that holds output.dir and its bookkeeping folder, as over a folder of runs.
+    assert sorted(polars.read_parquet(f"{tmp_path}/**/*.parquet")["row_id"].to_list()) == list(range(BATCH))
+    runs = duckdb.sql(f"SELECT row_id FROM read_parquet('{tmp_path}/**/*.parquet')").fetchall()
+    assert sorted(row[0] for row in runs) == list(range(BATCH))
     with opened(out) as dataset:
         assert dataset.committed_row_ids().tolist() == list(range(BATCH))
     assert os.listdir(bookkeeping(out) / "tmp") == []

@@ -1,6 +1,8 @@
 """Where a job may write, through the real CLI: into an output.dir that is a mount point (a container volume, a
 bind mount) every row is committed, a killed run resumes exactly; a folder holding anything but batchjob's
-parts is refused in one line before the model loads, and nothing is written."""
+parts, or inside another job's output, is refused in one line before the model loads, and nothing is written.
+And what users do to an output between runs: a part deleted, or put back after its rows were recomputed, a file
+added; the rerun ends with every row exactly once, or names what to delete."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from batchjob.io.crash_points import ENV, EXIT_STATUS
 ROWS = 12
 
 
-def job_args(tmp_path: Path, out: Path) -> tuple[str, ...]:
+def job_args(tmp_path: Path, out: Path | str) -> tuple[str, ...]:
     return (
         f"data.path={write_prompts(tmp_path / 'p.parquet', ROWS)}",
         f"output.dir={out}",
@@ -124,3 +126,100 @@ def test_parts_whose_job_record_was_lost_are_refused_not_adopted(tmp_path: Path)
     fresh = run_cli(*args, "sampling.max_new_tokens=5", "output.overwrite=true")
     assert fresh.returncode == 0, fresh.stderr
     assert sorted(read_output(out).column("row_id").to_pylist()) == list(range(ROWS))
+
+
+def test_a_rerun_into_a_folder_inside_the_first_output_is_refused_and_every_reader_still_reads_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    before = tree_bytes(tmp_path)
+    refused = run_cli(*job_args(tmp_path, out / "retry"), "sampling.max_new_tokens=3")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: output.dir={out / 'retry'} is inside {out}, another job's output.dir; every reader of that folder "
+        "reads all of it, so this job's files would show up there as extra or duplicate rows: set output.dir to a "
+        f"folder outside {out}"
+    )
+    assert tree_bytes(tmp_path) == before
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_an_output_dir_spelled_with_a_trailing_dot_keeps_its_logs_beside_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_cli(*job_args(tmp_path, f"{out}/."))  # a str: pathlib drops the dot
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(out)) == [
+        "part-s00000-000000.parquet",
+        "part-s00000-000001.parquet",
+        "part-s00000-000002.parquet",
+    ]
+    assert (bookkeeping(out) / "_hydra" / "shard-0-of-1" / "batchjob.log").is_file()
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+    again = run_cli(*job_args(tmp_path, out))
+    assert again.returncode == 0 and "already complete" in again.stderr, again.stderr
+
+
+def test_a_part_deleted_from_a_finished_job_is_recomputed_by_the_rerun(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    (out / "part-s00000-000001.parquet").unlink()
+    again = run_cli(*job_args(tmp_path, out))
+    assert again.returncode == 0, again.stderr
+    assert "part-s00000-000001.parquet is missing: its rows are recomputed" in again.stderr
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_a_part_put_back_after_its_rows_were_recomputed_is_not_read_twice(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    moved = tmp_path / "looking-at.parquet"
+    (out / "part-s00000-000001.parquet").rename(moved)
+    assert run_cli(*job_args(tmp_path, out)).returncode == 0
+    moved.rename(out / "part-s00000-000001.parquet")
+    again = run_cli(*job_args(tmp_path, out))
+    assert again.returncode == 0, again.stderr
+    assert "part-s00000-000001.parquet holds rows that other parts committed" in again.stderr
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_a_file_added_to_an_unfinished_output_is_refused_naming_it_and_resumes_once_deleted(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = job_args(tmp_path, out)
+    killed = subprocess.run(
+        cli_command(*args),
+        cwd=REPO,
+        env={**cli_env(), ENV: "manifest-synced:1"},  # ended as by kill -9 once the first part is committed
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == EXIT_STATUS, killed.stderr
+    (out / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")  # the folder was opened in a file browser
+    refused = run_cli(*args)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: output.dir={out} holds files batchjob did not write (.DS_Store); every reader of the output reads "
+        "the whole folder, so batchjob writes only into its own output: delete them (or move them out) to resume "
+        "this output, or set output.dir to a new folder"
+    )
+    (out / ".DS_Store").unlink()
+    resumed = run_cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 4 rows already committed, 8 to go" in resumed.stderr
+    assert every_reader_reads(out, list(range(ROWS))), row_ids_by_reader(out)
+
+
+def test_an_output_dir_under_the_home_folder_keeps_its_logs_beside_it_not_in_a_tilde_folder(tmp_path: Path) -> None:
+    from batchjob.caches import cache_root
+
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    env = {**cli_env(), "HOME": str(home), "BATCHJOB_CACHE": str(cache_root())}
+    args = job_args(tmp_path, '"~/run1"')  # quoted for Hydra, as its message asks
+    done = subprocess.run(cli_command(*args), cwd=here, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(here) == [], "no folder named ~ in the working directory"
+    assert (home / "run1.batchjob" / "_hydra" / "shard-0-of-1" / "batchjob.log").is_file()
+    assert every_reader_reads(home / "run1", list(range(ROWS))), row_ids_by_reader(home / "run1")

@@ -54,6 +54,24 @@ def duckdb_glob(directory: Path, _: Path) -> list[int]:
     return [row[0] for row in duckdb.sql(f"SELECT row_id FROM read_parquet('{directory}/*.parquet')").fetchall()]
 
 
+def polars_glob(directory: Path, _: Path) -> list[int]:
+    import polars
+
+    return polars.read_parquet(f"{directory}/*.parquet")["row_id"].to_list()
+
+
+def duckdb_recursive_glob_hive(directory: Path, _: Path) -> list[int]:
+    import duckdb
+
+    query = f"SELECT row_id FROM read_parquet('{directory}/**/*.parquet', hive_partitioning=true)"
+    return [row[0] for row in duckdb.sql(query).fetchall()]
+
+
+def pyarrow_dataset_hive(directory: Path, _: Path) -> list[int]:
+    dataset = pads.dataset(str(directory), format="parquet", partitioning="hive")
+    return dataset.to_table().column("row_id").to_pylist()
+
+
 def datasets_load_dataset(directory: Path, scratch: Path) -> list[int]:
     import datasets
 
@@ -68,8 +86,11 @@ READERS: dict[str, Callable[[Path, Path], list[int]]] = {
         pandas_read_parquet,
         polars_read_parquet,
         polars_scan_parquet,
+        polars_glob,
         duckdb_directory,
         duckdb_glob,
+        duckdb_recursive_glob_hive,
+        pyarrow_dataset_hive,
         datasets_load_dataset,
     )
 }
