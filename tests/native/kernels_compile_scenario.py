@@ -48,11 +48,20 @@ class AbsentDevice(TargetOnlyDriver):
 
 
 def calls() -> dict[str, Callable[[], Any]]:
-    from batchjob.engine.native.kernels import fp8, fused_moe, fused_ops, invariant_matmul, sampling_race, token_mask
+    from batchjob.engine.native.kernels import (
+        fp8,
+        fused_moe,
+        fused_ops,
+        invariant_matmul,
+        moe_configs,
+        sampling_race,
+        token_mask,
+    )
     from batchjob.engine.native.layers.attention import make_metadata
     from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
     invariant_matmul._sm_count = lambda device: H100_SMS
+    device_name = moe_configs.device_name
     bf16 = torch.bfloat16
     x = torch.randn(37, 2048, dtype=bf16)
     w = torch.randn(2048, dtype=bf16)
@@ -65,7 +74,14 @@ def calls() -> dict[str, Callable[[], Any]]:
         slots = torch.arange(37, dtype=torch.int64)
         fused_ops.rotary_qk_(q, k, torch.arange(37), table, None, (v, cache, cache.clone(), slots))
 
-    def attention(query_lens: list[int], seq_lens: list[int], splits: int | None = None) -> Callable[[], Any]:
+    def attention(
+        query_lens: list[int],
+        seq_lens: list[int],
+        splits: int | None = None,
+        shape: tuple[int, int, int] = (32, 8, 128),
+    ) -> Callable[[], Any]:
+        heads, kv_heads, dim = shape
+
         def step() -> Any:
             blocks = [-(-s // block) for s in seq_lens]
             tables = [list(range(1 + sum(blocks[:i]), 1 + sum(blocks[: i + 1]))) for i in range(len(blocks))]
@@ -89,12 +105,30 @@ def calls() -> dict[str, Callable[[], Any]]:
         sampling_race.greedy_tokens(logits, (bitmask, torch.arange(16, dtype=torch.int32)))
         token_mask.apply_token_bitmask(logits.float(), bitmask, torch.arange(16, dtype=torch.int32))
 
-    def experts() -> None:
-        tokens, hidden, inter, num_experts, top_k = 48, 1024, 768, 32, 4
-        w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=bf16)
-        w2 = torch.randn(num_experts, hidden, inter, dtype=bf16)
-        ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
-        fused_moe.fused_moe(torch.randn(tokens, hidden, dtype=bf16), w13, w2, torch.rand(tokens, top_k), ids)
+    def experts(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int) -> Callable[[], Any]:
+        def step() -> Any:
+            # Never touched (the launches do nothing): the pages of Qwen3-30B-A3B's 1.2 GB of experts stay unmapped.
+            w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=bf16)
+            w2 = torch.empty(num_experts, hidden, inter, dtype=bf16)
+            ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
+            hidden_states = torch.randn(tokens, hidden, dtype=bf16)
+            return fused_moe.fused_moe(hidden_states, w13, w2, torch.rand(tokens, top_k), ids)
+
+        return step
+
+    def tuned_experts() -> None:
+        """Every step size the package's table tunes for this shape on an H200 (sm_90, an H100's shared memory)."""
+        moe_configs.device_name = lambda device: "NVIDIA H200"
+        try:
+            for tokens in (1, 16, 64, 128, 256, 512, 2048, 8192):
+                experts(tokens, 2048, 768, 128, 8)()
+        finally:
+            moe_configs.device_name = device_name
+
+    def head_norms_rotary() -> None:  # Qwen 3: each head RMS-normalised before it turns
+        q, k = torch.randn(37, 16, dim, dtype=bf16), torch.randn(37, 8, dim, dtype=bf16)
+        norms = (torch.randn(dim, dtype=bf16), torch.randn(dim, dtype=bf16), 1e-6, False, 0.0)
+        fused_ops.rotary_qk_(q, k, torch.arange(37), table, norms)
 
     def fp8_projection(group: int | None, weight_block: tuple[int, int]) -> Callable[[], Any]:
         def step() -> Any:
@@ -123,7 +157,20 @@ def calls() -> dict[str, Callable[[], Any]]:
         "fp8 group activations, 128x128 weight blocks": fp8_projection(128, (128, 128)),
         "sampler with filters": sampled,
         "greedy under a bitmask, and the bitmask applied": masked_greedy,
-        "fused mixture of experts": experts,
+        "fused mixture of experts": experts(48, 1024, 768, 32, 4),
+        # The benchmark models' own shapes
+        "Llama-3.2-1B decode attention (head_dim 64)": attention([1] * 16, list(range(40, 56)), shape=(32, 8, 64)),
+        "Llama-3.2-1B prefill attention (head_dim 64)": attention([300, 1, 700], [300, 90, 700], shape=(32, 8, 64)),
+        "Qwen3-0.6B mixed attention (16 heads on 8)": attention([1, 1, 120], [64, 900, 120], shape=(16, 8, 128)),
+        "Qwen 3 head norms before the rotary": head_norms_rotary,
+        "Gemma's float32 norm weight with an offset": lambda: fused_ops.rms_norm(
+            x, w, 1e-6, weight_fp32=True, offset=1.0
+        ),
+        "Llama-3.1-8B norm (4,096 wide)": lambda: fused_ops.rms_norm(
+            torch.randn(32, 4096, dtype=bf16), torch.randn(4096, dtype=bf16), 1e-5
+        ),
+        "Qwen3-30B-A3B experts (128, top 8)": experts(64, 2048, 768, 128, 8),
+        "Qwen3-30B-A3B experts with the H200 table's tuned configs": tuned_experts,
     }
 
 

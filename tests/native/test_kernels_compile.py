@@ -1,7 +1,9 @@
 """The engine's Triton kernels compile for an H100 (sm_90) with Triton's real compiler, and each fits the shared
 memory and threads an H100 block may have, checked on a machine without a GPU: a norm, the rotary step that stores
 K/V, SiLU-and-mul, decode (one split and several), prefill and mixed attention, the batch-invariant matmul (K split
-and serial), FP8 projections (per-row and block weights), the samplers and the fused mixture of experts. The
+and serial), FP8 projections (per-row and block weights), the samplers and the fused mixture of experts, and the
+benchmark models' own shapes (head_dim 64, Qwen 3's head norms, Gemma's norm, Qwen3-30B-A3B's experts with the
+configs the package's table tunes for an H200). The
 interpreter tests check what the kernels compute; this checks that the compiler takes them, which only a GPU run
 showed before. Runs kernels_compile_scenario.py in a process of its own (the suite's processes interpret)."""
 
