@@ -19,7 +19,6 @@ Protocol, one JSON object a line: the worker says `{"ready": true}` once importe
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import signal
@@ -33,7 +32,6 @@ from typing import IO, Any
 from batchjob.engine.native.runtime.kernel_variants import KernelVariant
 from batchjob.processes import dies_with_us
 
-log = logging.getLogger("batchjob.engine.native")
 # `wait` gives up once no worker has finished a variant (or become ready, or been given work) for this long: a
 # variant compiles in seconds, and a worker that hangs must not hold the start-up for the whole timeout.
 STALL_S = 60.0

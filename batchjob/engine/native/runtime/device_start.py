@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from batchjob.engine.native.runtime.model_runner import ModelRunner
 from batchjob.engine.native.runtime.precompile import KernelPrecompile
 from batchjob.engine.native.runtime.step_layout import GRAPH_MODES_BY_NAME, decode_buckets, mixed_buckets
 from batchjob.engine.native.runtime.warmup import WarmupLimits, launch_steps, warm_up, warmup_steps
+
+if TYPE_CHECKING:
+    from batchjob.engine.native.runtime.kernel_variants import KernelVariant
 
 log = logging.getLogger("batchjob.engine.native")
 # How long a thread that wants the interpreter lock waits for the one holding it, during start-up (Python's
@@ -113,7 +117,9 @@ def start_runner(
     return ready
 
 
-def list_start_variants(model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device) -> list:
+def list_start_variants(
+    model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device
+) -> list[KernelVariant]:
     """The Triton kernel variants `start_runner` launches, found by launching its steps (the KV sizing's largest,
     every graph's work, the warm-up) through one layer of each kind on a scratch runner with a one-block cache,
     each launch of a variant not compiled yet skipped (`kernel_variants.py`)."""

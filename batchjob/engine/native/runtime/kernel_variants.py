@@ -17,6 +17,7 @@ which `JITFunction.preload` compiles the same binary under the same cache key in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -47,7 +48,7 @@ class KernelVariant:
         return self.module, self.qualname, self.data
 
     def to_json(self) -> dict[str, str]:
-        return {"module": self.module, "qualname": self.qualname, "data": self.data, "cache_hash": self.cache_hash}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> KernelVariant:
