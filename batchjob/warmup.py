@@ -97,4 +97,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from batchjob.job.stderr import drop_stderr_when_unread
+
+    drop_stderr_when_unread()  # as the job: a reader gone before the warm-up is must not turn "warm" into a failure
     cli(main)
