@@ -98,7 +98,8 @@ def export(output_dir: str, format: str, path: str, model: str | None = None) ->
 
 def _model_name(record: dict[str, Any]) -> str:
     model = record.get("model") or {}
-    return str(model.get("hub_id") or model.get("path") or "unknown")
+    where = record.get("provenance") or {}
+    return str(model.get("hub_id") or where.get("model_path") or model.get("path") or "unknown")
 
 
 def _check_columns(storage: Storage, parts: list[str], output_dir: str) -> None:

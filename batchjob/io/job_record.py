@@ -1,7 +1,9 @@
 """The job record: what produced an output directory, so a rerun never mixes outputs of different jobs.
 
 The caller decides what goes in (model, sampling, prompt settings, input fingerprint, version...); this
-module stores, reads and compares records; `record_guard` decides when one may be replaced.
+module stores, reads and compares records; `record_guard` decides when one may be replaced. A record's
+`provenance` (where its files were found: a copy staged elsewhere holds the same bytes) is kept for people and
+never compared.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 from batchjob.io.storage import Storage
 
 _MISSING = "<absent>"
+NOT_COMPARED = "provenance"  # a top-level key
 
 
 class JobRecordMismatch(ValueError):
@@ -31,10 +34,12 @@ def encode(record: dict[str, Any]) -> bytes:
 
 
 def differences(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for every leaf that differs between two records."""
+    """(dotted key, old value, new value) for every leaf that differs between two records (`NOT_COMPARED` aside)."""
     if isinstance(old, dict) and isinstance(new, dict):
         found = []
         for key in sorted(set(old) | set(new)):
+            if not prefix and key == NOT_COMPARED:
+                continue
             name = f"{prefix}.{key}" if prefix else str(key)
             found += differences(old.get(key, _MISSING), new.get(key, _MISSING), name)
         return found

@@ -7,6 +7,7 @@ Memory stays bounded by one row group's requested columns, whatever the input si
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
 _DELTA_LOG = "_delta_log"
+_HUDI_META = ".hoodie"
+_ICEBERG_READER = "pyiceberg's load_table(...).scan().to_arrow()"
 # Read column chunks through a buffer instead of whole: bounds memory for inputs with huge row groups.
 _READ_BUFFER_BYTES = 1 << 20
 
@@ -38,16 +41,38 @@ class RowGroup:
 def open_parquet(spec: InputSpec) -> ParquetSource:
     storage, path = Storage.for_uri(spec.path)
     directory = storage.isdir(path)
-    if directory and _DELTA_LOG in storage.list_dirs(path):
-        # Deleted and replaced rows stay in the table's Parquet files until a vacuum: only the log says which
-        # files are current, and reading them all would bring back old rows or repeat updated ones.
-        raise InputError(
-            f"{spec.path} is a Delta Lake table ({_DELTA_LOG} beside its Parquet files), whose files may also hold "
-            "rows its later versions deleted or replaced: write its current version to Parquet (e.g. from "
-            "deltalake's DeltaTable(path).to_pyarrow_table()) and point data.path there"
-        )
+    if directory:
+        _refuse_table_formats(storage, path, spec.path)
     files = list_input_files(storage, path, spec.path, ".parquet", "Parquet files", PATH_HELP)
     return ParquetSource(spec, storage, files, hive_root=path.rstrip("/") if directory else None)
+
+
+def _refuse_table_formats(storage: Storage, path: str, shown: str) -> None:
+    """Refuse a lakehouse table (or its data folder): deleted and replaced rows stay in its Parquet files until a
+    vacuum or compaction, only its log or metadata says which files are current, and reading them all would bring
+    back old rows or repeat updated ones."""
+    folders = storage.list_dirs(path)
+    found = None
+    if _DELTA_LOG in folders:
+        found = ("a Delta Lake table", _DELTA_LOG, "deltalake's DeltaTable(path).to_pyarrow_table()")
+    elif _HUDI_META in folders:
+        found = ("an Apache Hudi table", _HUDI_META, "Spark's spark.read.format('hudi')")
+    elif _is_iceberg(storage, path):
+        found = ("an Apache Iceberg table", "metadata/*.metadata.json", _ICEBERG_READER)
+    elif posixpath.basename(path.rstrip("/")) == "data" and _is_iceberg(storage, posixpath.dirname(path.rstrip("/"))):
+        found = ("the data folder of an Apache Iceberg table", "metadata/*.metadata.json", _ICEBERG_READER)
+    if found:
+        what, marker, reader = found
+        raise InputError(
+            f"{shown} is {what} ({marker} beside its Parquet files), whose files may also hold rows its later "
+            f"versions deleted or replaced: write its current version to Parquet (e.g. from {reader}) and point "
+            "data.path there"
+        )
+
+
+def _is_iceberg(storage: Storage, table: str) -> bool:
+    metadata = storage.join(table, "metadata")
+    return storage.isdir(metadata) and any(name.endswith(".metadata.json") for name in storage.list_files(metadata))
 
 
 def open_parquet_files(spec: InputSpec, uris: list[str], revision: str | None) -> ParquetSource:

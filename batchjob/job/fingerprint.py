@@ -1,10 +1,12 @@
 """The job record: everything that changes the outputs, so a rerun never mixes two jobs' rows.
 
-It holds the model (path, a hash of its config and tokenizer files, the weight files' names and sizes),
+It holds the model (a hash of its config and tokenizer files; the weight files' names, sizes and sampled content:
+a copy staged to node-local disk resumes, another checkpoint of the same shape in the same folder does not),
 the engine name and dtype (backends differ numerically, so switching them mid-job would mix outputs;
 throughput knobs such as batch sizes are left out, so a resume may retune them), sampling, prompt
-settings, the output columns, the input's fingerprint, the rows the job owns and the batchjob version. The IO
-layer adds the shard count and compares records on every open.
+settings, the output columns, the input's fingerprint, the rows the job owns and the batchjob version; and, never
+compared, where the model was read (`provenance`). The IO layer adds the shard count and compares records on every
+open.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from batchjob.config.settings import JobSettings
 from batchjob.engine.config_files import BrokenConfigFileError, check_model_json_files
 from batchjob.errors import ConfigError
+from batchjob.io.content_digest import sampled_sha256
 
 # Small files whose content decides what the model computes or how prompts are rendered.
 HASHED_MODEL_FILES = ("*.json", "*.jinja", "tokenizer.model", "*.txt")
@@ -63,6 +68,8 @@ def resolve_model_path(path: str | None) -> str:
 
 
 def model_fingerprint(model_path: str) -> dict[str, Any]:
+    """What the model is, not where: a hub id, or a local directory's small files hashed and each weight file's
+    name, size and a hash of evenly spaced windows of it (a bounded read: 2 MiB a file)."""
     local = Path(model_path)
     if not local.is_dir():
         return {"hub_id": model_path}
@@ -72,8 +79,11 @@ def model_fingerprint(model_path: str) -> dict[str, Any]:
             if file.name.endswith(".index.json") or file.stat().st_size > 50_000_000:
                 continue
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    weights = sorted({f.name: f.stat().st_size for pattern in WEIGHT_FILES for f in local.glob(pattern)}.items())
-    return {"path": str(local), "files_sha256": digest.hexdigest(), "weights": weights}
+    weights = {}  # by name, so a changed file is named alone when a rerun is refused
+    for file in sorted({f for pattern in WEIGHT_FILES for f in local.glob(pattern)}):
+        with pa.OSFile(str(file)) as f:
+            weights[file.name] = {"size": f.size(), "sampled_sha256": sampled_sha256(f)}
+    return {"files_sha256": digest.hexdigest(), "weights": weights}
 
 
 def batchjob_version() -> str:
@@ -137,4 +147,6 @@ def job_record(
         # What `python -m batchjob.status` checks the output against. Also guards resume: a new
         # data.limit moves the shard boundaries, and a new id column renames every row.
         "rows": {"count": job_rows, "id_column": settings.data.id_column, "string_ids": string_ids},
+        # Kept for people (and the export's model name), never compared: a staged copy of the model resumes.
+        "provenance": {"model_path": model_path},
     }

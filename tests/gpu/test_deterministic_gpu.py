@@ -42,6 +42,22 @@ def test_every_row_of_the_invariant_matmul_is_the_same_bits_at_every_row_count(s
     assert ((whole.float() - expected).norm() / expected.norm()).item() < 1e-2
 
 
+def test_the_matmul_profiler_times_the_engine_beside_cublas_and_the_variants_asked_for():
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "matmul_shapes.py"
+    args = ["--only", "o,down", "--rows", "32,8192", "--serial-waves", "1", "--parts", "2"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("o ", "down "))]
+    assert [(r[0], r[4]) for r in rows] == [("o", "32"), ("o", "8192"), ("down", "32"), ("down", "8192")]
+    for row in rows:
+        floor, *times = map(float, row[5:10])  # floor, cuBLAS, engine, waves=1, parts=2: milliseconds
+        assert all(t >= 0.5 * floor for t in times), row  # nothing beats the roofline by 2x
+    assert "cuBLAS / each: engine " in done.stdout
+
+
 def _requests(vocab: int, count: int = 24) -> list[Request]:
     rng = random.Random(5)
     requests = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,24 @@ def test_a_delta_lake_table_is_refused_since_its_files_hold_earlier_versions(pro
     (prompts_dir / "_delta_log" / "00000000000000000000.json").write_text("{}\n")
     with pytest.raises(InputError, match="is a Delta Lake table .*write its current version to Parquet"):
         open_input(InputSpec(str(prompts_dir)))
+
+
+def test_a_hudi_table_is_refused_like_a_delta_table(prompts_dir: Path) -> None:
+    (prompts_dir / ".hoodie").mkdir()
+    (prompts_dir / ".hoodie" / "hoodie.properties").write_text("hoodie.table.name=t\n")
+    with pytest.raises(InputError, match="is an Apache Hudi table .*write its current version to Parquet"):
+        open_input(InputSpec(str(prompts_dir)))
+
+
+def test_an_iceberg_table_and_its_data_folder_are_refused(tmp_path: Path, prompts_dir: Path) -> None:
+    table = tmp_path / "warehouse" / "db" / "prompts"
+    (table / "metadata").mkdir(parents=True)
+    shutil.copytree(prompts_dir, table / "data")
+    assert read_all(InputSpec(str(table / "data")), ["prompt"]).num_rows  # no metadata yet: plain Parquet files
+    (table / "metadata" / "00001-6a1f.metadata.json").write_text('{"format-version": 2}')
+    for path, what in ((table, "an Apache Iceberg table"), (table / "data", "the data folder of an Apache Iceberg")):
+        with pytest.raises(InputError, match=f"is {what}.*pyiceberg"):
+            open_input(InputSpec(str(path)))
 
 
 def spark_and_dask_sidecars(directory: Path) -> None:

@@ -59,7 +59,7 @@ def test_presets_holding_only_the_keys_they_change_work_for_every_group(tmp_path
     assert table.column("source").to_pylist() == ["a", "b", "c"]  # data.passthrough_columns from the defaults
     assert read_report(out)["engine"]["name"] == "hf"
     assert len(list(out.glob("part-*.parquet"))) == 2  # output.commit_every_rows=2 over 3 rows
-    assert json.loads((bookkeeping(out) / "_job.json").read_text())["model"]["path"] == model_dir
+    assert json.loads((bookkeeping(out) / "_job.json").read_text())["provenance"]["model_path"] == model_dir
 
 
 def test_cfg_job_shows_a_partial_preset_over_the_defaults(tmp_path: Path) -> None:

@@ -124,6 +124,38 @@ def test_a_fresh_copy_of_the_input_elsewhere_resumes(tmp_path: Path) -> None:
     assert job_status(str(out)).complete
 
 
+def test_a_copy_of_the_model_staged_elsewhere_resumes(tmp_path: Path) -> None:
+    prompts = write_prompts(tmp_path / "p.parquet", 4)
+    out = tmp_path / "o"
+    shared = shutil.copytree(default_tiny_model(), tmp_path / "shared" / "tiny")
+    assert run_in_process(f"model.path={shared}", f"data.path={prompts}", f"output.dir={out}", "shard.count=2",
+                          "shard.index=0") == 0  # fmt: skip
+    staged = shutil.copytree(shared, tmp_path / "node-local" / "job-7" / "model")  # another node's scratch
+    assert run_in_process(f"model.path={staged}", f"data.path={prompts}", f"output.dir={out}", "shard.count=2",
+                          "shard.index=1") == 0  # fmt: skip
+    assert job_status(str(out)).complete
+    record = json.loads((bookkeeping(out) / "_job.json").read_text())
+    assert record["provenance"] == {"model_path": str(shared)}  # where the job first read it
+
+
+def test_another_checkpoint_of_the_same_shape_in_the_same_folder_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    prompts = write_prompts(tmp_path / "p.parquet", 4)
+    out = tmp_path / "o"
+    model = shutil.copytree(default_tiny_model(), tmp_path / "checkpoint")
+    base = (f"model.path={model}", f"data.path={prompts}", f"output.dir={out}", "shard.count=2")
+    assert run_in_process(*base, "shard.index=0") == 0
+    [weights] = model.glob("*.safetensors")
+    before = weights.stat().st_size
+    tensors = load_file(weights)
+    save_file({name: t + 0.01 for name, t in tensors.items()}, weights, metadata={"format": "pt"})
+    assert weights.stat().st_size == before  # same names, shapes and size: a later step of the same training
+    refused = run_cli(*base, "shard.index=1")
+    assert refused.returncode == 2, refused.stderr
+    assert "another job (model.weights.model.safetensors.sampled_sha256: " in refused.stderr
+
+
 def test_a_start_that_failed_before_committing_does_not_block_the_fixed_rerun(tmp_path: Path) -> None:
     broken = unloadable_copy(default_tiny_model(), tmp_path / "broken-model")
     path = write_prompts(tmp_path / "p.parquet", 3)

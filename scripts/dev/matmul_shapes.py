@@ -1,0 +1,119 @@
+"""The deterministic mode's matmul against cuBLAS at a benchmark model's projections, by row count:
+
+    python scripts/dev/matmul_shapes.py --architecture llama-3.2-1b --rows 32,128,512,1024,8192
+    python scripts/dev/matmul_shapes.py --architecture llama-3.1-8b --serial-waves 1,2,4 --parts 1,2,4
+
+For each projection (qkv, o, gate_up, down, lm_head) and row count it prints cuBLAS's time, the invariant
+matmul's as the engine runs it, and each variant asked for: `--serial-waves W` (a step computes K's parts
+within each program from W waves of programs) and `--parts P` (K split into at most P parts). Each time is the
+median of CUDA-event timings; the floor is the larger of the bytes (weight, input, output) at the copy rate and
+the FLOPs at the bf16 matmul rate, both measured here first. Only variants whose bits a row keeps whatever the row
+count are candidates for the engine: a variant's parts must be a function of the weight's shape and the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
+
+from bench_lib.hardware import measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from bench_lib.workloads import ARCHITECTURES  # noqa: E402
+
+
+def projections(architecture: str) -> dict[str, tuple[int, int]]:
+    """Projection name -> weight shape (N, K) of one layer (and the lm_head)."""
+    cfg = ARCHITECTURES[architecture]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return {
+        "qkv": (q + 2 * kv, hidden),
+        "o": (hidden, q),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (cfg["vocab_size"], hidden),
+    }
+
+
+def median_ms(fn, repeats: int = 30) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def variant(serial_waves: int | None, parts: int | None):
+    """The invariant matmul with the module's knobs set for one call (restored after)."""
+    from batchjob.engine.native.kernels import invariant_matmul as im
+
+    def run(x, w):
+        saved = im.SERIAL_WAVES, im.MAX_PARTS
+        im.SERIAL_WAVES = saved[0] if serial_waves is None else serial_waves
+        im.MAX_PARTS = saved[1] if parts is None else parts
+        try:
+            return im.matmul(x, w)
+        finally:
+            im.SERIAL_WAVES, im.MAX_PARTS = saved
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--architecture", default="llama-3.2-1b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--rows", default="32,128,256,512,1024,2048,8192")
+    parser.add_argument("--serial-waves", default="", help="comma-separated SERIAL_WAVES to try besides the engine's")
+    parser.add_argument("--parts", default="", help="comma-separated MAX_PARTS to try besides the engine's")
+    parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from batchjob.engine.native.kernels import invariant_matmul as im
+
+    copy, flops = measure_copy_bandwidth(), measure_matmul_rate()
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    block = f"{im.BLOCK_M}x{im.BLOCK_N}x{im.BLOCK_K}"
+    print(f"engine: SERIAL_WAVES={im.SERIAL_WAVES}, MAX_PARTS={im.MAX_PARTS}, tiles {block}")
+    runs = {"engine": variant(None, None)}
+    runs |= {f"waves={w}": variant(int(w), None) for w in filter(None, args.serial_waves.split(","))}
+    runs |= {f"parts={p}": variant(None, int(p)) for p in filter(None, args.parts.split(","))}
+    shapes = projections(args.architecture)
+    wanted = [s for s in args.only.split(",") if s] or list(shapes)
+    print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLAS':>7} " + " ".join(f"{n:>10}" for n in runs))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    total = dict.fromkeys(["floor", "cuBLAS", *runs], 0.0)
+    for name in wanted:
+        n, k = shapes[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+            floor = max(2 * (n * k + rows * k + rows * n) / copy, 2 * rows * n * k / flops) * 1e3
+            blas = median_ms(lambda: x @ w.T)  # noqa: B023
+            times = {label: median_ms(lambda run=run: run(x, w)) for label, run in runs.items()}  # noqa: B023
+            for label, ms in (("floor", floor), ("cuBLAS", blas), *times.items()):
+                total[label] += ms
+            mode = "serial" if im.serial(rows, w) else f"{im.num_parts(w)} parts"
+            cells = " ".join(f"{ms:10.3f}" for ms in times.values())
+            print(f"{name:8} {n:>6} x {k:<6} {rows:>5} {floor:7.3f} {blas:7.3f} {cells}  ({mode} as the engine)")
+    print("sum ms: " + ", ".join(f"{label} {ms:.2f}" for label, ms in total.items()))
+    print("cuBLAS / each: " + ", ".join(f"{label} {total['cuBLAS'] / total[label]:.3f}" for label in runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
