@@ -107,3 +107,14 @@ def test_auto_compile_workers_leave_a_cpu_to_the_start_up_and_share_among_ranks(
     assert compile_workers(NativeOptions()) == (expected if expected >= 2 else 0)
     assert compile_workers(NativeOptions(tensor_parallel=cpus)) == 0
     assert compile_workers(NativeOptions(compile_workers=5)) == 5
+
+
+def test_only_a_single_device_non_deterministic_start_up_lists_its_variants() -> None:
+    """Without a plan, tensor-parallel ranks and `engine.deterministic` compile as they launch (the plan they leave
+    is followed by the next start-up's workers); listing is for the rest."""
+    from batchjob.engine.native.options import NativeOptions
+    from batchjob.engine.native.runtime.precompile import lists_variants
+
+    assert lists_variants(NativeOptions())
+    assert not lists_variants(NativeOptions(deterministic=True))
+    assert not lists_variants(NativeOptions(tensor_parallel=2))

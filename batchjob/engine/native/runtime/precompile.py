@@ -101,6 +101,18 @@ def _load_plan(key: str) -> list[KernelVariant]:
         return []
 
 
+def lists_variants(opts: NativeOptions) -> bool:
+    """Whether a start-up with no plan lists its variants for the workers; otherwise it compiles them itself, and
+    what it launched becomes the plan the next start-up's workers follow.
+
+    - The ranks of a tensor-parallel engine list nothing: listing runs steps, whose collectives every rank must
+      meet, and one rank could find a plan another did not.
+    - `engine.deterministic` lists nothing: on a GPU, an 8B model's listing pass ended in a device-side assert,
+      which leaves the process's CUDA context unusable (the start-up proper then failed too).
+    """
+    return opts.tensor_parallel == 1 and not opts.deterministic
+
+
 class KernelPrecompile:
     def __init__(self, key: str, plan: list[KernelVariant], pool: CompilePool | None) -> None:
         self.key, self.plan, self.pool = key, plan, pool
@@ -133,9 +145,7 @@ class KernelPrecompile:
 
         key = plan_key(model_path, opts, device)
         plan = _load_plan(key)
-        # The ranks of a tensor-parallel engine follow a plan but list nothing: listing runs steps, whose
-        # collectives every rank must meet, and one rank could find a plan another did not.
-        if (plan and cached(plan)) or (not plan and opts.tensor_parallel > 1):
+        if (plan and cached(plan)) or (not plan and not lists_variants(opts)):
             return cls(key, plan, None)
         with torch.cuda.device(device):
             target = driver.active.get_current_target()
@@ -152,7 +162,13 @@ class KernelPrecompile:
             try:
                 variants = list_variants()
             except Exception as exc:  # the start-up proper compiles what is not listed
-                log.warning("kernel variants not listed (%s: %s)", type(exc).__name__, exc)
+                log.warning(
+                    "kernel variants not listed (%s: %s)",
+                    type(exc).__name__,
+                    exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
+                _check_device_usable(exc)
                 variants = []
             self.stats["kernel_listing_s"] = time.perf_counter() - started
             self.pool.submit(variants)
@@ -206,3 +222,17 @@ def compiling_ahead(
     finally:
         if kernels is not None:
             kernels.close()
+
+
+def _check_device_usable(listing_error: Exception) -> None:
+    """Raise where the listing pass left the CUDA context unusable (a device-side assert or a fault is sticky: every
+    later call fails), naming the option that starts up without it; otherwise return."""
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").item()
+    except Exception as exc:
+        raise RuntimeError(
+            f"listing the start-up's kernel variants left this process's GPU unusable ({type(listing_error).__name__}:"
+            f" {listing_error}); start with engine.compile_workers=0, which compiles each kernel as the start-up "
+            "first launches it"
+        ) from exc
