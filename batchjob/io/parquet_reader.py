@@ -82,6 +82,19 @@ def open_parquet_files(spec: InputSpec, uris: list[str], revision: str | None) -
     return ParquetSource(spec, storage, [Storage.for_uri(uri)[1] for uri in uris], revision)
 
 
+def _ids_as_read(schema: pa.Schema, id_column: str) -> pa.Schema:
+    """`schema` with the id column typed as it is read: pandas' category and polars' Categorical ids as the strings
+    (or integers) they encode; integer decimals (Snowflake's NUMBER(38,0), Spark's DECIMAL(p, 0), DuckDB's HUGEINT)
+    as int64, a value beyond it refused as it is read."""
+    index = schema.get_field_index(id_column)
+    field = schema.field(index)
+    if pa.types.is_dictionary(field.type):
+        return schema.set(index, field.with_type(field.type.value_type))
+    if pa.types.is_decimal(field.type) and field.type.scale == 0:
+        return schema.set(index, field.with_type(pa.int64()))
+    return schema
+
+
 def _footer(filesystem: pafs.FileSystem, file: str, name: str) -> tuple[pq.FileMetaData, dict[str, Any]]:
     """The file's Parquet metadata and its identity for the fingerprint (name below the input's root, size,
     footer hash)."""
@@ -127,10 +140,8 @@ class ParquetSource(InputSource):
                 start = self.row_groups[-1].start + self.row_groups[-1].rows if self.row_groups else 0
                 self.row_groups.append(RowGroup(file, index, start, metadata.row_group(index).num_rows))
         schema = common_schema(files, schemas)
-        if spec.id_column in schema.names and pa.types.is_dictionary(schema.field(spec.id_column).type):
-            # pandas' category and polars' Categorical ids: read as the strings (or integers) they encode.
-            index = schema.get_field_index(spec.id_column)
-            schema = schema.set(index, schema.field(index).with_type(schema.field(index).type.value_type))
+        if spec.id_column in schema.names:
+            schema = _ids_as_read(schema, spec.id_column)
         # Files whose batches need a cast to `schema` (the rest are read as they are).
         self._cast = {file for file, own in zip(files, schemas, strict=True) if not own.equals(schema)}
         self._file_columns = list(schema.names)
@@ -202,7 +213,14 @@ class ParquetSource(InputSource):
             for index, field in enumerate(data.schema):
                 target = self.schema.field(field.name).type
                 if field.type != target:
-                    data = data.set_column(index, field.name, data.column(index).cast(target))
+                    try:
+                        data = data.set_column(index, field.name, data.column(index).cast(target))
+                    except pa.ArrowInvalid as err:  # an integer-valued decimal id beyond int64
+                        raise InputError(
+                            f"data.id_column={field.name!r} ({field.type} in {file}) holds a value that row_id "
+                            f"(int64) cannot hold ({err}): store the ids as strings (a string id column is carried "
+                            "to the output), or set data.id_column=null to number rows by position"
+                        ) from None
         return data if self.partitions is None else self.partitions.add_to(data, file, columns)
 
     def _runs(

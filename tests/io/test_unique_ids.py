@@ -88,3 +88,23 @@ def test_dictionary_encoded_ids_are_the_values_they_encode(tmp_path: Path, value
     repeated = write_ids(tmp_path / "r.parquet", pa.array(values).dictionary_encode())
     with pytest.raises(InputError, match="repeats values"):
         check_unique_ids(open_input(InputSpec(str(repeated), id_column="uid")))
+
+
+def test_integer_decimal_ids_are_row_ids_and_one_beyond_int64_is_refused(tmp_path: Path) -> None:
+    # Snowflake's NUMBER(38,0), Spark's DECIMAL(p, 0) and DuckDB's HUGEINT reach Parquet as decimals of scale 0.
+    from decimal import Decimal
+
+    path = write_ids(tmp_path / "p.parquet", pa.array([Decimal(12), Decimal(2**62)], pa.decimal128(38, 0)))
+    source = open_input(InputSpec(str(path), id_column="uid"))
+    check_unique_ids(source)
+    batch = next(source.iter_batches(["prompt", "uid"]))
+    assert batch.column("row_id").to_pylist() == [12, 2**62] and batch.column("uid").type == pa.int64()
+    repeated = write_ids(tmp_path / "r.parquet", pa.array([Decimal(5), Decimal(5)], pa.decimal128(20, 0)))
+    with pytest.raises(InputError, match=r"repeats values \(5\)"):
+        check_unique_ids(open_input(InputSpec(str(repeated), id_column="uid")))
+    huge = write_ids(tmp_path / "h.parquet", pa.array([Decimal(1), Decimal(2**70)], pa.decimal128(38, 0)))
+    with pytest.raises(InputError, match=r"data.id_column='uid' \(decimal128\(38, 0\) in .*cannot hold .*as strings"):
+        check_unique_ids(open_input(InputSpec(str(huge), id_column="uid")))
+    fraction = write_ids(tmp_path / "f.parquet", pa.array([Decimal("1.5")], pa.decimal128(10, 1)))
+    with pytest.raises(InputError, match=r"has type decimal128\(10, 1\), but ids must be integers or strings"):
+        open_input(InputSpec(str(fraction), id_column="uid"))
