@@ -67,7 +67,7 @@ def warm(cfg: DictConfig, startup: StartupClock | None = None) -> int:
         startup.lap("imports_s")
         with startup.timed("tokenizer_s"):
             load_tokenizer(model_path)  # the tokenizer class transformers picks is kept too
-        engine = create_engine(settings.engine_name, model_path, settings.engine_options)
+        engine = create_engine(settings.engine_name, model_path, settings.engine_options, settings.engine_asked)
     except (ConfigError, EngineSetupError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

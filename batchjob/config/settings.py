@@ -65,7 +65,7 @@ class OutputSettings:
 @dataclass(frozen=True)
 class JobSettings:
     model_path: str | None
-    engine_name: str
+    engine_name: str  # the backend that runs the job, once `checks.choose_engine` resolved `engine=auto`
     engine_options: dict[str, Any]
     data: DataSettings
     prompt: PromptSpec
@@ -79,6 +79,7 @@ class JobSettings:
     log_every_s: float
     tokenize_batch_rows: int
     queue_batches: int
+    engine_asked: str | None = None  # the `engine=` the user gave, once `engine_name` was chosen for it
 
 
 def _positive_int(value: Any, key: str, minimum: int = 1) -> int:

@@ -185,11 +185,20 @@ def _check_model(name: str, model_path: str, options: Mapping[str, Any]) -> str 
     return None if check_model is None else check_model(model_path, {**options, **fixed})
 
 
-def create_engine(name: str, model_path: str, options: Mapping[str, Any]) -> Engine:
+def create_engine(name: str, model_path: str, options: Mapping[str, Any], asked: str | None = None) -> Engine:
+    """Backend `name` started on `model_path`. `asked`: the backend the user named where `name` was chosen for it
+    (`engine=auto`, resolved by `choose_backend`): a refusal while it starts then names options as that spells them
+    (the hf fallback's `engine.hf.attn_implementation`)."""
+    asked = asked or name
     if name == AUTO:
         choice = choose_backend(name, model_path, options)
         name, options = choice.name, choice.options
     cls, fixed = _backend(name)
     merged = {**options, **fixed}
-    cls.check_options(merged)
-    return cls(model_path, **merged)
+    try:
+        cls.check_options(merged)
+        return cls(model_path, **merged)
+    except EngineSetupError as err:
+        if asked == AUTO and name == "hf":
+            raise EngineSetupError(_under_hf(str(err))) from err
+        raise

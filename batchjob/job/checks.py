@@ -98,7 +98,8 @@ def choose_engine(settings: JobSettings, model_path: str) -> JobSettings:
         raise ConfigError(f"engine={settings.engine_name}: {err}") from err
     if choice.name != settings.engine_name:
         log.info("engine=%s: running %s, since %s", settings.engine_name, choice.name, choice.reason)
-    return dataclasses.replace(settings, engine_name=choice.name, engine_options=choice.options)
+    asked = settings.engine_asked or settings.engine_name
+    return dataclasses.replace(settings, engine_name=choice.name, engine_options=choice.options, engine_asked=asked)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ def _generate(
     and log once they have."""
     settings, output = job.settings, job.output
     try:
-        engine = create_engine(settings.engine_name, job.model_path, settings.engine_options)
+        engine = create_engine(settings.engine_name, job.model_path, settings.engine_options, settings.engine_asked)
     except Exception as err:
         # A bad tokenizer or output directory found beside the engine explains a failed load better.
         error = _check_error(checks)

@@ -103,6 +103,21 @@ def test_the_hf_fallback_takes_its_options_from_engine_hf(tmp_path: Path, gpt2_d
     assert "engine.hf.lookahead must be a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(VLLM_RUNS, reason="engine=auto falls back to vllm here")
+def test_an_attention_the_hf_fallback_cannot_load_is_named_as_engine_auto_spells_it(
+    tmp_path: Path, gpt2_dir: Path, capsys
+) -> None:
+    data = write_prompts(tmp_path / "p.parquet", 3)
+    overrides = (f"model.path={gpt2_dir}", f"data.path={data}", f"output.dir={tmp_path / 'o'}")
+
+    code = run(*overrides, "engine.hf.attn_implementation=flash_attention_2", "engine.device=cpu")
+
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "engine.hf.attn_implementation=flash_attention_2 cannot run this model here" in err
+    assert "use engine.hf.attn_implementation=sdpa or eager" in err
+
+
 def test_explicit_native_engine_on_an_unsupported_architecture_exits_2_before_locking_the_output(
     tmp_path: Path, gpt2_dir: Path
 ) -> None:
