@@ -43,7 +43,8 @@ def graph_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _median_seconds(fn, repeats: int, warmup: int = 3) -> float:
+def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
+    """The median seconds of `fn` on the GPU over `repeats` calls (CUDA events), after `warmup` calls."""
     import torch
 
     for _ in range(warmup):
@@ -66,7 +67,7 @@ def measure_copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> float:
     n = int(gib * 2**30)
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 256)
     dst = torch.empty_like(src)
-    return 2 * n / _median_seconds(lambda: dst.copy_(src), repeats)
+    return 2 * n / median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def measure_matmul_rate(size: int = 8192, repeats: int = 20) -> float:
@@ -77,7 +78,7 @@ def measure_matmul_rate(size: int = 8192, repeats: int = 20) -> float:
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=generator)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=generator)
     out = torch.empty_like(a)
-    return 2 * size**3 / _median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
+    return 2 * size**3 / median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
 
 
 def measure_fp8_matmul_rate(size: int = 8192, repeats: int = 20) -> float | None:
@@ -96,7 +97,7 @@ def measure_fp8_matmul_rate(size: int = 8192, repeats: int = 20) -> float | None
     def matmul():
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
-    return 2 * size**3 / _median_seconds(matmul, repeats)
+    return 2 * size**3 / median_seconds(matmul, repeats)
 
 
 def measure_hardware() -> HardwareRates:

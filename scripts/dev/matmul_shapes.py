@@ -14,14 +14,13 @@ count are candidates for the engine: a variant's parts must be a function of the
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from bench_lib.hardware import measure_copy_bandwidth, measure_matmul_rate, median_seconds  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 
 
@@ -41,19 +40,7 @@ def projections(architecture: str) -> dict[str, tuple[int, int]]:
 
 
 def median_ms(fn, repeats: int = 30) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return 1e3 * median_seconds(fn, repeats)
 
 
 def variant(serial_waves: int | None, parts: int | None):
