@@ -17,6 +17,7 @@ from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
 from batchjob.engine import SamplingParams
+from batchjob.job.tiny_model import default_tiny_model
 from batchjob.status import job_status
 
 CHAT = "/v1/chat/completions"
@@ -147,6 +148,8 @@ def test_export_is_a_batch_output_file_the_openai_types_accept(finished: Path, t
         assert texts == [c["text"] for c in row["choices"]]
         assert parsed.usage.completion_tokens == row["completion_tokens"]
         assert parsed.usage.total_tokens == row["prompt_tokens"] + row["completion_tokens"]
+    models = {x["response"]["body"]["model"] for x in lines if x["error"] is None}
+    assert models == {str(default_tiny_model())}  # the model the job read, as its record keeps it
     three = ChatCompletion.model_validate(by_id["chat-n3"]["response"]["body"])
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert len(three.choices[0].logprobs.content[0].top_logprobs) == 2
