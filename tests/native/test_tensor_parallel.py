@@ -101,6 +101,40 @@ def test_a_tensor_parallel_that_does_not_divide_the_heads_is_refused_from_the_co
         NativeEngine.check_model(str(model_dir), {"tensor_parallel": 3})
 
 
+def test_a_ranks_start_up_error_reaches_the_job_when_nobody_reads_stderr(tmp_path):
+    """`... 2>&1 | tee log` with the tee gone: the ranks inherit a stderr whose writes fail; the job must still
+    be told why a rank could not start (not "rank 0 exited with status 1", which reads as worth a rerun)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    script = (
+        "import sys\n"
+        "from batchjob.job.stderr import drop_stderr_when_unread\n"
+        "drop_stderr_when_unread()\n"
+        "from batchjob.engine import create_engine\n"
+        "try:\n"
+        "    create_engine('native', sys.argv[1], {'device': 'cpu', 'tensor_parallel': 2, 'num_kv_blocks': 2,\n"
+        "                  'max_model_len': 256, 'dtype': 'float32'})\n"
+        "except Exception as err:\n"
+        "    print(type(err).__name__, err)\n"
+    )
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(model_dir)], stdout=subprocess.PIPE, stderr=writer, text=True,
+            env=env, timeout=300,
+        )  # fmt: skip
+    finally:
+        os.close(writer)
+    assert done.returncode == 0
+    assert "tensor-parallel rank 0 failed: batchjob.engine.api.EngineSetupError: the KV cache holds 1" in done.stdout
+
+
 def test_a_constrained_request_fails_alone_on_a_tensor_parallel_engine(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     plain = mixed_requests(4, seed=11, max_new=6)

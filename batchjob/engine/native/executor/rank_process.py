@@ -110,11 +110,13 @@ def main(argv: list[str]) -> int:
     except (BrokenPipeError, ConnectionResetError):
         return 1  # the job process is gone
     except BaseException:
-        # The job process reports it (and stops the other ranks); the traceback is also in this rank's stderr.
+        # The job process reports it (and stops the other ranks); the traceback is also in this rank's stderr,
+        # written second: a stderr whose reader is gone must not keep the cause from the job process.
         text = traceback.format_exc()
-        print(text, file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
             conn.send(("error", text))
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a closed stderr
+            print(text, file=sys.stderr, flush=True)
         return 1
     return 0
 
