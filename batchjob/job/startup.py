@@ -39,6 +39,7 @@ BESIDE_ENGINE_PHASES = {
 }
 # The engine's own start-up, when its stats() report it: copied into the report as `engine_<key>`.
 ENGINE_PHASES = {
+    "cuda_context_s": "CUDA context",
     "load_s": "weights",
     "kernel_listing_s": "kernel listing",
     "kernel_compile_s": "waiting for kernel compiles",
