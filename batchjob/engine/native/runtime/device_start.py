@@ -131,6 +131,10 @@ def list_start_variants(
             with model.kernel_layers():
                 profile_peak_bytes(model, spec, opts, device)
         runner, limits = _make_runner(model, spec, opts, device, allocate_kv_cache(spec, 1, opts.block_size, device))
+        if cuda:
+            # The runner's buffers were zeroed on this stream, behind the profile's work; its other streams must
+            # not read them before (a buffer reused from the profile holds its values: as an index, out of range).
+            torch.cuda.synchronize(device)
         if opts.cuda_graphs:
             runner.graphs.launch_uncaptured(*_graph_kinds(opts))
         if _warms_up(opts, device):

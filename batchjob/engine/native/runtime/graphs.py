@@ -214,7 +214,8 @@ class StepGraphs:
         compute = self.runner.compute
         if warm_up:
             # Autotuning, lazy initialisation, compiles: nothing of the kind may happen mid-capture. One layer of
-            # each kind launches every kernel variant the capture will.
+            # each kind launches every kernel variant the capture will, on the inputs `prepare_dummy` set.
+            compute.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(compute), self.runner.model.kernel_layers():
                 work()
             compute.synchronize()
@@ -246,6 +247,10 @@ class StepGraphs:
 
     def _launch_once(self, work: Callable[[], None], pool, warm_up: bool = True) -> None:
         runner = self.runner
+        if runner.cuda:
+            # `prepare_dummy` set the inputs on the current stream, possibly behind the steps before (the KV
+            # sizing's): without this wait the compute stream could read them unset, as indices.
+            runner.compute.wait_stream(torch.cuda.current_stream(runner.device))
         with torch.cuda.stream(runner.compute) if runner.cuda else nullcontext(), runner.model.kernel_layers():
             work()
 

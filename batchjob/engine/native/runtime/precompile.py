@@ -108,7 +108,10 @@ def lists_variants(opts: NativeOptions) -> bool:
     - The ranks of a tensor-parallel engine list nothing: listing runs steps, whose collectives every rank must
       meet, and one rank could find a plan another did not.
     - `engine.deterministic` lists nothing: on a GPU, an 8B model's listing pass ended in a device-side assert,
-      which leaves the process's CUDA context unusable (the start-up proper then failed too).
+      which leaves the process's CUDA context unusable (the start-up proper then failed too). It ran after the
+      invariant matmul's kernels were compiled in the same process, and a race found since fits it (graph inputs
+      set on one stream, read on another without a wait, so a buffer reused from the KV sizing's profile, which
+      those kernels had filled, was read as indices): fixed, but not run on a GPU since.
     """
     return opts.tensor_parallel == 1 and not opts.deterministic
 
