@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchjob.caches import files_key, load_entry, store_entry
+from batchjob.engine.api import EngineSetupError
 from batchjob.engine.native.options import NativeOptions
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ def _check_device_usable(listing_error: Exception) -> None:
         torch.cuda.synchronize()
         torch.zeros(1, device="cuda").item()
     except Exception as exc:
-        raise RuntimeError(
+        raise EngineSetupError(
             f"listing the start-up's kernel variants left this process's GPU unusable ({type(listing_error).__name__}:"
             f" {listing_error}); start with engine.compile_workers=0, which compiles each kernel as the start-up "
             "first launches it"
