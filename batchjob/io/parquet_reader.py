@@ -215,13 +215,21 @@ class ParquetSource(InputSource):
                 if field.type != target:
                     try:
                         data = data.set_column(index, field.name, data.column(index).cast(target))
-                    except pa.ArrowInvalid as err:  # an integer-valued decimal id beyond int64
-                        raise InputError(
-                            f"data.id_column={field.name!r} ({field.type} in {file}) holds a value that row_id "
-                            f"(int64) cannot hold ({err}): store the ids as strings (a string id column is carried "
-                            "to the output), or set data.id_column=null to number rows by position"
-                        ) from None
+                    except pa.ArrowInvalid as err:
+                        raise self._cast_error(field, target, file, err) from None
         return data if self.partitions is None else self.partitions.add_to(data, file, columns)
+
+    def _cast_error(self, field: pa.Field, target: pa.DataType, file: str, err: Exception) -> InputError:
+        if field.name == self.spec.id_column:  # an integer-valued decimal id beyond int64
+            return InputError(
+                f"data.id_column={field.name!r} ({field.type} in {file}) holds a value that row_id (int64) cannot "
+                f"hold ({err}): store the ids as strings (a string id column is carried to the output), or set "
+                "data.id_column=null to number rows by position"
+            )
+        return InputError(
+            f"column {field.name!r} ({field.type} in {file}) cannot be read as the other files' {target} ({err}): "
+            "write it with one type in every file, or point data.path at one kind of file"
+        )
 
     def _runs(
         self, skip_row_ids: np.ndarray | None, start: int | None = None, stop: int | None = None

@@ -278,3 +278,16 @@ def test_a_metadata_summary_file_named_by_a_glob_is_refused_as_no_data(prompts_d
 def test_a_parquet_file_named_without_the_parquet_suffix_is_read_as_parquet(tmp_path: Path, name: str) -> None:
     path = write_prompts(tmp_path / name, 0, 5, row_group_rows=5)
     assert read_all(InputSpec(str(path)), ["prompt"]).column("row_id").to_pylist() == list(range(5))
+
+
+def test_a_value_one_file_cannot_hold_in_the_common_type_is_named_with_its_file(tmp_path: Path) -> None:
+    # Seconds in one file, nanoseconds in another: the common type is nanoseconds, which end in 2262.
+    import datetime
+
+    pq.write_table(pa.table({"prompt": ["a"], "t": pa.array([datetime.datetime(2020, 1, 1)], pa.timestamp("ns"))}),
+                   tmp_path / "a.parquet")  # fmt: skip
+    pq.write_table(pa.table({"prompt": ["b"], "t": pa.array([datetime.datetime(2900, 1, 1)], pa.timestamp("s"))}),
+                   tmp_path / "b.parquet")  # fmt: skip
+    source = open_input(InputSpec(str(tmp_path)))
+    with pytest.raises(InputError, match=r"column 't' \(timestamp\[.s\] in .*b.parquet\) cannot be read as the other "):
+        list(source.iter_batches(["prompt", "t"]))
