@@ -25,6 +25,7 @@ from batchjob.io.content_digest import relative_names, sampled_sha256
 from batchjob.io.file_errors import BUILDER_KINDS, unreadable_file
 from batchjob.io.inputs import INPUT_ERROR_COLUMN, PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.parquet_reader import open_parquet_files
+from batchjob.io.readers import builder_options
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 
@@ -81,9 +82,11 @@ def _builder_errors_unlogged() -> Iterator[None]:
 def _load_dataset(spec: InputSpec) -> datasets.Dataset | datasets.IterableDataset:
     try:
         with _builder_errors_unlogged():
+            options = builder_options(spec.data_files) if isinstance(spec.data_files, str) else {}
             return datasets.load_dataset(
-                spec.path, name=spec.name, data_files=spec.data_files, split=spec.split, streaming=spec.streaming
-            )
+                spec.path, name=spec.name, data_files=spec.data_files, split=spec.split, streaming=spec.streaming,
+                **options,
+            )  # fmt: skip
     except Exception as exc:  # datasets raises many types here; the user needs one clear message
         raise _load_error(spec, exc) from exc
 

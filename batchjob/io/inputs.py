@@ -33,7 +33,7 @@ FORMATS = ("auto", "parquet", "openai_batch", "hf_disk", "hf_hub")
 INPUT_ERROR_COLUMN = "__batchjob_input_error"
 PATH_HELP = (
     "data.path must be a Parquet file, directory or glob, an OpenAI batch .jsonl file, a JSON Lines, JSON, CSV or "
-    "text file (.jsonl, .json, .csv, .txt, also compressed), a directory written by datasets' save_to_disk, or a "
+    "text file (.jsonl, .json, .csv, .tsv, .txt, also compressed), a directory written by datasets' save_to_disk, or a "
     "dataset name for datasets.load_dataset"
 )
 

@@ -17,7 +17,7 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 # Files read through datasets' builder of their kind (`load_dataset(builder, data_files=file)`), by extension.
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
 _PARQUET_MAGIC = b"PAR1"
 # Compressions datasets opens by itself.
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
@@ -46,6 +46,14 @@ def file_builder(path: str) -> str | None:
     for suffix in _COMPRESSED:
         name = name.removesuffix(suffix)
     return FILE_BUILDERS.get(os.path.splitext(name)[1])
+
+
+def builder_options(path: str | None) -> dict[str, str]:
+    """What the file's builder needs beyond its name: a tab for tab-separated files."""
+    name = (path or "").lower()
+    for suffix in _COMPRESSED:
+        name = name.removesuffix(suffix)
+    return {"sep": "\t"} if name.endswith(".tsv") else {}
 
 
 def _is_parquet(storage: Storage, path: str) -> bool:
@@ -79,7 +87,7 @@ def resolve_format(spec: InputSpec) -> str:
         if _is_parquet(storage, path):  # named otherwise: .PARQUET, .parq, .pq, no suffix
             return "parquet"
         raise InputError(
-            f"{spec.path} is neither Parquet, an OpenAI batch file, a JSON Lines, JSON, CSV or text file nor a "
+            f"{spec.path} is neither Parquet, an OpenAI batch file, a JSON Lines, JSON, CSV, TSV or text file nor a "
             f"dataset directory; {PATH_HELP}"
         )
     if "://" in spec.path or spec.path.startswith(("/", ".", "~")) or not _HUB_ID.match(spec.path):

@@ -160,6 +160,19 @@ def test_a_csv_parse_error_is_one_line_naming_the_file_and_the_parsers_reason(tm
     assert "Expected 2 fields in line 3, saw 3): fix the file" in str(refused.value)
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["loaded", "streamed"])
+@pytest.mark.parametrize("name", ["prompts.tsv", "prompts.tsv.gz"])
+def test_a_tab_separated_file_is_read_by_its_tabs(tmp_path: Path, name: str, streaming: bool) -> None:
+    import gzip
+
+    text = 'prompt\ttopic\nhello, world\ta\n"quoted\ttab"\tb\n'
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    source = open_input(InputSpec(str(path), streaming=streaming))
+    rows = [row for batch in source.iter_batches(["prompt", "topic"]) for row in batch.to_pylist()]
+    assert [(r["prompt"], r["topic"]) for r in rows] == [("hello, world", "a"), ("quoted\ttab", "b")]
+
+
 def test_an_integer_id_column_with_a_blank_cell_says_the_blank_made_it_floats(tmp_path: Path) -> None:
     path = tmp_path / "prompts.csv"
     path.write_text("id,prompt\n1,hello\n,there\n3,again\n")
