@@ -2,11 +2,13 @@
 
     from batchjob import LLM, SamplingParams
     llm = LLM(model="Qwen/Qwen2.5-0.5B-Instruct", engine="hf", max_batch_size=16)
-    outputs = llm.generate(["Hello", [{"role": "user", "content": "Hi!"}]], SamplingParams(max_new_tokens=32))
+    chat = [{"role": "user", "content": "Hi!"}]
+    outputs = llm.generate(["Hello", chat, [9906, 0]], SamplingParams(max_new_tokens=32))
     print(outputs[0].outputs[0].text)
 
 The same parts as a job: prompts are built by the job's prompt pipeline (a string as is, with the
-tokenizer's special tokens; a message list through the chat template), prompt `i` samples with seed
+tokenizer's special tokens; a message list through the chat template; a list of token ids is used as it is),
+prompt `i` samples with seed
 `seed + i` as row `i` of a job does, and the engine is the one `engine=` names. So `generate` on a job's
 prompts, in input order, gives the job's generations.
 """
@@ -26,7 +28,7 @@ from batchjob.pipelines.prompts import PromptBuilder, PromptSpec
 from batchjob.pipelines.sampling import row_sampling
 
 Message = dict[str, str]
-Prompt = str | list[Message]
+Prompt = str | list[Message] | list[int]  # text, a conversation, or token ids (used as they are)
 _BUILD_ROWS = 256  # prompts tokenised per call, as the job's pipeline.tokenize_batch_rows
 
 
@@ -66,6 +68,7 @@ class LLM:
         self.model_path = resolve_model_path(model)
         self.engine = create_engine(engine, self.model_path, engine_options)
         self.tokenizer = self.engine.tokenizer
+        self._closed = False
 
     def generate(
         self,
@@ -74,6 +77,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs for `prompts` (a string, a message list, or a list of them), in input order. One
         `SamplingParams` for all prompts or one per prompt; default: greedy, 256 new tokens."""
+        if self._closed:
+            raise RuntimeError("this LLM was closed (its engine is gone): make a new one")
         prompts = _as_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         per_prompt = list(params) if isinstance(params, Sequence) else None
@@ -100,8 +105,17 @@ class LLM:
         """Token ids, error and row-seeded settings of prompts `start...`, through the job's prompt builder
         (kind raw for strings, chat for message lists)."""
         result: list[Any] = [None] * len(chunk)
+        vocab = len(self.tokenizer)
+        for i, prompt in enumerate(chunk):
+            if _token_ids(prompt):
+                own = params if isinstance(params, SamplingParams) else params[i]
+                bad = [t for t in prompt if not 0 <= t < vocab]
+                error = f"token id {bad[0]} is not in the tokenizer's 0..{vocab - 1}" if bad else None
+                result[i] = (None if bad else list(prompt), error, row_sampling(own, start + i))
         for kind in ("raw", "chat"):
-            positions = [i for i, p in enumerate(chunk) if isinstance(p, list) == (kind == "chat")]
+            positions = [
+                i for i, p in enumerate(chunk) if result[i] is None and isinstance(p, list) == (kind == "chat")
+            ]
             if not positions:
                 continue
             column = "messages" if kind == "chat" else "prompt"
@@ -119,7 +133,9 @@ class LLM:
         return result
 
     def close(self) -> None:
-        self.engine.close()
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -136,8 +152,15 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     for p in prompts:
         if not isinstance(p, (str, list)):
-            raise TypeError(f"a prompt is a string or a list of {{role, content}} messages, got {type(p).__name__}")
+            raise TypeError(
+                f"a prompt is a string, a list of {{role, content}} messages or a list of token ids, got "
+                f"{type(p).__name__}"
+            )
     return prompts
+
+
+def _token_ids(prompt: Prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
 
 
 def _output(

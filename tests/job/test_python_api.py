@@ -119,6 +119,25 @@ def test_outputs_keep_input_order_with_errors_and_per_prompt_settings(llm: LLM) 
     assert one[0].text == outputs[0].text
 
 
+def test_token_id_prompts_are_used_as_they_are_and_an_id_beyond_the_tokenizer_is_that_rows_error(llm: LLM) -> None:
+    settings = SamplingParams(max_new_tokens=3, temperature=0.8, seed=5)
+    [text] = llm.generate(["tokens as text"], settings)
+    ids = list(text.prompt_token_ids)
+    outputs = llm.generate([ids, "tokens as text", [1, len(llm.tokenizer)]], settings)
+    assert outputs[0].prompt_token_ids == text.prompt_token_ids
+    assert outputs[0].outputs[0].token_ids == text.outputs[0].token_ids  # prompt 0 is seeded as the text was
+    assert outputs[2].error == f"token id {len(llm.tokenizer)} is not in the tokenizer's 0..{len(llm.tokenizer) - 1}"
+    assert outputs[2].outputs == ()
+
+
+def test_a_closed_llm_says_so() -> None:
+    llm = LLM(engine="hf")
+    llm.close()
+    llm.close()  # twice is harmless
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        llm.generate("hello")
+
+
 def test_llm_generate_follows_each_prompts_constraint(llm: LLM) -> None:
     settings = [
         SamplingParams(max_new_tokens=40, json_schema=json.dumps(POINT_SCHEMA)),
