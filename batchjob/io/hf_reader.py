@@ -23,9 +23,9 @@ import pyarrow as pa
 
 from batchjob.io.content_digest import relative_names, sampled_sha256
 from batchjob.io.file_errors import BUILDER_KINDS, unreadable_file
+from batchjob.io.file_kinds import builder_options
 from batchjob.io.inputs import INPUT_ERROR_COLUMN, PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.parquet_reader import open_parquet_files
-from batchjob.io.readers import builder_options
 from batchjob.io.sharding import all_skipped, shard_range
 from batchjob.io.storage import Storage
 

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 
+from batchjob.io.file_kinds import file_builder
 from batchjob.io.inputs import PATH_HELP, InputError, InputSource, InputSpec
 from batchjob.io.openai_batch_reader import looks_like_openai_batch, open_openai_batch
 from batchjob.io.storage import Storage
@@ -14,13 +15,7 @@ HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _GLOB = re.compile(r"[*?\[]")
 # What a hub dataset id looks like ("name" or "org/name"); anything else that does not exist is a typo.
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-
-
-# Files read through datasets' builder of their kind (`load_dataset(builder, data_files=file)`), by extension.
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
 _PARQUET_MAGIC = b"PAR1"
-# Compressions datasets opens by itself.
-_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
 def open_input(spec: InputSpec) -> InputSource:
@@ -38,22 +33,6 @@ def open_input(spec: InputSpec) -> InputSource:
     if fmt == "file":
         return open_hf_dataset(dataclasses.replace(spec, path=file_builder(spec.path), data_files=spec.path), "hf_hub")
     return open_hf_dataset(spec, fmt)
-
-
-def file_builder(path: str) -> str | None:
-    """The datasets builder that reads a JSON Lines, JSON, CSV or text file at `path` (compressed or not)."""
-    name = path.lower()
-    for suffix in _COMPRESSED:
-        name = name.removesuffix(suffix)
-    return FILE_BUILDERS.get(os.path.splitext(name)[1])
-
-
-def builder_options(path: str | None) -> dict[str, str]:
-    """What the file's builder needs beyond its name: a tab for tab-separated files."""
-    name = (path or "").lower()
-    for suffix in _COMPRESSED:
-        name = name.removesuffix(suffix)
-    return {"sep": "\t"} if name.endswith(".tsv") else {}
 
 
 def _is_parquet(storage: Storage, path: str) -> bool:
