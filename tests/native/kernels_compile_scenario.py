@@ -155,6 +155,11 @@ def calls() -> dict[str, Callable[[], Any]]:
         ),
         "fp8 per-token activations, per-row weights": fp8_projection(None, (1, 2048)),
         "fp8 group activations, 128x128 weight blocks": fp8_projection(128, (128, 128)),
+        "rms_norm with residual, quantized to fp8": lambda: fused_ops.rms_norm_fp8(x, w, 1e-5, x.clone()),
+        "rms_norm of split-K parts, quantized to fp8, amax capped": lambda: fused_ops.rms_norm_fp8(
+            torch.randn(2, 37, 2048), w, 1e-5, x.clone(), upper=1200.0
+        ),
+        "silu_and_mul quantized to fp8": lambda: fused_ops.silu_and_mul_fp8(torch.randn(37, 2 * 14336, dtype=bf16)),
         "sampler with filters": sampled,
         "greedy under a bitmask, and the bitmask applied": masked_greedy,
         "fused mixture of experts": experts(48, 1024, 768, 32, 4),

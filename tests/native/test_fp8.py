@@ -49,9 +49,14 @@ def checkpoint(request, source, tmp_path_factory):
     return handwritten_checkpoint(source, out, name, block)
 
 
-@torch.no_grad()
 def our_logits(model_dir, ids: list[int], quantization: str = "auto") -> torch.Tensor:
-    model, spec = load_model(model_dir, "float32", "cpu", TorchPagedAttention(), quantization=quantization)
+    model, _ = load_model(model_dir, "float32", "cpu", TorchPagedAttention(), quantization=quantization)
+    return logits_of(model, ids)
+
+
+@torch.no_grad()
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    spec = model.spec
     n, block_size = len(ids), 16
     blocks = -(-n // block_size)
     shape = (blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
@@ -349,3 +354,66 @@ def test_the_scaled_matmul_kernel_computes_the_dequantized_product(group, block)
     layer.weight.data, layer.weight_scale.data, layer.bias.data = b, b_scales, bias
     reference = layer._plain(a, a_scales)
     assert relative_error(out.double(), reference.double()) < 1e-6
+
+
+@pytest.mark.parametrize("upper", [None, 0.5])
+@pytest.mark.parametrize("case", ["alone", "with residual", "split-K partial sums", "gemma"])
+def test_the_norm_writes_its_output_quantized_as_the_quantize_kernel_would(case, upper):
+    from batchjob.engine.native.kernels import fused_ops
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    residual = torch.randn(9, 96, generator=gen).bfloat16() if case != "alone" else None
+    weight = torch.randn(96, generator=gen).bfloat16()
+    style = {"weight_fp32": True, "offset": 1.0} if case == "gemma" else {}
+    if case == "split-K partial sums":
+        x = torch.stack([x.float() * 0.25, x.float() * 0.75])
+    normed = fused_ops.rms_norm(x, weight, 1e-5, None if residual is None else residual.clone(), **style)
+    want_q, want_scales = fp8.quantize(normed if residual is None else normed[0], None, upper)
+
+    kept = None if residual is None else residual.clone()
+    (q, scales), summed = fused_ops.rms_norm_fp8(x, weight, 1e-5, kept, upper=upper, **style)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    if residual is not None:
+        assert torch.equal(summed, normed[1])  # the residual sum is still written back
+
+
+@pytest.mark.parametrize("upper", [None, 0.5])
+@pytest.mark.parametrize("width", [96, 2100])  # one block of columns, and several (2,048 a block)
+def test_silu_and_mul_writes_its_output_quantized_as_the_quantize_kernel_would(width, upper):
+    from batchjob.engine.native.kernels import fused_ops
+
+    gate_up = (torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
+    want_q, want_scales = fp8.quantize(fused_ops.silu_and_mul(gate_up), None, upper)
+    q, scales = fused_ops.silu_and_mul_fp8(gate_up, upper)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["FP8_DYNAMIC", "fbgemm_fp8", "FP8"])
+def test_per_token_fp8_projections_take_their_input_quantized_by_the_kernel_before_them(name, source, tmp_path):
+    from batchjob.engine.native.layers.fp8_linear import Fp8Rows
+
+    if name.startswith("FP8"):
+        model_dir = compressed_tensors_checkpoint(source, tmp_path / name, name, None)
+    else:
+        model_dir = handwritten_checkpoint(source, tmp_path / name, name, None)
+    model, _ = load_model(model_dir, "float32", "cpu", TorchPagedAttention())
+    layer = model.layers[0]
+    sources = [layer.input_layernorm, layer.pre_feedforward_layernorm, layer.mlp]
+    if name == "FP8":  # static activation scales: the projection quantizes by its checkpoint's scale
+        assert all(s.fp8_out is None for s in sources)
+        return
+    upper = layer.self_attn.qkv_proj.activation_upper
+    assert [s.fp8_out.upper for s in sources] == [upper] * 3
+    assert (upper is not None) == (name == "fbgemm_fp8")
+    rows = layer.input_layernorm(torch.randn(3, layer.self_attn.qkv_proj.in_features))
+    assert isinstance(rows, Fp8Rows) and rows.scales.shape == (3, 1)
+
+    ids = [(7 * i) % 480 + 3 for i in range(20)]
+    fused = our_logits(model_dir, ids)
+    for module in model.modules():  # the same model with every projection quantizing its own input
+        if hasattr(module, "fp8_out"):
+            module.fp8_out = None
+    assert torch.equal(fused, logits_of(model, ids))

@@ -32,6 +32,21 @@ FP8_DOT_DEPTH = 32
 
 
 @triton.jit
+def row_scale(amax, upper, HAS_UPPER: tl.constexpr):
+    """The float32 scale of a row (or group) whose largest magnitude is `amax`: `_quantize_kernel`'s, for the
+    kernels that quantize the row they just computed (`fused_ops`: RMSNorm, SiLU-and-mul)."""
+    if HAS_UPPER:
+        amax = tl.minimum(amax, upper)
+    return tl.maximum(amax * 0.002232142857142857, 1e-12)  # INV_FP8_MAX, MIN_SCALE
+
+
+@triton.jit
+def to_fp8(x, scale, q_ptr):
+    """`x` (float32) over `scale` in `q_ptr`'s e4m3: IEEE division and clamp, as `_quantize_kernel`."""
+    return tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     q_ptr,
@@ -55,18 +70,14 @@ def _quantize_kernel(
         mask = (cols < n_cols) & (offset + tl.arange(0, BLOCK) < group_size)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    peak = tl.max(amax, axis=0)
-    if HAS_UPPER:
-        peak = tl.minimum(peak, upper)
-    scale = tl.maximum(peak * 0.002232142857142857, 1e-12)  # INV_FP8_MAX
+    scale = row_scale(tl.max(amax, axis=0), upper, HAS_UPPER)
     # IEEE division (Triton's `/` may round differently): the quantized values are those of `plain_quantize`
     tl.store(scale_ptr + row * groups + group, scale)
     for offset in range(0, group_size, BLOCK):
         cols = start + offset + tl.arange(0, BLOCK)
         mask = (cols < n_cols) & (offset + tl.arange(0, BLOCK) < group_size)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-        tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * q_stride + cols, to_fp8(x, scale, q_ptr), mask=mask)
 
 
 def quantize(x: torch.Tensor, group_size: int | None = None, upper: float | None = None):

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.kernels.attention_tile import cache_value
 
 
@@ -23,6 +24,7 @@ def _rms_norm_kernel(
     res_ptr,
     w_ptr,
     out_ptr,
+    scale_ptr,
     x_stride,
     split_stride,
     res_stride,
@@ -30,13 +32,18 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     offset,
+    upper,
     HAS_RESIDUAL: tl.constexpr,
     WEIGHT_FP32: tl.constexpr,
     SPLITS: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """With SPLITS > 1, x is that many float32 partial sums of a split-K matmul (`split_k.py`): added up and
-    rounded to the model dtype here, they are the matmul's output."""
+    rounded to the model dtype here, they are the matmul's output. With FP8_OUT the normed row, rounded to the
+    model dtype, is quantized as `fp8.quantize` would quantize it, one scale per row: `out_ptr` is e4m3 and
+    `scale_ptr` float32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -45,7 +52,7 @@ def _rms_norm_kernel(
     for s in tl.static_range(1, SPLITS):
         x += tl.load(x_ptr + s * split_stride + row * x_stride + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    dtype = out_ptr.dtype.element_ty
+    dtype = res_ptr.dtype.element_ty if SPLITS > 1 else x_ptr.dtype.element_ty
     x = x.to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -56,7 +63,14 @@ def _rms_norm_kernel(
     h = x * tl.rsqrt(variance + eps)
     if not WEIGHT_FP32:
         h = h.to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (h * w).to(dtype), mask=mask)
+    y = (h * w).to(dtype)
+    if FP8_OUT:
+        y = y.to(tl.float32)
+        scale = fp8.row_scale(tl.max(tl.abs(y), axis=0), upper, HAS_UPPER)
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * out_stride + cols, fp8.to_fp8(y, scale, out_ptr), mask=mask)
+    else:
+        tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
 
 
 def rms_norm(
@@ -72,16 +86,40 @@ def rms_norm(
     the norm of it; returns (normed, residual). A 3-D float32 `x` [splits, rows, cols] is a split-K matmul's
     partial sums (`split_k.py`), added up first; the output then takes the residual's dtype."""
     splits = x.shape[0] if x.dim() == 3 else 1
-    rows, cols = x.shape[-2:]
     dtype = x.dtype if splits == 1 else residual.dtype
-    out = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    out = torch.empty(x.shape[-2:], dtype=dtype, device=x.device)
+    _launch_norm(x, weight, eps, residual, weight_fp32, offset, out, None, None)
+    return out if residual is None else (out, residual)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    weight_fp32: bool = False,
+    offset: float = 0.0,
+    upper: float | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """`rms_norm`, its output quantized per row for an FP8 projection, in the same kernel: ((e4m3 [rows, cols],
+    float32 scales [rows, 1]), residual), bit for bit `fp8.quantize(rms_norm(...), None, upper)`."""
+    rows, cols = x.shape[-2:]
+    q = torch.empty((rows, cols), dtype=fp8.FP8, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    _launch_norm(x, weight, eps, residual, weight_fp32, offset, q, scales, upper)
+    return (q, scales), residual
+
+
+def _launch_norm(x, weight, eps, residual, weight_fp32, offset, out, scales, upper) -> None:
+    splits = x.shape[0] if x.dim() == 3 else 1
+    rows, cols = x.shape[-2:]
     res = residual if residual is not None else x
     _rms_norm_kernel[(rows,)](
-        x, res, weight, out, x.stride(-2), x.stride(0), res.stride(0), out.stride(0), cols, eps, offset,
-        HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight_fp32, SPLITS=splits, BLOCK=triton.next_power_of_2(cols),
-        num_warps=4 if cols <= 4096 else 8,
+        x, res, weight, out, out if scales is None else scales, x.stride(-2), x.stride(0), res.stride(0),
+        out.stride(0), cols, eps, offset, 0.0 if upper is None else upper, HAS_RESIDUAL=residual is not None,
+        WEIGHT_FP32=weight_fp32, SPLITS=splits, FP8_OUT=scales is not None, HAS_UPPER=upper is not None,
+        BLOCK=triton.next_power_of_2(cols), num_warps=4 if cols <= 4096 else 8,
     )  # fmt: skip
-    return out if residual is None else (out, residual)
 
 
 # The slot mapping is a view at a step-dependent offset in a packed buffer (see `_store_kv_kernel`).
@@ -216,16 +254,44 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> No
 
 
 @triton.jit
+def _silu_mul(x_ptr, n_cols, cols, mask):
+    """SiLU(gate) * up of one row's `cols`, in the model dtype (gate and up: the row's two halves at `x_ptr`)."""
+    gate = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    up = tl.load(x_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    dtype = gate.dtype
-    gate = gate.to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (act * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, _silu_mul(x_ptr + row * x_stride, n_cols, cols, mask), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr, x_stride, q_stride, n_cols, upper, HAS_UPPER: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program a row: its largest magnitude, then the row again, quantized (recomputing reads the input
+    twice, as the unfused pair of kernels would read and write the product in between)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_ptr += row * x_stride
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        amax = tl.maximum(amax, tl.abs(_silu_mul(x_ptr, n_cols, cols, mask).to(tl.float32)))
+    scale = fp8.row_scale(tl.max(amax, axis=0), upper, HAS_UPPER)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = _silu_mul(x_ptr, n_cols, cols, mask).to(tl.float32)
+        tl.store(q_ptr + row * q_stride + cols, fp8.to_fp8(y, scale, q_ptr), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -235,3 +301,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor, upper: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_and_mul` quantized per row for an FP8 projection, in one kernel: (e4m3 [rows, n], float32 scales
+    [rows, 1]), bit for bit `fp8.quantize(silu_and_mul(gate_up), None, upper)`."""
+    rows, width = gate_up.shape
+    n = width // 2
+    q = torch.empty((rows, n), dtype=fp8.FP8, device=gate_up.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        _silu_and_mul_fp8_kernel[(rows,)](
+            gate_up, q, scales, gate_up.stride(0), q.stride(0), n, 0.0 if upper is None else upper,
+            HAS_UPPER=upper is not None, BLOCK=min(triton.next_power_of_2(n), 2048), num_warps=8,
+        )  # fmt: skip
+    return q, scales

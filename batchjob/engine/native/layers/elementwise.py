@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchjob.engine.native.layers.fp8_linear import Fp8Rows, RowQuantizer
+
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -25,16 +27,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight_fp32 = weight_fp32 or unit_offset
         self.offset = 1.0 if unit_offset else 0.0
+        # Set where an FP8 projection takes this norm's output (`decoder.quantize_at_source`): 2-D rows out, quantized.
+        self.fp8_out: RowQuantizer | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | Fp8Rows | tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """norm(x); with `residual`: (norm(x + residual), x + residual), the sum also written into `residual`
         on CUDA (one fused kernel there). With a residual, x may also be a split-K matmul's float32 partial
-        sums [splits, tokens, size] (split_k.py), added up first."""
+        sums [splits, tokens, size] (split_k.py), added up first. With `fp8_out`, the normed rows come quantized
+        (`Fp8Rows`), by the norm's own kernel on CUDA."""
         if x.is_cuda:
             from batchjob.engine.native.kernels import fused_ops
 
+            if self.fp8_out is not None:
+                (q, scales), residual = fused_ops.rms_norm_fp8(
+                    x, self.weight, self.eps, residual, self.weight_fp32, self.offset, self.fp8_out.upper
+                )
+                return Fp8Rows(q, scales) if residual is None else (Fp8Rows(q, scales), residual)
             if residual is not None:
                 return fused_ops.rms_norm(x, self.weight, self.eps, residual, self.weight_fp32, self.offset)
             shape = x.shape
@@ -50,17 +60,21 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = (h * (self.offset + self.weight.float())).to(x.dtype) if self.weight_fp32 else self.weight * h.to(x.dtype)
+        if self.fp8_out is not None:
+            h = self.fp8_out(h)
         return h if residual is None else (h, residual)
 
 
-def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+def act_and_mul(gate_up: torch.Tensor, activation: str, fp8_out: RowQuantizer | None = None) -> torch.Tensor | Fp8Rows:
     """`act(gate) * up` on a fused [.., 2 * intermediate] gate/up projection (gate first): SwiGLU for
-    `silu`, GeGLU with the tanh approximation for `gelu_tanh` (Gemma)."""
+    `silu`, GeGLU with the tanh approximation for `gelu_tanh` (Gemma). With `fp8_out`, quantized for the FP8
+    projection that takes it (`Fp8Rows`), in the same kernel for SwiGLU on CUDA."""
     if activation == "silu" and gate_up.is_cuda:
         from batchjob.engine.native.kernels import fused_ops
 
+        if fp8_out is not None:
+            return Fp8Rows(*fused_ops.silu_and_mul_fp8(gate_up, fp8_out.upper))
         return fused_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    h = F.silu(gate) * up if activation == "silu" else F.gelu(gate, approximate="tanh") * up
+    return h if fp8_out is None else fp8_out(h)

@@ -14,12 +14,47 @@ group of channels (dynamic, with block weights), over the whole step (dynamic pe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.kernels.fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 from batchjob.engine.native.layers import batch_invariant
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations [M, K] already quantized for an `Fp8Linear` by the kernel that computed them: e4m3 `q` and
+    float32 `scales` [M, 1], what the projection's own per-token quantizer would have made of them."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+@dataclass(frozen=True)
+class RowQuantizer:
+    """How the kernel before an `Fp8Linear` with per-token activations quantizes its output for it (the RMSNorm
+    before q/k/v or gate/up, the SiLU-and-mul before down): one scale a row, its amax capped at `upper`. That saves
+    the projection's own quantizing kernel, one launch and one read of the activations."""
+
+    upper: float | None
+
+    @classmethod
+    def feeding(cls, layer: nn.Module) -> RowQuantizer | None:
+        """The quantizer for `layer`'s input, or None where `layer` takes its input unquantized."""
+        if isinstance(layer, Fp8Linear) and layer.activations == "token":
+            return cls(layer.activation_upper)
+        return None
+
+    def __call__(self, x: torch.Tensor) -> Fp8Rows:
+        """`x` [M, K] quantized: for the kernels that cannot quantize what they write (and on CPU)."""
+        return Fp8Rows(*(fp8.quantize if x.is_cuda else fp8.plain_quantize)(x, None, self.upper))
 
 
 class Fp8Linear(nn.Module):
@@ -58,11 +93,14 @@ class Fp8Linear(nn.Module):
         """The weight's scale block (rows, columns): one row and all of K for per-row scales."""
         return self.block or (1, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """The projection of `x`, or of activations its producer quantized for it (`RowQuantizer`)."""
         shape = x.shape
-        x = x.reshape(-1, self.in_features)
-        q, scales = self.quantize_input(x)
-        if not x.is_cuda:
+        if isinstance(x, Fp8Rows):
+            q, scales = x.q, x.scales
+        else:
+            q, scales = self.quantize_input(x.reshape(-1, self.in_features))
+        if not q.is_cuda:
             out = self._plain(q, scales)
         elif self.block is None and self.out_dtype == torch.bfloat16 and not self.batch_invariant:
             out = torch._scaled_mm(

@@ -26,6 +26,7 @@ from batchjob.engine.native.loading.checkpoint import load_checkpoint, safetenso
 from batchjob.engine.native.loading.dummy_weights import fill_dummy_weights
 from batchjob.engine.native.loading.sharding import check_tensor_parallel, param_shard, rank_spec
 from batchjob.engine.native.models import CausalLM
+from batchjob.engine.native.models.decoder import quantize_at_source
 from batchjob.engine.native.models.registry import SUPPORTED_ARCHITECTURES, spec_from_config_files
 from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError, check_batch_invariant
 from batchjob.engine.weight_files import check_weight_files
@@ -162,6 +163,8 @@ def load_model(
         load_checkpoint(model, spec, model_dir, shards, tp)
     if local.quantization is not None and local.quantization.source == "engine":
         quantize_loaded(model)
+    if local.quantization is not None:
+        quantize_at_source(model)
     if deterministic:
         batch_invariant.apply(model)
     return model.eval().requires_grad_(False), local

@@ -24,7 +24,7 @@ from batchjob.engine.native.layers import batch_invariant, split_k
 from batchjob.engine.native.layers.attention import AttentionMetadata, PagedAttentionBackend
 from batchjob.engine.native.layers.batch_invariant import InvariantLinear
 from batchjob.engine.native.layers.elementwise import RMSNorm, act_and_mul
-from batchjob.engine.native.layers.fp8_linear import Fp8Linear, LinearToQuantize
+from batchjob.engine.native.layers.fp8_linear import Fp8Linear, LinearToQuantize, RowQuantizer
 from batchjob.engine.native.layers.parallel import SINGLE, TensorParallel, vocab_per_rank
 from batchjob.engine.native.layers.rope import RopeStep, RotaryEmbedding
 from batchjob.engine.native.models.moe import SparseMoE
@@ -138,9 +138,10 @@ class MLP(nn.Module):
         self.down_proj = make_linear(spec, [f"{prefix}.down_proj"], width, spec.hidden_size, spec.mlp_bias)
         self.activation = spec.activation
         self.fused_add = False  # the layer sets it where a fused add + norm follows (split_k.linear)
+        self.fp8_out: RowQuantizer | None = None  # set where down_proj is FP8 (`quantize_at_source`)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        h = act_and_mul(self.gate_up_proj(x), self.activation)
+        h = act_and_mul(self.gate_up_proj(x), self.activation, self.fp8_out)
         return split_k.linear(h, self.down_proj, residual if self.fused_add else None)
 
 
@@ -188,6 +189,19 @@ class DecoderLayer(nn.Module):
         if self.post_feedforward_layernorm is not None:
             h = self.post_feedforward_layernorm(h)
         return h, residual
+
+
+def quantize_at_source(model: CausalLM) -> None:
+    """Where a dense layer's projection is an `Fp8Linear` quantizing its input per token, the kernel before it
+    writes its output quantized instead (`RowQuantizer`): the RMSNorm before q/k/v and before gate/up, the
+    activation before down. Each saves a quantizing kernel; o_proj still quantizes the attention's output."""
+    for layer in model.layers:
+        if layer.input_layernorm is not None:
+            layer.input_layernorm.fp8_out = RowQuantizer.feeding(layer.self_attn.qkv_proj)
+        if isinstance(layer.mlp, MLP):
+            if layer.pre_feedforward_layernorm is not None:
+                layer.pre_feedforward_layernorm.fp8_out = RowQuantizer.feeding(layer.mlp.gate_up_proj)
+            layer.mlp.fp8_out = RowQuantizer.feeding(layer.mlp.down_proj)
 
 
 class CausalLM(nn.Module):
