@@ -1,11 +1,12 @@
 """The deterministic mode's matmul against cuBLAS at a benchmark model's projections, by row count:
 
     python scripts/dev/matmul_shapes.py --architecture llama-3.2-1b --rows 32,128,512,1024,8192
-    python scripts/dev/matmul_shapes.py --architecture llama-3.1-8b --serial-waves 1,2,4 --parts 1,2,4
+    python scripts/dev/matmul_shapes.py --architecture llama-3.1-8b --serial-waves 1,2,4 --parts 1,2,4 --group-m 1,16
 
 For each projection (qkv, o, gate_up, down, lm_head) and row count it prints cuBLAS's time, the invariant
 matmul's as the engine runs it, and each variant asked for: `--serial-waves W` (a step computes K's parts
-within each program from W waves of programs) and `--parts P` (K split into at most P parts). Each time is the
+within each program from W waves of programs), `--parts P` (K split into at most P parts) and `--group-m G` (G row
+tiles walked together down each column tile: program order, the same bits). Each time is the
 median of CUDA-event timings; the floor is the larger of the bytes (weight, input, output) at the copy rate and
 the FLOPs at the bf16 matmul rate, both measured here first. Only variants whose bits a row keeps whatever the row
 count are candidates for the engine: a variant's parts must be a function of the weight's shape and the GPU.
@@ -43,18 +44,19 @@ def median_ms(fn, repeats: int = 30) -> float:
     return 1e3 * median_seconds(fn, repeats)
 
 
-def variant(serial_waves: int | None, parts: int | None):
+def variant(serial_waves: int | None = None, parts: int | None = None, group_m: int | None = None):
     """The invariant matmul with the module's knobs set for one call (restored after)."""
     from batchjob.engine.native.kernels import invariant_matmul as im
 
     def run(x, w):
-        saved = im.SERIAL_WAVES, im.MAX_PARTS
+        saved = im.SERIAL_WAVES, im.MAX_PARTS, im.GROUP_M
         im.SERIAL_WAVES = saved[0] if serial_waves is None else serial_waves
         im.MAX_PARTS = saved[1] if parts is None else parts
+        im.GROUP_M = saved[2] if group_m is None else group_m
         try:
             return im.matmul(x, w)
         finally:
-            im.SERIAL_WAVES, im.MAX_PARTS = saved
+            im.SERIAL_WAVES, im.MAX_PARTS, im.GROUP_M = saved
 
     return run
 
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="32,128,256,512,1024,2048,8192")
     parser.add_argument("--serial-waves", default="", help="comma-separated SERIAL_WAVES to try besides the engine's")
     parser.add_argument("--parts", default="", help="comma-separated MAX_PARTS to try besides the engine's")
+    parser.add_argument("--group-m", default="", help="comma-separated GROUP_M to try besides the engine's")
     parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
     args = parser.parse_args(argv)
 
@@ -75,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     copy, flops = measure_copy_bandwidth(), measure_matmul_rate()
     print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     block = f"{im.BLOCK_M}x{im.BLOCK_N}x{im.BLOCK_K}"
-    print(f"engine: SERIAL_WAVES={im.SERIAL_WAVES}, MAX_PARTS={im.MAX_PARTS}, tiles {block}")
-    runs = {"engine": variant(None, None)}
-    runs |= {f"waves={w}": variant(int(w), None) for w in filter(None, args.serial_waves.split(","))}
-    runs |= {f"parts={p}": variant(None, int(p)) for p in filter(None, args.parts.split(","))}
+    print(f"engine: SERIAL_WAVES={im.SERIAL_WAVES}, MAX_PARTS={im.MAX_PARTS}, GROUP_M={im.GROUP_M}, tiles {block}")
+    runs = {"engine": variant()}
+    runs |= {f"waves={w}": variant(serial_waves=int(w)) for w in filter(None, args.serial_waves.split(","))}
+    runs |= {f"parts={p}": variant(parts=int(p)) for p in filter(None, args.parts.split(","))}
+    runs |= {f"group={g}": variant(group_m=int(g)) for g in filter(None, args.group_m.split(","))}
     shapes = projections(args.architecture)
     wanted = [s for s in args.only.split(",") if s] or list(shapes)
     print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLAS':>7} " + " ".join(f"{n:>10}" for n in runs))

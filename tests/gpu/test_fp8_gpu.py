@@ -55,6 +55,29 @@ def test_the_compiled_quantizer_is_the_plain_arithmetic_bit_for_bit(group):
     assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("upper", [None, 1.5])
+@pytest.mark.parametrize("rows", [1, 32, 700])
+def test_the_norm_and_the_activation_quantize_what_they_write_as_the_quantizer_would_bit_for_bit(rows, upper):
+    from batchjob.engine.native.kernels import fused_ops
+
+    bf16 = torch.bfloat16
+    x, residual = torch.randn(rows, 4096, device="cuda", dtype=bf16), torch.randn(rows, 4096, device="cuda", dtype=bf16)
+    weight = torch.randn(4096, device="cuda", dtype=bf16)
+    parts = torch.randn(2, rows, 4096, device="cuda")
+    for norm_input, kept in ((x, None), (x, residual), (parts, residual)):
+        copy = (lambda: None) if kept is None else kept.clone
+        normed = fused_ops.rms_norm(norm_input, weight, 1e-5, copy())
+        want_q, want_scales = fp8.quantize(normed if kept is None else normed[0], None, upper)
+        (q, scales), _ = fused_ops.rms_norm_fp8(norm_input, weight, 1e-5, copy(), upper=upper)
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=bf16) * 4
+    want_q, want_scales = fp8.quantize(fused_ops.silu_and_mul(gate_up), None, upper)
+    q, scales = fused_ops.silu_and_mul_fp8(gate_up, upper)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize(("rows", "block"), [(1, (128, 128)), (32, (128, 128)), (300, (128, 128)), (32, None)])
 def test_the_compiled_scaled_matmul_is_the_dequantized_product(rows, block):
     x = torch.randn(rows, 512, device="cuda")

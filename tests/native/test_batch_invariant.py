@@ -71,6 +71,20 @@ def test_rows_that_fill_the_gpu_take_every_part_in_one_program_with_the_same_bit
     assert torch.allclose(whole, x @ weight.t() + bias, atol=1e-4)
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 8])
+def test_every_tile_is_computed_once_in_any_program_order(group_m, monkeypatch):
+    """Row tiles walk down each column tile in groups (`GROUP_M`): a last group of fewer row tiles, and groups
+    across several column tiles, still compute every tile once, with the bits of any other order."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 64, generator=generator)  # 4 column tiles
+    x = torch.randn(300, 64, generator=generator)  # 3 row tiles
+    monkeypatch.setattr(invariant_matmul, "GROUP_M", 1)
+    reference = invariant_matmul.matmul(x, weight)
+    monkeypatch.setattr(invariant_matmul, "GROUP_M", group_m)
+    assert torch.equal(invariant_matmul.matmul(x, weight), reference)
+    assert torch.allclose(reference, x @ weight.t(), atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "backend",
     [TorchPagedAttention(deterministic=True), TritonPagedAttention(deterministic=True)],

@@ -27,6 +27,10 @@ BLOCK_M = 128
 BLOCK_N = 64
 BLOCK_K = 64
 MAX_PARTS = 4
+# Row tiles walked together down each column tile (program order only: a tile's arithmetic is the same wherever it
+# runs): a prefill step's GROUP_M row tiles of the input stay in L2 while the weight's column tiles pass them,
+# instead of the whole input being read again for every column tile.
+GROUP_M = 8
 # A step serializes K's parts within each program from this many waves of programs (a multiprocessor holds two of
 # these at once; fewer would leave it waiting on memory): a prefill chunk's rows, not a decode step's.
 SERIAL_WAVES = 4
@@ -71,13 +75,21 @@ def _parts_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (row tiles, column tiles, parts): program (i, j, p) writes part p of its tile. With SERIAL_PARTS > 1
-    the grid has one part and each program computes all of them and adds them in order, as `_reduce_kernel` would."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    part = tl.program_id(2)
+    """Grid (tiles, parts): program (t, p) writes part p of tile t, the tiles ordered in groups of GROUP_M row
+    tiles down each column tile. With SERIAL_PARTS > 1 the grid has one part and each program computes all of them
+    and adds them in order, as `_reduce_kernel` would."""
+    row_tiles, col_tiles = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+    tile = tl.program_id(0)
+    group = tile // (GROUP_M * col_tiles)
+    first_row_tile = group * GROUP_M
+    group_rows = tl.minimum(row_tiles - first_row_tile, GROUP_M)
+    within = tile % (GROUP_M * col_tiles)
+    pid_m = first_row_tile + within % group_rows
+    pid_n = within // group_rows
+    part = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
@@ -152,11 +164,11 @@ def _launch(
     if m == 0:
         return out
     stages = 4 if x.element_size() <= 2 else 2
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), parts)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), parts)
     _parts_kernel[grid](
         x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(1), _k_per_part(k, max(parts, serial_parts)), HAS_BIAS=bias is not None,
-        SERIAL_PARTS=serial_parts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        SERIAL_PARTS=serial_parts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=stages,
     )  # fmt: skip
     return out
