@@ -6,7 +6,9 @@
 For each projection (qkv, o, gate_up, down, lm_head) and row count it prints cuBLAS's time, the invariant
 matmul's as the engine runs it, and each variant asked for: `--serial-waves W` (a step computes K's parts
 within each program from W waves of programs), `--parts P` (K split into at most P parts) and `--group-m G` (G row
-tiles walked together down each column tile: program order, the same bits). Each time is the
+tiles walked together down each column tile: program order, the same bits), `--serial-block-n` and
+`--serial-warps` (the serial launch's column tile and warps). A variant marked ! computed the step's first rows
+otherwise than it computes them in a step of those 16 rows alone. Each time is the
 median of CUDA-event timings; the floor is the larger of the bytes (weight, input, output) at the copy rate and
 the FLOPs at the bf16 matmul rate, both measured here first. Only variants whose bits a row keeps whatever the row
 count are candidates for the engine: a variant's parts must be a function of the weight's shape and the GPU.
@@ -44,19 +46,22 @@ def median_ms(fn, repeats: int = 30) -> float:
     return 1e3 * median_seconds(fn, repeats)
 
 
-def variant(serial_waves: int | None = None, parts: int | None = None, group_m: int | None = None):
-    """The invariant matmul with the module's knobs set for one call (restored after)."""
+KNOBS = ("SERIAL_WAVES", "MAX_PARTS", "GROUP_M", "SERIAL_BLOCK_N", "SERIAL_WARPS")
+
+
+def variant(**knobs: int):
+    """The invariant matmul with some of the module's `KNOBS` set for one call (restored after)."""
     from batchjob.engine.native.kernels import invariant_matmul as im
 
     def run(x, w):
-        saved = im.SERIAL_WAVES, im.MAX_PARTS, im.GROUP_M
-        im.SERIAL_WAVES = saved[0] if serial_waves is None else serial_waves
-        im.MAX_PARTS = saved[1] if parts is None else parts
-        im.GROUP_M = saved[2] if group_m is None else group_m
+        saved = {name: getattr(im, name) for name in KNOBS}
+        for name, value in knobs.items():
+            setattr(im, name, value)
         try:
             return im.matmul(x, w)
         finally:
-            im.SERIAL_WAVES, im.MAX_PARTS, im.GROUP_M = saved
+            for name, value in saved.items():
+                setattr(im, name, value)
 
     return run
 
@@ -68,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serial-waves", default="", help="comma-separated SERIAL_WAVES to try besides the engine's")
     parser.add_argument("--parts", default="", help="comma-separated MAX_PARTS to try besides the engine's")
     parser.add_argument("--group-m", default="", help="comma-separated GROUP_M to try besides the engine's")
+    parser.add_argument("--serial-block-n", default="", help="comma-separated SERIAL_BLOCK_N to try")
+    parser.add_argument("--serial-warps", default="", help="comma-separated SERIAL_WARPS to try")
     parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
     args = parser.parse_args(argv)
 
@@ -79,10 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     block = f"{im.BLOCK_M}x{im.BLOCK_N}x{im.BLOCK_K}"
     print(f"engine: SERIAL_WAVES={im.SERIAL_WAVES}, MAX_PARTS={im.MAX_PARTS}, GROUP_M={im.GROUP_M}, tiles {block}")
+    asked = {
+        "waves": ("SERIAL_WAVES", args.serial_waves),
+        "parts": ("MAX_PARTS", args.parts),
+        "group": ("GROUP_M", args.group_m),
+        "sn": ("SERIAL_BLOCK_N", args.serial_block_n),
+        "sw": ("SERIAL_WARPS", args.serial_warps),
+    }
     runs = {"engine": variant()}
-    runs |= {f"waves={w}": variant(serial_waves=int(w)) for w in filter(None, args.serial_waves.split(","))}
-    runs |= {f"parts={p}": variant(parts=int(p)) for p in filter(None, args.parts.split(","))}
-    runs |= {f"group={g}": variant(group_m=int(g)) for g in filter(None, args.group_m.split(","))}
+    for label, (knob, values) in asked.items():
+        runs |= {f"{label}={v}": variant(**{knob: int(v)}) for v in filter(None, values.split(","))}
     shapes = projections(args.architecture)
     wanted = [s for s in args.only.split(",") if s] or list(shapes)
     print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLAS':>7} " + " ".join(f"{n:>10}" for n in runs))
@@ -99,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             for label, ms in (("floor", floor), ("cuBLAS", blas), *times.items()):
                 total[label] += ms
             mode = "serial" if im.serial(rows, w) else f"{im.num_parts(w)} parts"
-            cells = " ".join(f"{ms:10.3f}" for ms in times.values())
+            # A variant whose first rows differ from its own launch for those rows alone is no candidate (marked !):
+            # its bits change with the row count.
+            same = {label: torch.equal(run(x, w)[:16], run(x[:16], w)) for label, run in runs.items()}
+            cells = " ".join(f"{ms:9.3f}{' ' if same[label] else '!'}" for label, ms in times.items())
             print(f"{name:8} {n:>6} x {k:<6} {rows:>5} {floor:7.3f} {blas:7.3f} {cells}  ({mode} as the engine)")
     print("sum ms: " + ", ".join(f"{label} {ms:.2f}" for label, ms in total.items()))
     print("cuBLAS / each: " + ", ".join(f"{label} {total['cuBLAS'] / total[label]:.3f}" for label in runs))

@@ -34,6 +34,11 @@ GROUP_M = 8
 # A step serializes K's parts within each program from this many waves of programs (a multiprocessor holds two of
 # these at once; fewer would leave it waiting on memory): a prefill chunk's rows, not a decode step's.
 SERIAL_WAVES = 4
+# The serial launch's column tile and warps. A wider tile reads each input tile for more columns; an element's
+# arithmetic (K in BLOCK_K steps from 0, the parts in order) does not change with it, but whether the GPU's MMA
+# instructions of another width round alike is measured (scripts/dev/matmul_shapes.py), not assumed.
+SERIAL_BLOCK_N = BLOCK_N
+SERIAL_WARPS = 4
 
 
 @triton.jit
@@ -143,7 +148,7 @@ def _k_per_part(k: int, parts: int) -> int:
 def serial(rows: int, weight: torch.Tensor) -> bool:
     """Whether `rows` rows of `weight`'s product fill `SERIAL_WAVES` waves of programs without splitting K, so that
     each program computes its tile's parts itself (the same bits as split, without the parts' float32 round trip)."""
-    programs = triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N)
+    programs = triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], SERIAL_BLOCK_N)
     return programs >= SERIAL_WAVES * _sm_count(weight.device)
 
 
@@ -154,22 +159,29 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, serial_parts: int = 1
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    serial_parts: int = 1,
+    serial_tile: bool = False,
 ) -> torch.Tensor:
     """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`); with
-    `serial_parts`, `out` [1, rows, N] gets that many parts added in order, then `bias`."""
+    `serial_parts`, `out` [1, rows, N] gets that many parts added in order, then `bias`. `serial_tile`: in the
+    serial launch's tiles (`SERIAL_BLOCK_N`, `SERIAL_WARPS`)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     parts, m, n = out.shape
     k = x.shape[1]
     if m == 0:
         return out
     stages = 4 if x.element_size() <= 2 else 2
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), parts)
+    block_n, warps = (SERIAL_BLOCK_N, SERIAL_WARPS) if serial_tile else (BLOCK_N, 4)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, block_n), parts)
     _parts_kernel[grid](
         x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(1), _k_per_part(k, max(parts, serial_parts)), HAS_BIAS=bias is not None,
-        SERIAL_PARTS=serial_parts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=stages,
+        SERIAL_PARTS=serial_parts, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -189,8 +201,8 @@ def reduce_parts(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] @ weight [N, K]^T (+ bias) in x's dtype, each row computed alike whatever `rows` is."""
-    parts = num_parts(weight)
-    if parts == 1 or serial(x.shape[0], weight):
+    parts, wide = num_parts(weight), serial(x.shape[0], weight)
+    if parts == 1 or wide:
         out = torch.empty((1, x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        return _launch(x, weight, bias, out, serial_parts=parts)[0]
+        return _launch(x, weight, bias, out, serial_parts=parts, serial_tile=wide)[0]
     return reduce_parts(partial_products(x, weight), bias, x.dtype)
