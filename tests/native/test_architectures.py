@@ -213,6 +213,26 @@ def test_qwen2_with_use_sliding_window_windows_the_layers_from_max_window_layers
     assert [layer.window for layer in spec.layers] == [0, 0, 16, 16]
 
 
+@pytest.mark.parametrize(
+    ("config_class", "architecture"), [("Gemma2Config", "Gemma2ForCausalLM"), ("Gemma3TextConfig", "Gemma3ForCausalLM")]
+)
+def test_a_gemma_config_carrying_hidden_act_beside_hidden_activation_runs_natively(
+    tmp_path, config_class, architecture
+):
+    # Gemma 2's published configs carry both; transformers' Gemma models read `hidden_activation` alone.
+    model_dir = config_dir(
+        tmp_path, config_class, architecture, head_dim=16, hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+    )  # fmt: skip
+
+    spec = read_model_spec(model_dir)
+    assert spec.activation == "gelu_tanh"
+    with pytest.raises(UnsupportedModelError, match="hidden_activation 'gelu' is not gelu_pytorch_tanh"):
+        read_model_spec(
+            config_dir(tmp_path / "exact", config_class, architecture, head_dim=16, hidden_activation="gelu")
+        )
+
+
 def test_an_activation_the_family_does_not_run_is_refused_naming_engine_hf(tmp_path):
     model_dir = config_dir(tmp_path, "LlamaConfig", "LlamaForCausalLM", hidden_act="gelu")
 

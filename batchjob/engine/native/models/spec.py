@@ -265,6 +265,9 @@ def requested_spec(
     )
 
 
+HIDDEN_ACTIVATION_FAMILIES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
+
 def common_spec(
     config: Any,
     architecture: str,
@@ -273,7 +276,9 @@ def common_spec(
 ) -> ModelSpec:
     """The spec of a Llama-layout decoder from transformers' `config`: what every family shares, in the dtype
     it declares and for its whole length (`requested_spec` applies a job's)."""
-    if getattr(config, "hidden_act", "silu") != "silu":
+    # Gemma's configs name their activation `hidden_activation` (its family checks it) and may also carry a
+    # `hidden_act` (Gemma 2's published configs do) that transformers' Gemma models never read.
+    if architecture not in HIDDEN_ACTIVATION_FAMILIES and getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r} is not silu; use engine=hf")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
