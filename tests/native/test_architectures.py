@@ -233,6 +233,11 @@ def test_a_gemma_config_carrying_hidden_act_beside_hidden_activation_runs_native
         )
 
 
+def test_swish_is_silu(tmp_path):
+    spec = read_model_spec(config_dir(tmp_path, "LlamaConfig", "LlamaForCausalLM", hidden_act="swish"))
+    assert spec.activation == "silu"
+
+
 def test_an_activation_the_family_does_not_run_is_refused_naming_engine_hf(tmp_path):
     model_dir = config_dir(tmp_path, "LlamaConfig", "LlamaForCausalLM", hidden_act="gelu")
 

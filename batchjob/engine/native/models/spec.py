@@ -278,8 +278,10 @@ def common_spec(
     it declares and for its whole length (`requested_spec` applies a job's)."""
     # Gemma's configs name their activation `hidden_activation` (its family checks it) and may also carry a
     # `hidden_act` (Gemma 2's published configs do) that transformers' Gemma models never read.
-    if architecture not in HIDDEN_ACTIVATION_FAMILIES and getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{model_dir}: hidden_act {config.hidden_act!r} is not silu; use engine=hf")
+    # "swish" is transformers' other name for SiLU (its ACT2FN maps it to torch's SiLU).
+    activation = getattr(config, "hidden_act", "silu")
+    if architecture not in HIDDEN_ACTIVATION_FAMILIES and activation not in ("silu", "swish"):
+        raise UnsupportedModelError(f"{model_dir}: hidden_act {activation!r} is not silu; use engine=hf")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     rope = rope_spec(global_rope_parameters(config), config, model_dir)
