@@ -10,7 +10,8 @@
 - `kernel-plans/`: the Triton kernel variants each kind of start-up launched (model config, engine options, GPU,
   versions), with their entries in `triton/`: a later start-up of that kind has them compiled by worker
   processes beside its weight load, or skips that when every entry is there (`engine/native/runtime/precompile.py`).
-- `model-specs/`: what the native engine read from each model's config files (`models/spec_cache.py`), and
+- `model-specs/`: what the native engine read from each model's config files through transformers
+  (`models/spec_cache.py`; a first start-up reads without transformers and has a process beside it fill this), and
   `tokenizer-classes/`: which tokenizer class transformers chose for each model (`transformers_import.py`), so
   a later job on the same files need not import transformers' config and auto classes. Small JSON entries,
   written as a whole (`store_entry`) and read again from the model's files when unreadable (`load_entry`).

@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchjob.engine.api import Completion, Request
+from batchjob.engine.api import Completion, EngineSetupError, Request
 from batchjob.engine.devices import torch_device
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.native.layers import parallel
+from batchjob.engine.native.models import spec_check
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
@@ -108,6 +109,13 @@ def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
         pool.shutdown(wait=False)  # the thread ends with the load
 
 
+def _device_type(name: str) -> str:
+    """The kind of device `engine.device` names, unchecked (`torch_device` checks it, with its own errors)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name.split(":")[0]
+
+
 class NativeEngine:
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -123,7 +131,8 @@ class NativeEngine:
         from batchjob.engine.native.models.spec import check_batch_invariant
 
         opts = NativeOptions.from_mapping(options)
-        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
+        with spec_check.checking(_device_type(opts.device)):  # the engine this process starts verifies it
+            spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
         check_tensor_parallel(spec, opts.tensor_parallel)
         if opts.deterministic:
             check_batch_invariant(spec)
@@ -132,8 +141,24 @@ class NativeEngine:
         return spec.architecture
 
     def __init__(self, model_path: str, **options: Any) -> None:
-        self.options = opts = NativeOptions.from_mapping(options)
+        self.options = NativeOptions.from_mapping(options)
         self.ranks: RankGroup | None = None
+        # A model spec missing from the cache is read without transformers, and checked against transformers'
+        # reading in a process beside the start-up before the engine generates (models/spec_check.py).
+        try:
+            with spec_check.checking(_device_type(self.options.device)):
+                self._start(model_path)
+        except BaseException:
+            spec_check.discard()
+            raise
+        try:
+            spec_check.verify()
+        except spec_check.SpecCheckError as err:
+            self.close()
+            raise EngineSetupError(str(err)) from None
+
+    def _start(self, model_path: str) -> None:
+        opts = self.options
         if opts.tensor_parallel > 1 and not parallel.current().active:
             _check_gpu_count(opts)
             self._start_ranks(model_path)

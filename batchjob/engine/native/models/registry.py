@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.engine.config_files import read_json_file
+from batchjob.engine.native.models import spec_check
+from batchjob.engine.native.models.config_json import native_config
 from batchjob.engine.native.models.gemma import GEMMA2, GEMMA3
 from batchjob.engine.native.models.llama import LLAMA_FAMILY
 from batchjob.engine.native.models.mixtral import MIXTRAL
@@ -76,10 +78,39 @@ def spec_from_config_files(
     architecture = architecture_of(model_dir)
     key = spec_key(model_dir)
     spec = load_spec(key, model_dir)
+    if spec is None and spec_check.enabled():
+        spec = _native_spec(key, model_dir, architecture)
     if spec is None:
         spec = _read_config(model_dir, architecture)
         store_spec(key, spec)
     return requested_spec(spec, dtype, max_model_len, quantization, kv_cache_dtype)
+
+
+def _native_spec(key: str, model_dir: Path, architecture: Architecture) -> ModelSpec | None:
+    """The spec from config.json without transformers (`config_json.py`), its check against transformers' reading
+    begun beside (`spec_check.py`); None where the native reading cannot tell or refuses the model (transformers'
+    reading then decides)."""
+    try:
+        config = native_config(model_dir, architecture.name)
+        if config is None:
+            return None
+        spec = spec_from_config(config, architecture, str(model_dir), _generation(model_dir), "auto", None)
+    except Exception:  # a refusal, or a value of a type it does not expect: transformers' reading says which
+        return None
+    spec_check.begin(key, model_dir, spec)
+    return spec
+
+
+def transformers_spec(model_dir: Path) -> ModelSpec:
+    """The spec as transformers reads the config, kept in the spec cache (`spec_check`'s worker)."""
+    spec = _read_config(model_dir, architecture_of(model_dir))
+    store_spec(spec_key(model_dir), spec)
+    return spec
+
+
+def _generation(model_dir: Path) -> dict[str, Any]:
+    generation_path = model_dir / "generation_config.json"
+    return read_json_file(generation_path) if generation_path.is_file() else {}
 
 
 def _read_config(model_dir: Path, architecture: Architecture) -> ModelSpec:
@@ -87,6 +118,4 @@ def _read_config(model_dir: Path, architecture: Architecture) -> ModelSpec:
         config = from_transformers("AutoConfig").from_pretrained(model_dir)
     except (ValueError, KeyError, TypeError) as err:
         raise UnsupportedModelError(f"{model_dir}: transformers cannot read its config.json ({err})") from err
-    generation_path = model_dir / "generation_config.json"
-    generation = read_json_file(generation_path) if generation_path.is_file() else {}
-    return spec_from_config(config, architecture, str(model_dir), generation, "auto", None)
+    return spec_from_config(config, architecture, str(model_dir), _generation(model_dir), "auto", None)

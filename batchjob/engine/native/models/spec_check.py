@@ -1,0 +1,128 @@
+"""A spec read from config.json without transformers (`config_json.py`), checked against transformers' reading of
+the same files in a process beside the start-up.
+
+Within `checking()` (the engine's start-up), a model whose spec is not in the spec cache is read natively, and a
+worker process (`spec_check_worker.py`) reads it through transformers, keeps
+that spec in the cache (so later start-ups read it from there) and prints it. `verify()`, before the engine
+generates anything, waits for the worker and compares: a difference is a fault of the native reading, reported as a
+setup error that names the fields; the next start-up then reads transformers' spec from the cache. A config that
+transformers refuses but the native reading took (a value of the wrong type, say) is refused there too, with
+transformers' reason: after the start-up rather than in the job's checks before it. Outside `checking()`, and where
+the native reading cannot tell, the spec is read through transformers as it always was.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from batchjob.caches import cache_root
+from batchjob.engine.native.models.spec import ModelSpec
+from batchjob.engine.native.models.spec_cache import spec_to_json
+
+_native_reading: contextvars.ContextVar[bool] = contextvars.ContextVar("native_spec_reading", default=False)
+# The checks this process started, by cache folder and key: a job's config checks start one, its engine verifies it.
+_pending: dict[tuple[str, str], SpecCheck] = {}
+
+
+class SpecCheckError(RuntimeError):
+    """The native reading of a config differs from transformers' (a fault of batchjob's, not of the model)."""
+
+
+@dataclasses.dataclass
+class SpecCheck:
+    model_dir: Path
+    native: ModelSpec
+    process: subprocess.Popen
+
+    def result(self) -> None:
+        """Wait for transformers' reading; raise `SpecCheckError` where it differs from the native one. A worker
+        that could not read the config (transformers refuses it) is a difference too."""
+        out, err = self.process.communicate()
+        if self.process.returncode != 0:
+            raise SpecCheckError(
+                f"transformers could not read {self.model_dir}/config.json, which batchjob read without it "
+                f"({err.strip().splitlines()[-1] if err.strip() else f'exit {self.process.returncode}'})"
+            )
+        theirs, ours = json.loads(out.strip().splitlines()[-1]), comparable(self.native)
+        differ = sorted(key for key in set(theirs) | set(ours) if theirs.get(key) != ours.get(key))
+        if differ:
+            details = "; ".join(f"{key}: {ours.get(key)!r} against {theirs.get(key)!r}" for key in differ)
+            raise SpecCheckError(
+                f"batchjob read {self.model_dir}/config.json otherwise than transformers does ({details}). "
+                "transformers' reading is now kept in the spec cache: run the command again to use it, and please "
+                "report this with the config"
+            )
+
+
+def comparable(spec: ModelSpec) -> dict:
+    """A spec as JSON, less where it was read from."""
+    fields = json.loads(json.dumps(spec_to_json(spec)))
+    fields.pop("model_dir", None)
+    return fields
+
+
+# The devices whose start-ups read natively: a GPU's start-up (seconds of kernels, graphs and warm-up after the
+# spec) hides the worker on a node's spare cores. A CPU engine's start-up is shorter than the worker's own imports.
+NATIVE_READING_DEVICES = frozenset({"cuda"})
+
+
+@contextmanager
+def checking(device_type: str) -> Iterator[None]:
+    """Inside, for a start-up on `device_type` (`NATIVE_READING_DEVICES`), specs missing from the cache are read
+    natively and checked beside (`begin`); `verify` waits."""
+    token = _native_reading.set(device_type in NATIVE_READING_DEVICES)
+    try:
+        yield
+    finally:
+        _native_reading.reset(token)
+
+
+def enabled() -> bool:
+    return _native_reading.get()
+
+
+def begin(key: str, model_dir: Path, native: ModelSpec) -> None:
+    """Start transformers' reading of `model_dir` beside, unless one for `key` runs already."""
+    pending = (str(cache_root()), key)
+    if pending in _pending:
+        return
+    from batchjob.processes import dies_with_us
+
+    command = [sys.executable, "-m", "batchjob.engine.native.models.spec_check_worker", str(model_dir)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=dies_with_us(signal.SIGKILL)
+    )
+    _pending[pending] = SpecCheck(model_dir, native, process)
+
+
+def verify() -> None:
+    """Wait for every check this process began; `SpecCheckError` on the first difference."""
+    checks = list(_pending.values())
+    _pending.clear()
+    try:
+        for check in checks:
+            check.result()
+    finally:
+        _stop(checks)
+
+
+def discard() -> None:
+    """Stop the checks this process began, unverified (a start-up that failed before `verify`)."""
+    checks = list(_pending.values())
+    _pending.clear()
+    _stop(checks)
+
+
+def _stop(checks: list[SpecCheck]) -> None:
+    for check in checks:
+        if check.process.poll() is None:
+            check.process.kill()
+        check.process.communicate()

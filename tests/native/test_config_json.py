@@ -1,0 +1,208 @@
+"""config.json read without transformers (`models/config_json.py`) gives the spec transformers' reading gives, for
+every family: the tiny test configs (written by transformers 5, so in its `rope_parameters` layout and holding only
+what differs from the defaults), configs in their makers' published layout (the older `rope_scaling` one), the
+benchmark models' and variants that move windows and ropes. And a start-up that read natively checks it against
+transformers' reading beside before it generates: a difference stops it with a setup error, after which the spec
+cache holds transformers' reading."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+from test_published_configs import (
+    GEMMA2_2B,
+    GEMMA3_1B,
+    LLAMA31_8B,
+    MISTRAL_7B_V03,
+    PHI35_MINI,
+    QWEN3_8B,
+    QWEN25_7B,
+    SMOLLM3_3B,
+)
+
+from batchjob.engine.native.models import config_json, spec_check
+from batchjob.engine.native.models.registry import architecture_of, spec_from_config, transformers_spec
+from batchjob.engine.native.models.spec_check import comparable
+from batchjob.job.tiny_model import TINY_CONFIGS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_lib.models import model_config  # noqa: E402
+from bench_lib.workloads import ARCHITECTURES as BENCH_ARCHITECTURES  # noqa: E402
+
+SMALL = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024,
+)  # fmt: skip
+# The architecture each config class's model type runs as.
+ARCHITECTURE_OF = {model_type: name for name, (model_type, *_) in config_json.FAMILIES.items()}
+
+
+def _saved(tmp_path: Path, config_class: str, **fields) -> Path:
+    config = getattr(transformers, config_class)(**fields)
+    config.architectures = [ARCHITECTURE_OF[config.model_type]]
+    config.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _written(tmp_path: Path, config: dict) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _native(model_dir: Path) -> dict:
+    architecture = architecture_of(model_dir)
+    config = config_json.native_config(model_dir, architecture.name)
+    assert config is not None, "the native reading gave up"
+    return comparable(spec_from_config(config, architecture, str(model_dir), {}, "auto", None))
+
+
+def _transformers(model_dir: Path) -> dict:
+    return comparable(transformers_spec(model_dir))
+
+
+VARIANTS = {
+    "qwen2 windowed from layer 2": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=16, max_window_layers=2),
+    ),
+    "qwen3 windowed": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)),
+    "mistral windowed": ("MistralConfig", dict(sliding_window=64)),
+    "llama yarn": (
+        "LlamaConfig",
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+    ),
+    "llama linear, partial rotary": ("LlamaConfig", dict(rope_scaling={"type": "linear", "factor": 2.0})),
+    "gemma2 default layers": ("Gemma2Config", dict(head_dim=16)),
+    "gemma3 pattern of 2, linear global rope": (
+        "Gemma3TextConfig",
+        dict(head_dim=16, sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    ),
+    "smollm3 windowed": ("SmolLM3Config", dict(use_sliding_window=True, sliding_window=8, no_rope_layer_interval=2)),
+    "mixtral eight experts": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3-moe dense every other layer": ("Qwen3MoeConfig", dict(decoder_sparse_step=2, head_dim=16)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_every_tiny_config_reads_as_transformers_reads_it(arch, tmp_path):
+    config_class, family = TINY_CONFIGS[arch]
+    model_dir = _saved(tmp_path, config_class, **{**SMALL, **family})
+    assert _native(model_dir) == _transformers(model_dir)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_windows_ropes_and_experts_read_as_transformers_reads_them(name, tmp_path):
+    config_class, fields = VARIANTS[name]
+    model_dir = _saved(tmp_path, config_class, **{**SMALL, **fields})
+    assert _native(model_dir) == _transformers(model_dir)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [LLAMA31_8B, QWEN25_7B, QWEN3_8B, MISTRAL_7B_V03, GEMMA2_2B, GEMMA3_1B, SMOLLM3_3B, PHI35_MINI],
+    ids=["llama-3.1", "qwen2.5", "qwen3", "mistral-v0.3", "gemma-2", "gemma-3", "smollm3", "phi-3.5"],
+)
+def test_published_configs_read_as_transformers_reads_them(config, tmp_path):
+    model_dir = _written(tmp_path, config)
+    assert _native(model_dir) == _transformers(model_dir)
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_ARCHITECTURES))
+def test_the_benchmark_models_read_as_transformers_reads_them(name, tmp_path):
+    config = model_config(name)
+    config.save_pretrained(tmp_path)
+    assert _native(tmp_path) == _transformers(tmp_path)
+
+
+def test_what_the_native_reading_cannot_tell_is_left_to_transformers(tmp_path):
+    custom = _written(tmp_path / "custom", {**LLAMA31_8B, "auto_map": {"AutoConfig": "configuration_x.XConfig"}})
+    other_type = _written(tmp_path / "other", {**LLAMA31_8B, "model_type": "llama4_text"})
+    nested = _written(
+        tmp_path / "nested",
+        {**LLAMA31_8B, "rope_scaling": None, "rope_parameters": {"full_attention": {"rope_type": "default"}}},
+    )
+    for model_dir in (custom, other_type, nested):
+        assert config_json.native_config(model_dir, "LlamaForCausalLM") is None, model_dir
+
+
+QUANTIZATION = {
+    "block fp8 (DeepSeek / Qwen3 layout)": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "mlp.gate"],
+    },
+    "fbgemm_fp8": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+    "compressed-tensors FP8_DYNAMIC": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+                "input_activations": {
+                    "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True,
+                },
+            }
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZATION))
+def test_fp8_quantization_configs_read_as_transformers_reads_them(name, tmp_path):
+    model_dir = _written(tmp_path, {**LLAMA31_8B, "quantization_config": QUANTIZATION[name]})
+    assert _native(model_dir)["quantization"] is not None
+    assert _native(model_dir) == _transformers(model_dir)
+
+
+def _engine(model_dir: Path):
+    from batchjob.engine import create_engine
+
+    return create_engine("native", str(model_dir), {"device": "cpu", "dtype": "float32", "detokenize": False})
+
+
+def test_a_start_up_reads_natively_and_leaves_transformers_reading_in_the_cache(tmp_path, monkeypatch):
+    from batchjob.engine.native.models.spec_cache import load_spec, spec_key
+    from batchjob.job.tiny_model import make_tiny_model
+
+    monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))  # as a GPU's start-up
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    model_dir = make_tiny_model(tmp_path / "gemma3", arch="gemma3")
+    read = []
+    monkeypatch.setattr(spec_check, "begin", lambda *args, begin=spec_check.begin: read.append(args) or begin(*args))
+    _engine(model_dir).close()
+    assert len(read) == 1  # read without transformers, and checked
+    kept = load_spec(spec_key(model_dir), model_dir)
+    assert kept is not None and comparable(kept) == comparable(read[0][2])
+    _engine(model_dir).close()
+    assert len(read) == 1  # the next start-up reads the cache
+
+
+def test_a_native_reading_that_differs_from_transformers_stops_the_start_up_and_the_rerun_reads_theirs(
+    tmp_path, monkeypatch
+):
+    from batchjob.engine.api import EngineSetupError
+    from batchjob.job.tiny_model import make_tiny_model
+
+    monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    model_dir = make_tiny_model(tmp_path / "qwen2", arch="qwen2")
+    qwen2 = config_json.FAMILIES["Qwen2ForCausalLM"]
+    wrong = (qwen2[0], qwen2[1], lambda c: (qwen2[2](c), c.update(rms_norm_eps=0.5)), qwen2[3])
+    monkeypatch.setitem(config_json.FAMILIES, "Qwen2ForCausalLM", wrong)
+    with pytest.raises(EngineSetupError, match=r"otherwise than transformers does \(rms_norm_eps: 0.5 against 1e-05\)"):
+        _engine(model_dir)
+    _engine(model_dir).close()  # transformers' reading, from the cache
+
+
+def test_a_cpu_start_up_reads_through_transformers(tmp_path, monkeypatch):
+    from batchjob.job.tiny_model import make_tiny_model
+
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    monkeypatch.setattr(spec_check, "begin", lambda *args: pytest.fail("a CPU start-up began a check"))
+    _engine(model_dir).close()
