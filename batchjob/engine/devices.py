@@ -12,6 +12,13 @@ import os
 import torch
 
 
+def device_kind(name: str) -> str:
+    """The kind of device `engine.device` names ("cpu", "cuda"), unchecked: `torch_device` checks it."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name.split(":")[0]
+
+
 def torch_device(name: str) -> torch.device:
     """`auto` (the first GPU where CUDA is available, else the CPU), `cpu`, `cuda` or `cuda:N`; raises `ValueError`
     naming the fix for a GPU this machine does not have."""

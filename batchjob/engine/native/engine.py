@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchjob.engine.api import Completion, EngineSetupError, Request
-from batchjob.engine.devices import torch_device
+from batchjob.engine.devices import device_kind, torch_device
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.native.layers import parallel
 from batchjob.engine.native.models import spec_check
@@ -109,13 +109,6 @@ def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
         pool.shutdown(wait=False)  # the thread ends with the load
 
 
-def _device_type(name: str) -> str:
-    """The kind of device `engine.device` names, unchecked (`torch_device` checks it, with its own errors)."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name.split(":")[0]
-
-
 class NativeEngine:
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -131,7 +124,7 @@ class NativeEngine:
         from batchjob.engine.native.models.spec import check_batch_invariant
 
         opts = NativeOptions.from_mapping(options)
-        with spec_check.checking(_device_type(opts.device)):  # the engine this process starts verifies it
+        with spec_check.checking(device_kind(opts.device)):  # the engine this process starts verifies it
             spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
         check_tensor_parallel(spec, opts.tensor_parallel)
         if opts.deterministic:
@@ -146,7 +139,7 @@ class NativeEngine:
         # A model spec missing from the cache is read without transformers, and checked against transformers'
         # reading in a process beside the start-up before the engine generates (models/spec_check.py).
         try:
-            with spec_check.checking(_device_type(self.options.device)):
+            with spec_check.checking(device_kind(self.options.device)):
                 self._start(model_path)
         except BaseException:
             spec_check.discard()

@@ -19,7 +19,7 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from batchjob.engine.config_files import read_json_file
 
@@ -101,15 +101,21 @@ def _smollm3(c: dict[str, Any]) -> None:
         ]
 
 
-# Per architecture: its config class's `model_type`, the defaults of the fields the spec reads, the field
-# derivations of its `__post_init__`, and how its rope parameters are standardized ("flat" with its default theta,
-# "phi3", "gemma3").
-FAMILIES: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None], tuple[str, float]]] = {
-    "LlamaForCausalLM": ("llama", {**_LLAMA, "rms_norm_eps": 1e-6}, _llama, ("flat", 10000.0)),
-    "MistralForCausalLM": ("mistral", {**_MISTRAL, "rms_norm_eps": 1e-6}, _llama, ("flat", 10000.0)),
-    "Qwen2ForCausalLM": ("qwen2", _QWEN, _qwen, ("flat", 10000.0)),
-    "Qwen3ForCausalLM": ("qwen3", {**_QWEN, "head_dim": 128, "attention_bias": False}, _qwen, ("flat", 10000.0)),
-    "Qwen3MoeForCausalLM": (
+class Family(NamedTuple):
+    """What an architecture's transformers config class does with config.json, as far as the spec reads it."""
+
+    model_type: str
+    defaults: dict[str, Any]  # of the fields the spec reads
+    derive: Callable[[dict[str, Any]], None]  # the field derivations of its `__post_init__`, in place
+    rope: tuple[str, float]  # how it standardizes rope parameters ("flat", "phi3", "gemma3"), its default theta
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", {**_LLAMA, "rms_norm_eps": 1e-6}, _llama, ("flat", 10000.0)),
+    "MistralForCausalLM": Family("mistral", {**_MISTRAL, "rms_norm_eps": 1e-6}, _llama, ("flat", 10000.0)),
+    "Qwen2ForCausalLM": Family("qwen2", _QWEN, _qwen, ("flat", 10000.0)),
+    "Qwen3ForCausalLM": Family("qwen3", {**_QWEN, "head_dim": 128, "attention_bias": False}, _qwen, ("flat", 10000.0)),
+    "Qwen3MoeForCausalLM": Family(
         "qwen3_moe",
         dict(
             vocab_size=151936,
@@ -132,13 +138,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None],
         _qwen3_moe,
         ("flat", 10000.0),
     ),
-    "MixtralForCausalLM": (
+    "MixtralForCausalLM": Family(
         "mixtral",
         {**_MISTRAL, "rms_norm_eps": 1e-5, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
         _kv_heads,
         ("flat", 1000000.0),
     ),
-    "Gemma2ForCausalLM": (
+    "Gemma2ForCausalLM": Family(
         "gemma2",
         {
             **_GEMMA,
@@ -151,7 +157,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None],
         _gemma_layers(2),
         ("flat", 10000.0),
     ),
-    "Gemma3ForCausalLM": (
+    "Gemma3ForCausalLM": Family(
         "gemma3_text",
         {
             **_GEMMA,
@@ -164,7 +170,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None],
         _gemma3,
         ("gemma3", 1000000.0),
     ),
-    "Phi3ForCausalLM": (
+    "Phi3ForCausalLM": Family(
         "phi3",
         dict(
             vocab_size=32064,
@@ -183,7 +189,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None],
         _kv_heads,
         ("phi3", 10000.0),
     ),
-    "SmolLM3ForCausalLM": (
+    "SmolLM3ForCausalLM": Family(
         "smollm3",
         dict(
             vocab_size=128256,
@@ -208,7 +214,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None],
         _smollm3,
         ("flat", 2000000.0),
     ),
-    "Olmo2ForCausalLM": (
+    "Olmo2ForCausalLM": Family(
         "olmo2",
         dict(
             vocab_size=50304,
@@ -235,7 +241,7 @@ def native_config(model_dir: Path, architecture: str) -> SimpleNamespace | None:
     if architecture not in FAMILIES:
         return None
     model_type, defaults, derive, (rope_style, theta) = FAMILIES[architecture]
-    raw = copy.deepcopy(read_json_file(model_dir / "config.json"))
+    raw = read_json_file(model_dir / "config.json")  # a fresh object: its nested dicts are this call's to change
     if raw.get("model_type") not in (None, model_type) or "auto_map" in raw:
         return None
     config = {**_BASE, **defaults, **raw}
