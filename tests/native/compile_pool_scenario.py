@@ -94,10 +94,20 @@ def start_up_with_plan() -> None:
     if kernels.pool is not None:
         kernels.pool.submit(plan)
 
-    def listed() -> list[KernelVariant]:
-        with zeroed_allocations(), skipping_launches() as found:
+    compiled_while_listing = 0
+
+    def listed(on_found: Callable[[KernelVariant], None]) -> list[KernelVariant]:
+        """The steps' variants, each handed on as found; the listing then lasts until a worker has compiled one
+        (at most a minute), as a longer listing would, to show the workers do not wait for its end."""
+        nonlocal compiled_while_listing
+        with zeroed_allocations(), skipping_launches(on_found) as found:
             for step in steps():
                 step()
+            deadline = time.perf_counter() + 60
+            while kernels.pool is not None and time.perf_counter() < deadline:
+                if compiled_while_listing := kernels.pool.compiled_so_far():
+                    break
+                time.sleep(0.05)
         return found
 
     kernels.compile_before_start(listed)
@@ -110,6 +120,7 @@ def start_up_with_plan() -> None:
         json.dumps(
             {
                 "had_plan": bool(plan),
+                "compiled_while_listing": compiled_while_listing,
                 "plan_cached": was_cached,
                 "stats": kernels.stats,
                 "new_cache_entries": len(entries() - before),

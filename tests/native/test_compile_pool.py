@@ -70,6 +70,7 @@ def test_a_start_up_keeps_its_launches_as_the_next_ones_plan(tmp_path: Path) -> 
     assert not first["had_plan"] and first["stats"]["kernels_compiled"] == 3 and "kernel_listing_s" in first["stats"]
     assert first["new_cache_entries"] == 0 and first["kept"] == 3
     assert first["stats"]["kernels_missed"] == 0, "the start-up's launches compiled nothing the workers had not"
+    assert first["compiled_while_listing"] >= 1, "each variant goes to the workers as the listing finds it"
     second = run_scenario(tmp_path, "--plan")
     assert second["had_plan"] and second["plan_cached"], "every binary of the plan is in the cache: no workers"
     assert second["stats"] == {} and second["new_cache_entries"] == 0 and second["kept"] == 3
@@ -109,12 +110,12 @@ def test_auto_compile_workers_leave_a_cpu_to_the_start_up_and_share_among_ranks(
     assert compile_workers(NativeOptions(compile_workers=5)) == 5
 
 
-def test_only_a_single_device_non_deterministic_start_up_lists_its_variants() -> None:
-    """Without a plan, tensor-parallel ranks and `engine.deterministic` compile as they launch (the plan they leave
-    is followed by the next start-up's workers); listing is for the rest."""
+def test_only_a_single_device_start_up_lists_its_variants() -> None:
+    """Without a plan, tensor-parallel ranks compile as they launch (the plan they leave is followed by the next
+    start-up's workers); every single-GPU engine lists, `engine.deterministic` included."""
     from batchjob.engine.native.options import NativeOptions
     from batchjob.engine.native.runtime.precompile import lists_variants
 
     assert lists_variants(NativeOptions())
-    assert not lists_variants(NativeOptions(deterministic=True))
+    assert lists_variants(NativeOptions(deterministic=True))
     assert not lists_variants(NativeOptions(tensor_parallel=2))

@@ -81,6 +81,11 @@ class CompilePool:
         for variant in variants:
             self._todo.put(variant)
 
+    def compiled_so_far(self) -> int:
+        """How many submitted variants the workers have compiled (or found in the cache) up to now."""
+        with self._lock:
+            return len(self._report.compiled)
+
     def wait(self, timeout_s: float) -> CompileReport:
         """Wait until every submitted variant is compiled or failed (at most `timeout_s`), then stop the workers.
         A variant left waiting, or in a worker when it was stopped, counts as failed; so does everything once no
@@ -195,14 +200,36 @@ def use_target(backend: str, arch: int | str, warp_size: int) -> None:
 
 
 def compile_variant(variant: dict[str, str]) -> str:
-    """Compile one variant into the cache (or find it there); returns its cache hash."""
+    """Compile one variant into the cache (or find it there), and its launcher where Triton builds one per kernel
+    signature; returns the variant's cache hash."""
     import importlib
 
     owner: Any = importlib.import_module(variant["module"])
     for part in variant["qualname"].split("."):
         owner = getattr(owner, part)
     kernel = owner.preload(variant["data"])
+    build_launcher(kernel)
     return str(kernel.hash)
+
+
+def build_launcher(kernel: Any) -> bool:
+    """Build `kernel`'s launcher into Triton's cache, where this Triton compiles one per kernel signature (a C
+    module, compiled by the system's C compiler on the kernel's first launch: Triton 3.6 and earlier on NVIDIA
+    GPUs; later versions launch every kernel through one module). A cold start-up's own launches otherwise compile
+    them one after another, about 0.3 s each. Returns whether one was built (or found); one that cannot be built
+    here is left to the launch, as before."""
+    from triton.backends.nvidia import driver as nvidia
+
+    if getattr(kernel.metadata, "target", None) is not None and kernel.metadata.target.backend != "cuda":
+        return False
+    if not hasattr(nvidia, "make_launcher"):
+        return False
+    try:
+        nvidia.CudaLauncher(kernel.src, kernel.metadata)
+    except Exception as exc:
+        print(f"launcher for {kernel.hash} not built: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def main() -> None:

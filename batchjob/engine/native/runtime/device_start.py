@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,7 +110,7 @@ def start_runner(
     (`precompile.py`), and what it launched kept as the next start-up's plan."""
     if kernels is None:
         return _start_runner(model, spec, opts, device, gates)
-    kernels.compile_before_start(lambda: list_start_variants(model, spec, opts, device))
+    kernels.compile_before_start(lambda found: list_start_variants(model, spec, opts, device, found))
     with kernels.recording():
         ready = _start_runner(model, spec, opts, device, gates)
     ready.stats.update(kernels.stats)
@@ -118,15 +118,20 @@ def start_runner(
 
 
 def list_start_variants(
-    model: CausalLM, spec: ModelSpec, opts: NativeOptions, device: torch.device
+    model: CausalLM,
+    spec: ModelSpec,
+    opts: NativeOptions,
+    device: torch.device,
+    on_found: Callable[[KernelVariant], None] | None = None,
 ) -> list[KernelVariant]:
     """The Triton kernel variants `start_runner` launches, found by launching its steps (the KV sizing's largest,
     every graph's work, the warm-up) through one layer of each kind on a scratch runner with a one-block cache,
-    each launch of a variant not compiled yet skipped (`kernel_variants.py`)."""
+    each launch of a variant not compiled yet skipped (`kernel_variants.py`). `on_found` gets each variant as the
+    listing finds it."""
     from batchjob.engine.native.runtime.kernel_variants import skipping_launches, zeroed_allocations
 
     cuda = device.type == "cuda"
-    with torch.no_grad(), zeroed_allocations(), skipping_launches() as found:
+    with torch.no_grad(), zeroed_allocations(), skipping_launches(on_found) as found:
         if cuda:  # the KV sizing's profile (a GPU's only)
             with model.kernel_layers():
                 profile_peak_bytes(model, spec, opts, device)

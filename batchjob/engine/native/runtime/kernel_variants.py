@@ -77,9 +77,15 @@ def _hook(name: str, hook: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _collecting(hook: str, variant_of: Callable[..., KernelVariant], handled: bool) -> Iterator[list[KernelVariant]]:
+def _collecting(
+    hook: str,
+    variant_of: Callable[..., KernelVariant],
+    handled: bool,
+    on_new: Callable[[KernelVariant], None] | None = None,
+) -> Iterator[list[KernelVariant]]:
     """Each variant Triton's `hook` is called for while active, once, in call order (the list fills on exit);
-    the hook answers `handled` (True: the launch is not compiled nor run)."""
+    the hook answers `handled` (True: the launch is not compiled nor run). `on_new` is called with each variant
+    as it is first found."""
     found: dict[tuple[str, str, str], KernelVariant] = {}
     lock = threading.Lock()
 
@@ -90,7 +96,10 @@ def _collecting(hook: str, variant_of: Callable[..., KernelVariant], handled: bo
             log.debug("a Triton kernel variant could not be recorded", exc_info=True)
             return handled
         with lock:
+            new = variant.key not in found
             found.setdefault(variant.key, variant)
+        if new and on_new is not None:
+            on_new(variant)
         return handled
 
     variants: list[KernelVariant] = []
@@ -101,14 +110,17 @@ def _collecting(hook: str, variant_of: Callable[..., KernelVariant], handled: bo
         variants.extend(found.values())
 
 
-def skipping_launches() -> AbstractContextManager[list[KernelVariant]]:
+def skipping_launches(
+    on_new: Callable[[KernelVariant], None] | None = None,
+) -> AbstractContextManager[list[KernelVariant]]:
     """Record the variants launched while active that this process had not compiled, and launch none of them (a
-    variant compiled earlier in the process still runs)."""
+    variant compiled earlier in the process still runs). `on_new` gets each variant as it is found, so that
+    compiling it can start before the listing ends."""
 
     def variant(*, fn: Any, compile: dict[str, Any], **_: Any) -> KernelVariant:
         return _variant(fn, compile)
 
-    return _collecting("jit_cache_hook", variant, handled=True)
+    return _collecting("jit_cache_hook", variant, handled=True, on_new=on_new)
 
 
 def recording_compiles() -> AbstractContextManager[list[KernelVariant]]:
