@@ -86,10 +86,11 @@ def test_the_norm_and_the_activation_quantize_what_they_write_as_the_quantizer_w
         _assert_quantized_alike(q, scales, want_q, want_scales)
         if kept is not None:
             assert torch.equal(summed, normed[1])  # the residual sum, written back, is the same bits
-    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=bf16) * 4
-    want_q, want_scales = fp8.quantize(fused_ops.silu_and_mul(gate_up), None, upper)
-    q, scales = fused_ops.silu_and_mul_fp8(gate_up, upper)
-    _assert_quantized_alike(q, scales, want_q, want_scales)
+    for width in (14336, 28672):  # an 8B's row in one block, a 70B's in blocks
+        gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=bf16) * 4
+        want_q, want_scales = fp8.quantize(fused_ops.silu_and_mul(gate_up), None, upper)
+        q, scales = fused_ops.silu_and_mul_fp8(gate_up, upper)
+        _assert_quantized_alike(q, scales, want_q, want_scales)
 
 
 @pytest.mark.parametrize(("rows", "block"), [(1, (128, 128)), (32, (128, 128)), (300, (128, 128)), (32, None)])
@@ -107,11 +108,32 @@ def test_the_compiled_scaled_matmul_is_the_dequantized_product(rows, block):
     assert ((out - reference).norm() / reference.norm()).item() < 5e-4
 
 
-def test_row_scaled_projections_through_cublaslt_agree_with_the_float32_arithmetic():
+@pytest.mark.parametrize("rows", [1, 7, 16, 32, 33, 64])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_the_few_rows_kernel_is_the_dequantized_product_at_an_8b_models_shapes(rows, n, k):
+    from batchjob.engine.native.kernels import fp8_few_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    a, a_scales = fp8.quantize(torch.randn(rows, k, device="cuda", generator=gen))
+    b, b_scales = quantize_weight(torch.randn(n, k, device="cuda", generator=gen))
+    out = fp8_few_rows.matmul(a, a_scales, b, b_scales, None, torch.float32)
+    layer = Fp8Linear(k, n, False, "token", dtype=torch.float32).cuda()
+    layer.weight.data, layer.weight_scale.data = b, b_scales
+    reference = layer._plain(a, a_scales)
+    assert ((out - reference).norm() / reference.norm()).item() < 5e-4
+    others = a.clone()
+    others[:-1] = fp8.quantize(torch.randn(rows - 1, k, device="cuda", generator=gen))[0]
+    beside = fp8_few_rows.matmul(others, a_scales, b, b_scales, None, torch.float32)
+    assert torch.equal(beside[-1], out[-1]), "a row's result does not depend on the rows beside it"
+
+
+@pytest.mark.parametrize("rows", [1, 40, 64, 65, 300])
+def test_row_scaled_projections_agree_with_the_float32_arithmetic(rows):
+    """Up to 64 rows through the few-rows kernel, more through cuBLASLt (`torch._scaled_mm`)."""
     linear = torch.nn.Linear(1024, 768, bias=True).cuda().to(torch.bfloat16)
     layer = Fp8Linear.from_linear(linear)
-    x = torch.randn(40, 1024, device="cuda", dtype=torch.bfloat16)
-    out = layer(x)  # torch._scaled_mm
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
     q, scales = layer.quantize_input(x)
     reference = layer._plain(q, scales).float()
     assert out.dtype == torch.bfloat16

@@ -50,6 +50,7 @@ class AbsentDevice(TargetOnlyDriver):
 def calls() -> dict[str, Callable[[], Any]]:
     from batchjob.engine.native.kernels import (
         fp8,
+        fp8_few_rows,
         fused_moe,
         fused_ops,
         invariant_matmul,
@@ -140,6 +141,14 @@ def calls() -> dict[str, Callable[[], Any]]:
 
         return step
 
+    def few_rows(rows: int, tile: tuple[int, int, int] | None = None) -> Callable[[], Any]:
+        def step() -> Any:
+            q, scales = fp8.quantize(torch.randn(rows, 4096, dtype=bf16))
+            weight = torch.randn(6144, 4096).to(fp8.FP8)
+            return fp8_few_rows.matmul(q, scales, weight, torch.rand(6144, 1), None, bf16, tile)
+
+        return step
+
     return {
         "rms_norm": lambda: fused_ops.rms_norm(x, w, 1e-5),
         "rms_norm with residual": lambda: fused_ops.rms_norm(x, w, 1e-5, residual=x.clone()),
@@ -160,6 +169,12 @@ def calls() -> dict[str, Callable[[], Any]]:
             torch.randn(2, 37, 2048), w, 1e-5, x.clone(), upper=1200.0
         ),
         "silu_and_mul quantized to fp8": lambda: fused_ops.silu_and_mul_fp8(torch.randn(37, 2 * 14336, dtype=bf16)),
+        "silu_and_mul quantized to fp8, a 70B's row in blocks": lambda: fused_ops.silu_and_mul_fp8(
+            torch.randn(3, 2 * 28672, dtype=bf16)
+        ),
+        "fp8 projection of a decode step's few rows": few_rows(32),
+        "fp8 projection of one row, wide weight tiles": few_rows(1, tile=(64, 4, 5)),
+        "fp8 projection of 64 rows": few_rows(64),
         "sampler with filters": sampled,
         "greedy under a bitmask, and the bitmask applied": masked_greedy,
         "fused mixture of experts": experts(48, 1024, 768, 32, 4),

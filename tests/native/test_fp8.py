@@ -356,6 +356,42 @@ def test_the_scaled_matmul_kernel_computes_the_dequantized_product(group, block)
     assert relative_error(out.double(), reference.double()) < 1e-6
 
 
+@pytest.mark.parametrize(("rows", "tile"), [(1, None), (5, (32, 4, 3)), (16, None), (33, (64, 4, 2)), (64, None)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_few_rows_kernel_computes_the_dequantized_product(rows, tile, bias):
+    """A decode step's projection: every row, whatever the others, each output channel in a tile or past the last
+    whole one (80 channels: two tiles of 32 and a partial one)."""
+    from batchjob.engine.native.kernels import fp8_few_rows
+
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 256, generator=gen), torch.randn(80, 256, generator=gen)
+    a, a_scales = fp8.plain_quantize(x)
+    b, b_scales = quantize_weight(w)
+    b_bias = torch.randn(80, generator=gen) if bias else None
+    assert fp8_few_rows.suits(rows, 256, a_scales)
+    out = fp8_few_rows.matmul(a, a_scales, b, b_scales, b_bias, torch.float32, tile)
+    layer = Fp8Linear(256, 80, bias, "token", dtype=torch.float32)
+    layer.weight.data, layer.weight_scale.data = b, b_scales
+    if bias:
+        layer.bias.data = b_bias
+    assert relative_error(out.double(), layer._plain(a, a_scales).double()) < 1e-6
+    others = a.clone()
+    others[:-1] = fp8.plain_quantize(torch.randn(rows - 1, 256, generator=gen))[0]
+    beside = fp8_few_rows.matmul(others, a_scales, b, b_scales, b_bias, torch.float32, tile)
+    assert torch.equal(beside[-1], out[-1]), "a row's result does not depend on the rows beside it"
+
+
+def test_the_few_rows_kernel_takes_only_what_it_computes():
+    from batchjob.engine.native.kernels import fp8_few_rows
+
+    one_scale_a_row, grouped = torch.ones(64, 1), torch.ones(64, 2)
+    assert fp8_few_rows.suits(64, 4096, one_scale_a_row)
+    assert not fp8_few_rows.suits(65, 4096, one_scale_a_row), "more rows: cuBLASLt's large tiles"
+    assert not fp8_few_rows.suits(0, 4096, one_scale_a_row)
+    assert not fp8_few_rows.suits(64, 4000, one_scale_a_row), "a depth the K tile does not divide"
+    assert not fp8_few_rows.suits(64, 4096, grouped), "activation scales per group of channels"
+
+
 @pytest.mark.parametrize("upper", [None, 0.5])
 @pytest.mark.parametrize("case", ["alone", "with residual", "split-K partial sums", "gemma"])
 def test_the_norm_writes_its_output_quantized_as_the_quantize_kernel_would(case, upper):
@@ -380,7 +416,8 @@ def test_the_norm_writes_its_output_quantized_as_the_quantize_kernel_would(case,
 
 
 @pytest.mark.parametrize("upper", [None, 0.5])
-@pytest.mark.parametrize("width", [96, 2100])  # one block of columns, and several (2,048 a block)
+# the row in one block (up to 16,384 columns), and wider rows in blocks of 2,048
+@pytest.mark.parametrize("width", [96, 2100, 16400])
 def test_silu_and_mul_writes_its_output_quantized_as_the_quantize_kernel_would(width, upper):
     from batchjob.engine.native.kernels import fused_ops
 

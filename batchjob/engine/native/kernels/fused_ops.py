@@ -276,12 +276,30 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, scale_ptr, x_stride, q_stride, n_cols, upper, HAS_UPPER: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    x_stride,
+    q_stride,
+    n_cols,
+    upper,
+    HAS_UPPER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,
 ):
-    """One program a row: its largest magnitude, then the row again, quantized (recomputing reads the input
-    twice, as the unfused pair of kernels would read and write the product in between)."""
+    """One program a row. `WHOLE_ROW` (BLOCK covers the row): the product once, in registers, then its largest
+    magnitude and the quantized row; otherwise the largest magnitude block by block, then the row again, quantized
+    (recomputing reads the input twice, as the unfused pair of kernels would read and write the product between)."""
     row = tl.program_id(0).to(tl.int64)
     x_ptr += row * x_stride
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = _silu_mul(x_ptr, n_cols, cols, mask).to(tl.float32)
+        scale = fp8.row_scale(tl.max(tl.abs(y), axis=0), upper, HAS_UPPER)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * q_stride + cols, fp8.to_fp8(y, scale, q_ptr), mask=mask)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -305,6 +323,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+WHOLE_ROW_MAX = 16384
+
+
 def silu_and_mul_fp8(gate_up: torch.Tensor, upper: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_and_mul` quantized per row for an FP8 projection, in one kernel: (e4m3 [rows, n], float32 scales
     [rows, 1]), with `fp8.quantize(silu_and_mul(gate_up), None, upper)`'s arithmetic."""
@@ -313,8 +334,12 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, upper: float | None = None) -> tuple
     q = torch.empty((rows, n), dtype=fp8.FP8, device=gate_up.device)
     scales = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
     if rows:
+        # A row of up to WHOLE_ROW_MAX products fits one program's registers (16 warps: 32 floats a thread): one
+        # read of the row, its loads all in flight at once (a decode step has a program for each of its few rows).
+        whole = n <= WHOLE_ROW_MAX
         _silu_and_mul_fp8_kernel[(rows,)](
             gate_up, q, scales, gate_up.stride(0), q.stride(0), n, 0.0 if upper is None else upper,
-            HAS_UPPER=upper is not None, BLOCK=min(triton.next_power_of_2(n), 2048), num_warps=8,
+            HAS_UPPER=upper is not None, BLOCK=triton.next_power_of_2(n) if whole else 2048, WHOLE_ROW=whole,
+            num_warps=16 if whole else 8,
         )  # fmt: skip
     return q, scales

@@ -6,7 +6,9 @@ a weight element is `weight * its scale`. Each step quantizes the activations: p
 group of channels (dynamic, with block weights), over the whole step (dynamic per tensor) or by the checkpoint's
 `input_scale` (static). Then:
 
-- per-row weights on CUDA: `torch._scaled_mm` (cuBLASLt's FP8 GEMM, row-wise scales), bf16 out;
+- per-row weights on CUDA, a decode step's few rows: the Triton kernel of `kernels/fp8_few_rows.py`, which reads
+  the weights at a larger share of the copy rate than cuBLASLt's tiles for large M;
+- per-row weights on CUDA, more rows: `torch._scaled_mm` (cuBLASLt's FP8 GEMM, row-wise scales), bf16 out;
 - block weights, or another output dtype, on CUDA: the Triton matmul of `kernels/fp8.py`;
 - on CPU: the same arithmetic in float32 on the dequantized operands (quantized activations included), which
   is also what the tests take as the reference.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchjob.engine.native.kernels import fp8
+from batchjob.engine.native.kernels import fp8, fp8_few_rows
 from batchjob.engine.native.kernels.fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 from batchjob.engine.native.layers import batch_invariant
 
@@ -102,6 +104,8 @@ class Fp8Linear(nn.Module):
             q, scales = self.quantize_input(x.reshape(-1, self.in_features))
         if not q.is_cuda:
             out = self._plain(q, scales)
+        elif self.block is None and not self.batch_invariant and fp8_few_rows.suits(q.shape[0], q.shape[1], scales):
+            out = fp8_few_rows.matmul(q, scales, self.weight, self.weight_scale, self.bias, self.out_dtype)
         elif self.block is None and self.out_dtype == torch.bfloat16 and not self.batch_invariant:
             out = torch._scaled_mm(
                 q,

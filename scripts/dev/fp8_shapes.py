@@ -1,0 +1,99 @@
+"""FP8 projections of a decode step's few rows, by shape: cuBLASLt (`torch._scaled_mm`, row-wise scales) against
+the engine's few-rows kernel (`kernels/fp8_few_rows.py`) with its chosen tile and with every tile asked for:
+
+    python scripts/dev/fp8_shapes.py --architecture llama-3.1-8b --rows 1,16,32,64
+    python scripts/dev/fp8_shapes.py --architecture llama-3.1-70b --rows 32,64 --block-n 32,64,128 --stages 3,4,6
+
+For each projection (qkv, o, gate_up, down) of one layer and row count it prints the floor (the e4m3 weight, the
+input and the bf16 output at the copy rate measured here first), cuBLASLt's time, the kernel's with the engine's
+tile and the best tile tried (BLOCK_N / warps / stages), each the median of CUDA-event timings, and the share of
+the copy rate the best one reaches. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
+
+from bench_lib.hardware import measure_copy_bandwidth, median_seconds  # noqa: E402
+from bench_lib.workloads import ARCHITECTURES  # noqa: E402
+from matmul_shapes import projections  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--architecture", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--rows", default="1,16,32,64")
+    parser.add_argument("--block-n", default="32,64,128", help="comma-separated BLOCK_N to try")
+    parser.add_argument("--warps", default="4", help="comma-separated num_warps to try")
+    parser.add_argument("--stages", default="3,4,5,6", help="comma-separated num_stages to try")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from batchjob.engine.native.kernels import fp8, fp8_few_rows
+    from batchjob.engine.native.layers.fp8_linear import quantize_weight
+
+    copy = measure_copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s")
+    tiles = list(itertools.product(*(map(int, v.split(",")) for v in (args.block_n, args.warps, args.stages))))
+    shapes = {name: shape for name, shape in projections(args.architecture).items() if name != "lm_head"}
+    print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLASLt':>9} {'engine':>8} {'best':>8} tile  of copy")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    totals = dict.fromkeys(["floor", "cuBLASLt", "engine", "best"], 0.0)
+    for name, (n, k) in shapes.items():
+        w, w_scales = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator))
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+            a, a_scales = fp8.quantize(x)
+            floor = (n * k + rows * k + 2 * rows * n) / copy * 1e6
+            blas_out = torch._scaled_mm(
+                a, w.t(), scale_a=a_scales, scale_b=w_scales.view(1, -1), out_dtype=torch.bfloat16
+            )
+            blas = 1e6 * median_seconds(
+                lambda: torch._scaled_mm(  # noqa: B023
+                    a,
+                    w.t(),
+                    scale_a=a_scales,
+                    scale_b=w_scales.view(1, -1),
+                    out_dtype=torch.bfloat16,  # noqa: B023
+                ),
+                50,
+            )
+
+            def run(tile=None):
+                return fp8_few_rows.matmul(a, a_scales, w, w_scales, None, torch.bfloat16, tile)  # noqa: B023
+
+            engine = 1e6 * median_seconds(run, 50)
+            timed = {}
+            for tile in tiles:
+                try:
+                    out = run(tile)
+                except Exception as exc:  # a tile that does not fit (shared memory): not a candidate
+                    print(f"  tile {tile}: {type(exc).__name__}")
+                    continue
+                good = ((out.float() - blas_out.float()).norm() / blas_out.float().norm()).item() < 1e-2
+                timed[tile] = (1e6 * median_seconds(lambda t=tile: run(t), 50), good)
+            best_tile, (best, good) = min(timed.items(), key=lambda item: item[1][0])
+            for label, us in (("floor", floor), ("cuBLASLt", blas), ("engine", engine), ("best", best)):
+                totals[label] += us
+            tile_text = "/".join(map(str, best_tile)) + ("" if good else "!")
+            print(
+                f"{name:8} {n:>6} x {k:<6} {rows:>5} {floor:7.1f} {blas:9.1f} {engine:8.1f} {best:8.1f} "
+                f"{tile_text:<9} {floor / best:5.1%} (cuBLASLt {floor / blas:5.1%})"
+            )
+    print("sum us: " + ", ".join(f"{label} {us:.1f}" for label, us in totals.items()))
+    print(
+        f"cuBLASLt / engine {totals['cuBLASLt'] / totals['engine']:.3f}, cuBLASLt / best "
+        f"{totals['cuBLASLt'] / totals['best']:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
