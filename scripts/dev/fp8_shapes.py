@@ -1,13 +1,15 @@
-"""FP8 projections of a decode step's few rows, by shape: cuBLASLt (`torch._scaled_mm`, row-wise scales) against
-the engine's few-rows kernel (`kernels/fp8_few_rows.py`) with its chosen tile and with every tile asked for:
+"""FP8 projections of a decode step's few rows, by shape: cuBLASLt (`torch._scaled_mm`, row-wise scales) against the
+engine's few-rows kernel (`kernels/fp8_few_rows.py`) with its chosen tile and with every tile asked for:
 
     python scripts/dev/fp8_shapes.py --architecture llama-3.1-8b --rows 1,16,32,64
     python scripts/dev/fp8_shapes.py --architecture llama-3.1-70b --rows 32,64 --block-n 32,64,128 --stages 3,4,6
 
 For each projection (qkv, o, gate_up, down) of one layer and row count it prints the floor (the e4m3 weight, the
 input and the bf16 output at the copy rate measured here first), cuBLASLt's time, the kernel's with the engine's
-tile and the best tile tried (BLOCK_N / warps / stages), each the median of CUDA-event timings, and the share of
-the copy rate the best one reaches. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
+tile and the best tile tried (BLOCK_N / warps / stages), and the share of the copy rate each reaches. A time is a
+call's share of a CUDA graph of 24 calls (median of 20 replays), each call reading another copy of the weight than
+the call before, so neither launch overhead nor the L2 cache counts. A tile whose output is not cuBLASLt's within
+FP8 tolerance is marked !.
 """
 
 from __future__ import annotations
@@ -23,6 +25,21 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 from bench_lib.hardware import measure_copy_bandwidth, median_seconds  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 from matmul_shapes import projections  # noqa: E402
+
+
+def per_call_us(make_call, weights: list, calls: int = 24) -> float:
+    """Microseconds a call of `make_call(weight)` takes inside a CUDA graph of `calls` calls, one weight copy after
+    another (as a step's layers read weights the L2 cache does not hold), so no launch overhead is counted."""
+    import torch
+
+    for weight in weights:
+        make_call(weight)()  # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            make_call(weights[i % len(weights)])()
+    return 1e6 * median_seconds(graph.replay, 20) / calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,45 +65,57 @@ def main(argv: list[str] | None = None) -> int:
     totals = dict.fromkeys(["floor", "cuBLASLt", "engine", "best"], 0.0)
     for name, (n, k) in shapes.items():
         w, w_scales = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator))
+        # copies enough to outgrow the L2 cache (at least 256 MB read between two reads of one copy)
+        weights = [w] + [w.clone() for _ in range(max(1, -(-(256 << 20) // w.numel())) - 1)]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
             a, a_scales = fp8.quantize(x)
             floor = (n * k + rows * k + 2 * rows * n) / copy * 1e6
-            blas_out = torch._scaled_mm(
-                a, w.t(), scale_a=a_scales, scale_b=w_scales.view(1, -1), out_dtype=torch.bfloat16
-            )
-            blas = 1e6 * median_seconds(
-                lambda: torch._scaled_mm(  # noqa: B023
+
+            def blas(weight):
+                scale_b = w_scales.view(1, -1)  # noqa: B023
+                return lambda: torch._scaled_mm(
                     a,
-                    w.t(),
+                    weight.t(),
                     scale_a=a_scales,
-                    scale_b=w_scales.view(1, -1),
+                    scale_b=scale_b,
                     out_dtype=torch.bfloat16,  # noqa: B023
-                ),
-                50,
-            )
+                )
 
-            def run(tile=None):
-                return fp8_few_rows.matmul(a, a_scales, w, w_scales, None, torch.bfloat16, tile)  # noqa: B023
+            def few(tile=None):
+                return lambda weight: (
+                    lambda: fp8_few_rows.matmul(
+                        a,
+                        a_scales,
+                        weight,
+                        w_scales,
+                        None,
+                        torch.bfloat16,
+                        tile,  # noqa: B023
+                    )
+                )
 
-            engine = 1e6 * median_seconds(run, 50)
+            blas_out = blas(w)().float()
+            blas_us = per_call_us(blas, weights)
+            engine = per_call_us(few(), weights)
             timed = {}
             for tile in tiles:
                 try:
-                    out = run(tile)
+                    out = few(tile)(w)().float()
                 except Exception as exc:  # a tile that does not fit (shared memory): not a candidate
                     print(f"  tile {tile}: {type(exc).__name__}")
                     continue
-                good = ((out.float() - blas_out.float()).norm() / blas_out.float().norm()).item() < 1e-2
-                timed[tile] = (1e6 * median_seconds(lambda t=tile: run(t), 50), good)
+                good = ((out - blas_out).norm() / blas_out.norm()).item() < 1e-2
+                timed[tile] = (per_call_us(few(tile), weights), good)
             best_tile, (best, good) = min(timed.items(), key=lambda item: item[1][0])
-            for label, us in (("floor", floor), ("cuBLASLt", blas), ("engine", engine), ("best", best)):
+            for label, us in (("floor", floor), ("cuBLASLt", blas_us), ("engine", engine), ("best", best)):
                 totals[label] += us
             tile_text = "/".join(map(str, best_tile)) + ("" if good else "!")
             print(
-                f"{name:8} {n:>6} x {k:<6} {rows:>5} {floor:7.1f} {blas:9.1f} {engine:8.1f} {best:8.1f} "
-                f"{tile_text:<9} {floor / best:5.1%} (cuBLASLt {floor / blas:5.1%})"
+                f"{name:8} {n:>6} x {k:<6} {rows:>5} {floor:7.1f} {blas_us:9.1f} {engine:8.1f} {best:8.1f} "
+                f"{tile_text:<9} {floor / best:5.1%} (cuBLASLt {floor / blas_us:5.1%}, engine {floor / engine:5.1%})"
             )
+            print("   every tile: " + ", ".join(f"{'/'.join(map(str, t))} {us:.1f}" for t, (us, _) in timed.items()))
     print("sum us: " + ", ".join(f"{label} {us:.1f}" for label, us in totals.items()))
     print(
         f"cuBLASLt / engine {totals['cuBLASLt'] / totals['engine']:.3f}, cuBLASLt / best "

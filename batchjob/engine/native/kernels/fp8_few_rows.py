@@ -1,13 +1,14 @@
-"""An FP8 projection of a few rows (a decode step's): e4m3 activations [M, K] with a float32 scale a row, times
-e4m3 weights [N, K] with a float32 scale an output channel, out in bf16 (or the activations' dtype).
+"""An FP8 projection of a few rows (a decode step's): e4m3 activations [M, K] with a float32 scale a row, times e4m3
+weights [N, K] with a float32 scale an output channel, out in bf16 (or the activations' dtype).
 
-With M at most `MAX_ROWS` the step is bound by reading the weights once; a GEMM tiled for large M pads the few
-rows to its tile and leaves the weight reads short of the copy rate. Here the weights are the MMA's wide operand:
-each program holds `BLOCK_N` weight rows against every activation row (C^T = W A^T), reads its weight rows once,
-K-tile by K-tile, and scales its sums by the channel's and the row's scales at the end (per-channel weights and
-per-token activations keep one scale each along K). The tile widths come from `config`, measured per shape by
-`scripts/dev/fp8_shapes.py`. The reduction runs in K order in float32: a row's result does not depend on the
-values of the rows beside it (their count picks the tile, which may move its last bits; so does cuBLASLt).
+With M at most `MAX_ROWS` the step is bound by reading the weights once; a GEMM tiled for large M pads the few rows
+to its tile and leaves the weight reads short of the copy rate. Here the weights are the MMA's wide operand: each
+program holds `BLOCK_N` weight rows against every activation row (C^T = W A^T), reads its weight rows once, K-tile
+by K-tile (each tile's products added to a float32 sum), and scales its sums by the channel's and the row's scales
+at the end (per-channel weights and per-token activations keep one scale each along K). The tile widths come from
+`config`, measured per shape by `scripts/dev/fp8_shapes.py`. The reduction runs in K order in float32: a row's
+result does not depend on the values of the rows beside it (their count picks the tile, which may move its last
+bits; so does cuBLASLt).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def _few_rows_kernel(
     for _ in range(0, k, BLOCK_K):
         w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
         a = tl.load(a_ptrs, mask=row_mask[None, :], other=0.0)
-        acc = tl.dot(w, a, acc)
+        # A tile's products summed apart, then added in float32: Hopper's FP8 MMA accumulates in less than float32's
+        # precision, and Triton lets it carry the whole K in its accumulator when given `acc` (an 8B's gate/up at
+        # 64-wide tiles missed the float32 product by more than FP8's tolerance).
+        acc += tl.dot(w, a)
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
