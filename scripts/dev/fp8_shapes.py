@@ -15,6 +15,7 @@ FP8 tolerance is marked !.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -42,6 +43,21 @@ def per_call_us(make_call, weights: list, calls: int = 24) -> float:
     return 1e6 * median_seconds(graph.replay, 20) / calls
 
 
+def cublaslt_call(a, a_scales, w_scales, weight):
+    import torch
+
+    scale_b = w_scales.view(1, -1)
+    return lambda: torch._scaled_mm(a, weight.t(), scale_a=a_scales, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def few_rows_call(a, a_scales, w_scales, weight, tile=None):
+    import torch
+
+    from batchjob.engine.native.kernels import fp8_few_rows
+
+    return lambda: fp8_few_rows.matmul(a, a_scales, weight, w_scales, None, torch.bfloat16, tile)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--architecture", default="llama-3.1-8b", choices=sorted(ARCHITECTURES))
@@ -53,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from batchjob.engine.native.kernels import fp8, fp8_few_rows
+    from batchjob.engine.native.kernels import fp8
     from batchjob.engine.native.layers.fp8_linear import quantize_weight
 
     copy = measure_copy_bandwidth()
@@ -72,41 +88,20 @@ def main(argv: list[str] | None = None) -> int:
             a, a_scales = fp8.quantize(x)
             floor = (n * k + rows * k + 2 * rows * n) / copy * 1e6
 
-            def blas(weight):
-                scale_b = w_scales.view(1, -1)  # noqa: B023
-                return lambda: torch._scaled_mm(
-                    a,
-                    weight.t(),
-                    scale_a=a_scales,
-                    scale_b=scale_b,
-                    out_dtype=torch.bfloat16,  # noqa: B023
-                )
-
-            def few(tile=None):
-                return lambda weight: (
-                    lambda: fp8_few_rows.matmul(
-                        a,
-                        a_scales,
-                        weight,
-                        w_scales,
-                        None,
-                        torch.bfloat16,
-                        tile,  # noqa: B023
-                    )
-                )
-
+            blas = functools.partial(cublaslt_call, a, a_scales, w_scales)
+            few = functools.partial(few_rows_call, a, a_scales, w_scales)
             blas_out = blas(w)().float()
             blas_us = per_call_us(blas, weights)
-            engine = per_call_us(few(), weights)
+            engine = per_call_us(few, weights)
             timed = {}
             for tile in tiles:
                 try:
-                    out = few(tile)(w)().float()
+                    out = few(w, tile)().float()
                 except Exception as exc:  # a tile that does not fit (shared memory): not a candidate
                     print(f"  tile {tile}: {type(exc).__name__}")
                     continue
                 good = ((out - blas_out).norm() / blas_out.norm()).item() < 1e-2
-                timed[tile] = (per_call_us(few(tile), weights), good)
+                timed[tile] = (per_call_us(functools.partial(few, tile=tile), weights), good)
             best_tile, (best, good) = min(timed.items(), key=lambda item: item[1][0])
             for label, us in (("floor", floor), ("cuBLASLt", blas_us), ("engine", engine), ("best", best)):
                 totals[label] += us
