@@ -223,8 +223,11 @@ def _generate(
         )
         types = job.source.column_types(job.passthrough)
         layout = builder.layout(settings.output.token_ids)
-        return ShardRun(
-            settings, engine, output, feeder, layout, committed, remaining, startup=phases, passthrough_types=types
-        ).run()
+        try:
+            return ShardRun(
+                settings, engine, output, feeder, layout, committed, remaining, startup=phases, passthrough_types=types
+            ).run()
+        except EngineSetupError as err:  # found at the engine's first results, none of which it handed on
+            raise ConfigError(str(err)) from None
     finally:
         engine.close()

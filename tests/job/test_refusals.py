@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from jobtools import REPO, bookkeeping, cli_env, read_only, run_cli, tree_bytes, write_prompts
+from jobtools import REPO, bookkeeping, cli_env, read_only, read_output, run_cli, tree_bytes, write_prompts
 
 
 def assert_refused(done, *words: str) -> None:
@@ -227,3 +227,35 @@ def test_a_bad_input_config_or_model_file_is_refused_before_torch_is_imported(
     assert len(said) == 1 and said[0].startswith("error: ") and words in said[0], said  # no "running <engine>" line
     assert "batchjob.job.checks" in imported  # the list is the job's, through its checks
     assert not [name for name in imported if HEAVY_MODULES.match(name)]
+
+
+# A GPU job's start-up as it runs on a CPU: config.json read without transformers, the engine's first results held
+# until transformers' reading (in a process beside) has been compared; here the native reading is made wrong.
+WRONG_NATIVE_READING = """
+import runpy, sys
+from batchjob.engine.native.models import config_json, spec_check
+spec_check.NATIVE_READING_DEVICES = frozenset({"cuda", "cpu"})
+family = config_json.FAMILIES["Qwen2ForCausalLM"]
+derive = lambda config: (family[2](config), config.update(rms_norm_eps=0.5))
+config_json.FAMILIES["Qwen2ForCausalLM"] = (family[0], family[1], derive, family[3])
+sys.argv = ["batchjob", *sys.argv[1:]]
+runpy.run_module("batchjob", run_name="__main__")
+"""
+
+
+def test_a_native_config_reading_that_transformers_contradicts_commits_nothing_and_the_rerun_runs(
+    tmp_path: Path,
+) -> None:
+    from batchjob.job.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "qwen2", arch="qwen2")
+    out = tmp_path / "out"
+    job = ["engine=native", f"model.path={model}", f"data.path={write_prompts(tmp_path / 'p.parquet', 5)}"]
+    env = {**cli_env(), "BATCHJOB_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-c", WRONG_NATIVE_READING, *job, f"output.dir={out}", "sampling.max_new_tokens=4"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert_refused(done, "otherwise than transformers does (rms_norm_eps: 0.5 against 1e-05)", "run the command again")
+    assert not list(out.glob("**/*.parquet")), "no row of a wrongly read model is committed"
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr  # transformers' reading, kept in the spec cache
+    assert read_output(out).column("row_id").to_pylist() == list(range(5))

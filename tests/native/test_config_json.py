@@ -165,6 +165,12 @@ def _engine(model_dir: Path):
     return create_engine("native", str(model_dir), {"device": "cpu", "dtype": "float32", "detokenize": False})
 
 
+def _requests(count: int = 3):
+    from batchjob.engine import Request, SamplingParams
+
+    return [Request(i, (5 + i, 6, 7), SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(count)]
+
+
 def test_a_start_up_reads_natively_and_leaves_transformers_reading_in_the_cache(tmp_path, monkeypatch):
     from batchjob.engine.native.models.spec_cache import load_spec, spec_key
     from batchjob.job.tiny_model import make_tiny_model
@@ -172,19 +178,39 @@ def test_a_start_up_reads_natively_and_leaves_transformers_reading_in_the_cache(
     monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))  # as a GPU's start-up
     monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
     model_dir = make_tiny_model(tmp_path / "gemma3", arch="gemma3")
-    read = []
+    read, checks = [], []
     monkeypatch.setattr(spec_check, "begin", lambda *args, begin=spec_check.begin: read.append(args) or begin(*args))
-    _engine(model_dir).close()
-    assert len(read) == 1  # read without transformers, and checked
+    monkeypatch.setattr(spec_check, "take", lambda take=spec_check.take: checks.extend(taken := take()) or taken)
+    engine = _engine(model_dir)
+    assert len(read) == 1 and len(checks) == 1  # read without transformers, and checked
+    completions = engine.generate(_requests())
+    next(completions)
+    assert checks[0].process.poll() is not None, "a completion was handed on before transformers' reading ended"
+    assert len(list(completions)) == 2
+    engine.close()
     kept = load_spec(spec_key(model_dir), model_dir)
     assert kept is not None and comparable(kept) == comparable(read[0][2])
     _engine(model_dir).close()
     assert len(read) == 1  # the next start-up reads the cache
 
 
-def test_a_native_reading_that_differs_from_transformers_stops_the_start_up_and_the_rerun_reads_theirs(
+def test_an_engine_closed_before_generating_stops_its_check(tmp_path, monkeypatch):
+    from batchjob.job.tiny_model import make_tiny_model
+
+    monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    checks = []
+    monkeypatch.setattr(spec_check, "take", lambda take=spec_check.take: checks.extend(taken := take()) or taken)
+    _engine(model_dir).close()
+    assert len(checks) == 1 and checks[0].process.poll() is not None
+
+
+def test_a_native_reading_that_differs_from_transformers_stops_the_first_results_and_the_rerun_reads_theirs(
     tmp_path, monkeypatch
 ):
+    """The engine starts and generates beside the check; the difference is raised in place of the first result,
+    none of which is handed on."""
     from batchjob.engine.api import EngineSetupError
     from batchjob.job.tiny_model import make_tiny_model
 
@@ -194,9 +220,15 @@ def test_a_native_reading_that_differs_from_transformers_stops_the_start_up_and_
     qwen2 = config_json.FAMILIES["Qwen2ForCausalLM"]
     wrong = (qwen2[0], qwen2[1], lambda c: (qwen2[2](c), c.update(rms_norm_eps=0.5)), qwen2[3])
     monkeypatch.setitem(config_json.FAMILIES, "Qwen2ForCausalLM", wrong)
+    engine = _engine(model_dir)
+    handed = []
     with pytest.raises(EngineSetupError, match=r"otherwise than transformers does \(rms_norm_eps: 0.5 against 1e-05\)"):
-        _engine(model_dir)
-    _engine(model_dir).close()  # transformers' reading, from the cache
+        handed.extend(engine.generate(_requests()))
+    assert handed == []
+    engine.close()
+    engine = _engine(model_dir)  # transformers' reading, from the cache
+    assert len(list(engine.generate(_requests()))) == 3
+    engine.close()
 
 
 def test_a_cpu_start_up_reads_through_transformers(tmp_path, monkeypatch):

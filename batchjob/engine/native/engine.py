@@ -136,19 +136,17 @@ class NativeEngine:
     def __init__(self, model_path: str, **options: Any) -> None:
         self.options = NativeOptions.from_mapping(options)
         self.ranks: RankGroup | None = None
+        self._spec_checks: list[spec_check.SpecCheck] = []
         # A model spec missing from the cache is read without transformers, and checked against transformers'
-        # reading in a process beside the start-up before the engine generates (models/spec_check.py).
+        # reading in a process beside the start-up; `generate` hands on nothing before it has passed
+        # (models/spec_check.py), so the check need not end before the engine is ready.
         try:
             with spec_check.checking(device_kind(self.options.device)):
                 self._start(model_path)
         except BaseException:
             spec_check.discard()
             raise
-        try:
-            spec_check.verify()
-        except spec_check.SpecCheckError as err:
-            self.close()
-            raise EngineSetupError(str(err)) from None
+        self._spec_checks = spec_check.take()
 
     def _start(self, model_path: str) -> None:
         opts = self.options
@@ -241,6 +239,22 @@ class NativeEngine:
     # ---- the loop ----
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        completions = self._generate(requests)
+        if not self._spec_checks:
+            return completions
+        checks, self._spec_checks = self._spec_checks, []
+        return self._held_until_verified(checks, completions)
+
+    @staticmethod
+    def _held_until_verified(
+        checks: list[spec_check.SpecCheck], completions: Iterator[Completion]
+    ) -> Iterator[Completion]:
+        try:
+            yield from spec_check.held_until_verified(checks, completions)
+        except spec_check.SpecCheckError as err:
+            raise EngineSetupError(str(err)) from None
+
+    def _generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         queue = AdmissionQueue(requests, self.options.admission_window)
         exhausted = False
         inflight: deque[StepHandle] = deque()
@@ -452,6 +466,8 @@ class NativeEngine:
         return list(self.runner.clock.timeline) if self.runner.clock is not None else []
 
     def close(self) -> None:
+        spec_check.stop(self._spec_checks)  # never generated: the checks end unverified
+        self._spec_checks = []
         self.masks.close()
         self.grammars.close()
         if self.ranks is not None:

@@ -3,11 +3,13 @@ the same files in a process beside the start-up.
 
 Within `checking()` (the engine's start-up), a model whose spec is not in the spec cache is read natively, and a
 worker process (`spec_check_worker.py`) reads it through transformers, keeps
-that spec in the cache (so later start-ups read it from there) and prints it. `verify()`, before the engine
-generates anything, waits for the worker and compares: a difference is a fault of the native reading, reported as a
-setup error that names the fields; the next start-up then reads transformers' spec from the cache. A config that
-transformers refuses but the native reading took (a value of the wrong type, say) is refused there too, with
-transformers' reason: after the start-up rather than in the job's checks before it. Outside `checking()`, and where
+that spec in the cache (so later start-ups read it from there) and prints it. The engine takes the checks once
+started and generates at once; `held_until_verified` hands on no completion before the worker has ended and its
+reading equals the native one: a difference is a fault of the native reading, reported as a setup error that
+names the fields (nothing having been handed on, so nothing committed); the next start-up then reads
+transformers' spec from the cache. A config that transformers refuses but the native reading took (a value of the
+wrong type, say) is refused there too, with transformers' reason: at the engine's first results rather than in the
+job's checks before it. Outside `checking()`, and where
 the native reading cannot tell, the spec is read through transformers as it always was.
 """
 
@@ -22,11 +24,13 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from batchjob.caches import cache_root
 from batchjob.engine.native.models.spec import ModelSpec
 from batchjob.engine.native.models.spec_cache import spec_to_json
 
+T = TypeVar("T")
 _native_reading: contextvars.ContextVar[bool] = contextvars.ContextVar("native_spec_reading", default=False)
 # The checks this process started, by cache folder and key: a job's config checks start one, its engine verifies it.
 _pending: dict[tuple[str, str], SpecCheck] = {}
@@ -103,25 +107,56 @@ def begin(key: str, model_dir: Path, native: ModelSpec) -> None:
     _pending[pending] = SpecCheck(model_dir, native, process)
 
 
-def verify() -> None:
-    """Wait for every check this process began; `SpecCheckError` on the first difference."""
+def take() -> list[SpecCheck]:
+    """The checks this process began, now the caller's to `verify` (or `stop`)."""
     checks = list(_pending.values())
     _pending.clear()
+    return checks
+
+
+def settled(checks: list[SpecCheck]) -> bool:
+    """Whether every one of `checks` has ended, so that `verify` would not wait."""
+    return all(check.process.poll() is not None for check in checks)
+
+
+def verify(checks: list[SpecCheck]) -> None:
+    """Wait for `checks`; `SpecCheckError` on the first difference."""
     try:
         for check in checks:
             check.result()
     finally:
-        _stop(checks)
+        stop(checks)
+
+
+def held_until_verified(checks: list[SpecCheck], items: Iterator[T]) -> Iterator[T]:
+    """`items`, none handed on before `checks` have passed: the first ones wait, without stopping `items` from
+    being produced, until the checks have ended (or `items` has); `SpecCheckError` instead where one differs, and
+    then nothing was handed on. Stopped early, the checks are stopped unverified."""
+    held: list[T] = []
+    try:
+        for item in items:
+            held.append(item)
+            if settled(checks):
+                break
+        pending, checks = checks, []
+        verify(pending)
+        yield from held
+        held.clear()
+        yield from items
+    finally:
+        stop(checks)
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 def discard() -> None:
-    """Stop the checks this process began, unverified (a start-up that failed before `verify`)."""
-    checks = list(_pending.values())
-    _pending.clear()
-    _stop(checks)
+    """Stop the checks this process began, unverified (a start-up that failed before taking them)."""
+    stop(take())
 
 
-def _stop(checks: list[SpecCheck]) -> None:
+def stop(checks: list[SpecCheck]) -> None:
+    """End `checks` unverified."""
     for check in checks:
         if check.process.poll() is None:
             check.process.kill()
