@@ -238,3 +238,28 @@ def test_a_cpu_start_up_reads_through_transformers(tmp_path, monkeypatch):
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     monkeypatch.setattr(spec_check, "begin", lambda *args: pytest.fail("a CPU start-up began a check"))
     _engine(model_dir).close()
+
+
+def test_held_items_wait_for_a_slow_check_only_so_long_then_for_the_check_itself(tmp_path):
+    """Items produced while a check runs are held; past the hold, producing stops until the check has ended, so a
+    check that hangs holds a bounded number of items (here, with no hold at all, the first one)."""
+    import subprocess
+
+    from batchjob.job.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    spec = transformers_spec(model_dir)
+    (tmp_path / "theirs.json").write_text(json.dumps(comparable(spec)))
+    reading = f"import time; time.sleep(1.5); print(open({str(tmp_path / 'theirs.json')!r}).read())"
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    process = subprocess.Popen([sys.executable, "-c", reading], **pipes)
+    check = spec_check.SpecCheck(model_dir, spec, process)
+    produced = []
+
+    def items():
+        for i in range(4):
+            produced.append(process.poll() is not None)  # had the check ended when this item was made?
+            yield i
+
+    assert list(spec_check.held_until_verified([check], items(), hold_s=0.0)) == [0, 1, 2, 3]
+    assert produced == [False, True, True, True]

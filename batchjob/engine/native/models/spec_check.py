@@ -21,6 +21,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,9 @@ from batchjob.engine.native.models.spec import ModelSpec
 from batchjob.engine.native.models.spec_cache import spec_to_json
 
 T = TypeVar("T")
+# How long the engine's first completions wait for a check before it stops producing more and waits for the check
+# itself: a check (a process's imports of transformers) ends in seconds; one that hangs holds no more than this.
+HOLD_S = 60.0
 _native_reading: contextvars.ContextVar[bool] = contextvars.ContextVar("native_spec_reading", default=False)
 # The checks this process started, by cache folder and key: a job's config checks start one, its engine verifies it.
 _pending: dict[tuple[str, str], SpecCheck] = {}
@@ -128,15 +132,18 @@ def verify(checks: list[SpecCheck]) -> None:
         stop(checks)
 
 
-def held_until_verified(checks: list[SpecCheck], items: Iterator[T]) -> Iterator[T]:
+def held_until_verified(checks: list[SpecCheck], items: Iterator[T], hold_s: float = HOLD_S) -> Iterator[T]:
     """`items`, none handed on before `checks` have passed: the first ones wait, without stopping `items` from
-    being produced, until the checks have ended (or `items` has); `SpecCheckError` instead where one differs, and
-    then nothing was handed on. Stopped early, the checks are stopped unverified."""
+    being produced, until the checks have ended (or `items` has, or `hold_s` has passed since the first one: then
+    this waits for the checks, so that a check that hangs holds no more than that); `SpecCheckError` instead where
+    one differs, and then nothing was handed on. Stopped early, the checks are stopped unverified."""
     held: list[T] = []
+    first_at = None
     try:
         for item in items:
             held.append(item)
-            if settled(checks):
+            first_at = first_at or time.monotonic()
+            if settled(checks) or time.monotonic() - first_at > hold_s:
                 break
         pending, checks = checks, []
         verify(pending)
