@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from batchjob.engine.native.runtime.compile_pool import CompilePool, use_target
+from batchjob.engine.native.runtime.compile_pool import CompilePool
+from batchjob.engine.native.runtime.compile_worker import use_target
 from batchjob.engine.native.runtime.kernel_variants import (
     KernelVariant,
     cached,

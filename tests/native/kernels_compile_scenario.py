@@ -6,12 +6,14 @@ norm, a rotary step, an attention step, a sampler, a matmul, the MoE layer); pri
 "ok" or its error, and how many kernel variants were compiled.
 
     python kernels_compile_scenario.py
+    python kernels_compile_scenario.py --through-workers   (the same kernels compiled by compile workers first)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +22,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from batchjob.engine.native.runtime.compile_pool import TargetOnlyDriver
+from batchjob.engine.native.runtime.compile_worker import TargetOnlyDriver
 
 H100_SHARED_BYTES = 232448  # shared memory a block may opt into on an H100 (and an H200)
 H100_SMS = 132
@@ -194,7 +196,51 @@ def calls() -> dict[str, Callable[[], Any]]:
     }
 
 
+def through_workers() -> None:
+    """Every call's variants listed (launches skipped), compiled by two compile workers (which load no torch), then
+    every call launched: each launch must find its binary under the key the workers wrote, compiling nothing."""
+    from batchjob.engine.native.runtime.compile_pool import CompilePool
+    from batchjob.engine.native.runtime.kernel_variants import (
+        recording_compiles,
+        skipping_launches,
+        zeroed_allocations,
+    )
+
+    driver.set_active(AbsentDevice())
+    listing_errors = {}
+    with zeroed_allocations(), skipping_launches() as found:
+        for name, call in calls().items():
+            try:
+                call()
+            except Exception as exc:  # a call whose host code reads a skipped launch's output: listed so far
+                listing_errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+    pool = CompilePool(2, ("cuda", 90, 32))
+    pool.submit(found)
+    report = pool.wait(timeout_s=900)
+    folder = os.environ["TRITON_CACHE_DIR"]
+    before = set(os.listdir(folder))
+    with recording_compiles() as launched:
+        for call in calls().values():
+            call()
+    compiled = {v.key: v.cache_hash for v in report.compiled}
+    print(
+        json.dumps(
+            {
+                "listed": len(found),
+                "listing_errors": listing_errors,
+                "compiled": len(report.compiled),
+                "failed": [f"{v.qualname}: {why}"[:300] for v, why in report.failed],
+                "launched": len(launched),
+                "missed": sorted({v.qualname for v in launched if compiled.get(v.key) != v.cache_hash}),
+                "new_cache_entries": len(set(os.listdir(folder)) - before),
+            }
+        )
+    )
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--through-workers"]:
+        return through_workers()
     driver.set_active(AbsentDevice())
     results = {}
     for name, call in calls().items():

@@ -30,3 +30,19 @@ def test_every_engine_kernel_compiles_for_an_h100_and_fits_its_shared_memory(tmp
     failed = {name: why for name, why in report["results"].items() if why != "ok"}
     assert not failed, "\n\n".join(f"{name}: {why}" for name, why in failed.items())
     assert report["compiled"] >= len(report["results"])
+
+
+def test_compile_workers_compile_every_engine_kernel_under_the_key_its_launch_looks_up(tmp_path: Path) -> None:
+    """The workers load no torch (a placeholder stands in for it while the kernels' modules import): every kernel
+    above, listed, compiled by them and then launched, finds the workers' binary and compiles nothing itself."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    scenario = Path(__file__).with_name("kernels_compile_scenario.py")
+    command = [sys.executable, str(scenario), "--through-workers"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["listing_errors"] == {}
+    assert report["failed"] == [] and report["compiled"] == report["listed"] > 20
+    assert report["launched"] == report["listed"], "the launches met the variants the listing found"
+    assert report["missed"] == [] and report["new_cache_entries"] == 0

@@ -2,7 +2,7 @@
 
 Triton compiles on the launching thread, one variant at a time, and most of the work holds the interpreter
 lock: a cold start-up spends tens of seconds of one core there while the others idle. A `CompilePool` starts
-worker processes (`python -m batchjob.engine.native.runtime.compile_pool`), hands each one variant at a time
+worker processes (`compile_worker.py`), hands each one variant at a time
 (`KernelVariant`: Triton's own record of it) and gets back the hash of the cache entry it wrote; the start-up's
 own launches then load those entries instead of compiling. A worker never touches the GPU: it compiles for the
 parent's device (its `GPUTarget`, passed on the command line), so it costs no device memory and no CUDA context.
@@ -12,14 +12,12 @@ parent (`processes.dies_with_us`). A variant a worker cannot compile, or that a 
 left to the start-up's own launch, which compiles it as it always would: the pool can only save time. The
 others' workers take a dead worker's share; with none left, `wait` returns at once.
 
-Protocol, one JSON object a line: the worker says `{"ready": true}` once imported, then answers each
-`{"module", "qualname", "data"}` with `{"hash": ...}` or `{"error": ...}`.
+The protocol is `compile_worker.py`'s.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -56,7 +54,7 @@ class CompilePool:
         self._idle = threading.Condition(self._lock)
         self._feeding = workers  # feeding threads still running: with none, nothing waiting will be compiled
         self._progress_at = time.perf_counter()  # the last time a worker became ready or finished a variant
-        command = [sys.executable, "-m", __name__, json.dumps(list(target))]
+        command = [sys.executable, "-m", "batchjob.engine.native.runtime.compile_worker", json.dumps(list(target))]
         self._procs = [
             subprocess.Popen(
                 command,
@@ -173,80 +171,3 @@ def _answer(stdout: IO[str]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return json.loads(line) if line else None
-
-
-class TargetOnlyDriver:
-    """The part of a Triton driver that compiling asks for: the device to compile for, never a real one."""
-
-    def __init__(self, target: Any) -> None:
-        self.target = target
-
-    def get_current_target(self) -> Any:
-        return self.target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-
-def use_target(backend: str, arch: int | str, warp_size: int) -> None:
-    """Make Triton compile for this target in a process that has no such device (or none at all)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    driver.set_active(TargetOnlyDriver(GPUTarget(backend, arch, warp_size)))
-
-
-def compile_variant(variant: dict[str, str]) -> str:
-    """Compile one variant into the cache (or find it there), and its launcher where Triton builds one per kernel
-    signature; returns the variant's cache hash."""
-    import importlib
-
-    owner: Any = importlib.import_module(variant["module"])
-    for part in variant["qualname"].split("."):
-        owner = getattr(owner, part)
-    kernel = owner.preload(variant["data"])
-    build_launcher(kernel)
-    return str(kernel.hash)
-
-
-def build_launcher(kernel: Any) -> bool:
-    """Build `kernel`'s launcher into Triton's cache, where this Triton compiles one per kernel signature (a C
-    module, compiled by the system's C compiler on the kernel's first launch: Triton 3.6 and earlier on NVIDIA
-    GPUs; later versions launch every kernel through one module). A cold start-up's own launches otherwise compile
-    them one after another, about 0.3 s each. Returns whether one was built (or found); one that cannot be built
-    here is left to the launch, as before."""
-    from triton.backends.nvidia import driver as nvidia
-
-    if getattr(kernel.metadata, "target", None) is not None and kernel.metadata.target.backend != "cuda":
-        return False
-    if not hasattr(nvidia, "make_launcher"):
-        return False
-    try:
-        nvidia.CudaLauncher(kernel.src, kernel.metadata)
-    except Exception as exc:
-        print(f"launcher for {kernel.hash} not built: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return False
-    return True
-
-
-def main() -> None:
-    # Answers go to the pipe the parent reads; anything else the worker prints goes to stderr.
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    import torch  # noqa: F401  (every kernel module imports it: imported before the first request)
-
-    use_target(*json.loads(sys.argv[1]))
-    print(json.dumps({"ready": True}), file=answers, flush=True)
-    for line in sys.stdin:
-        try:
-            answer: dict[str, Any] = {"hash": compile_variant(json.loads(line))}
-        except Exception as exc:  # a variant this worker cannot compile: the start-up's launch will
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(answer), file=answers, flush=True)
-
-
-if __name__ == "__main__":
-    main()
