@@ -71,9 +71,13 @@ def warm(cfg: DictConfig, startup: StartupClock | None = None) -> int:
     except (ConfigError, EngineSetupError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    startup.lap("engine_s")
     try:
+        engine.settle()  # a config.json read without transformers is checked, and the reading kept, before the end
+        startup.lap("engine_s")
         summary = startup.summary(engine.stats())
+    except EngineSetupError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         engine.close()
     shaping = {key: settings.engine_options[key] for key in KERNEL_OPTIONS if key in settings.engine_options}

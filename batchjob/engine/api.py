@@ -215,12 +215,20 @@ class Engine(Protocol):
         where the backend knows them. Cheap, and safe to call from another thread (progress lines)."""
         ...
 
+    def settle(self) -> None:
+        """Wait for what the engine still checks beside its start-up, raising `EngineSetupError` where a check
+        failed (the native engine: transformers' reading of a config.json it read itself). `generate` does so
+        before its first completion; a caller that starts an engine and generates nothing calls it to have those
+        checks end, and what they keep kept."""
+        ...
+
     def close(self) -> None: ...
 
 
 class EngineSetupError(ValueError):
     """The engine cannot start with its options on this machine (a KV cache too small for one sequence, a
-    GPU whose memory another process holds): found while it starts, before any request runs. The message
+    GPU whose memory another process holds): found while it starts, before any request runs, or by a check
+    that ends beside its first steps, in place of its first completion (none of which is handed on). The message
     names what to change; a job reports it like a config error (exit 2, no traceback)."""
 
 

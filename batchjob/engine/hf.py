@@ -119,6 +119,9 @@ class HFEngine:
         """Tokens of finished batches: a static batch's tokens are counted once all its rows are done."""
         return self._stats["generated_tokens"]
 
+    def settle(self) -> None:
+        """Nothing is checked beside this engine's start-up."""
+
     def close(self) -> None:
         self.model = None
         if self.device.type == "cuda":

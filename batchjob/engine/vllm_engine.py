@@ -83,6 +83,9 @@ class VLLMEngine:
         """Tokens of finished requests."""
         return int(self._stats["generated_tokens"])
 
+    def settle(self) -> None:
+        """Nothing is checked beside this engine's start-up."""
+
     def close(self) -> None:
         engine_core = getattr(self.engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):

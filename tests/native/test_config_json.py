@@ -194,7 +194,10 @@ def test_a_start_up_reads_natively_and_leaves_transformers_reading_in_the_cache(
     assert len(read) == 1  # the next start-up reads the cache
 
 
-def test_an_engine_closed_before_generating_stops_its_check(tmp_path, monkeypatch):
+def test_an_engine_that_generates_nothing_settles_its_check_or_stops_it_at_close(tmp_path, monkeypatch):
+    """`settle` (what `batchjob.warmup` calls) waits for the check, which leaves transformers' reading in the spec
+    cache; an engine closed without it stops the check."""
+    from batchjob.engine.native.models.spec_cache import load_spec, spec_key
     from batchjob.job.tiny_model import make_tiny_model
 
     monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))
@@ -204,6 +207,11 @@ def test_an_engine_closed_before_generating_stops_its_check(tmp_path, monkeypatc
     monkeypatch.setattr(spec_check, "take", lambda take=spec_check.take: checks.extend(taken := take()) or taken)
     _engine(model_dir).close()
     assert len(checks) == 1 and checks[0].process.poll() is not None
+    engine = _engine(model_dir)
+    engine.settle()
+    engine.close()
+    assert len(checks) == 2 and checks[1].process.returncode == 0
+    assert load_spec(spec_key(model_dir), model_dir) is not None
 
 
 def test_a_native_reading_that_differs_from_transformers_stops_the_first_results_and_the_rerun_reads_theirs(
@@ -225,6 +233,11 @@ def test_a_native_reading_that_differs_from_transformers_stops_the_first_results
     with pytest.raises(EngineSetupError, match=r"otherwise than transformers does \(rms_norm_eps: 0.5 against 1e-05\)"):
         handed.extend(engine.generate(_requests()))
     assert handed == []
+    engine.close()
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache-2"))  # the same, settled without generating
+    engine = _engine(model_dir)
+    with pytest.raises(EngineSetupError, match=r"rms_norm_eps: 0.5 against 1e-05"):
+        engine.settle()
     engine.close()
     engine = _engine(model_dir)  # transformers' reading, from the cache
     assert len(list(engine.generate(_requests()))) == 3

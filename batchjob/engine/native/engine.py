@@ -465,8 +465,15 @@ class NativeEngine:
         """(start, end) seconds of the first few thousand steps' compute on the GPU (empty on CPU)."""
         return list(self.runner.clock.timeline) if self.runner.clock is not None else []
 
+    def settle(self) -> None:
+        checks, self._spec_checks = self._spec_checks, []
+        try:
+            spec_check.verify(checks)
+        except spec_check.SpecCheckError as err:
+            raise EngineSetupError(str(err)) from None
+
     def close(self) -> None:
-        spec_check.stop(self._spec_checks)  # never generated: the checks end unverified
+        spec_check.stop(self._spec_checks)  # neither generated nor settled: the checks end unverified
         self._spec_checks = []
         self.masks.close()
         self.grammars.close()
