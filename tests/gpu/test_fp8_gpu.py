@@ -221,3 +221,21 @@ def test_an_fp8_mixture_of_experts_with_graphs_generates_what_eager_steps_do(tmp
     checkpoint = handwritten_checkpoint(moe, tmp_path / "moe-fp8", "fp8", (16, 16))
     graphed = _greedy(checkpoint, dtype="float32")
     assert graphed == _greedy(checkpoint, dtype="float32", cuda_graphs=False)
+
+
+def test_the_fp8_shapes_profiler_times_cublaslt_beside_the_few_rows_kernel_and_its_tiles():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "fp8_shapes.py"
+    args = ["--rows", "1,32", "--block-n", "32,64", "--stages", "3"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("qkv ", "o ", "gate_up ", "down "))]
+    assert [(r[0], r[4]) for r in rows] == [(name, n) for name in ("qkv", "o", "gate_up", "down") for n in ("1", "32")]
+    for row in rows:
+        floor, blas, engine, best = (float(cell) for cell in row[5:9])
+        assert min(blas, engine, best) >= 0.5 * floor, row  # nothing beats the roofline by 2x
+        assert not row[9].endswith("!"), row  # the best tile computes what cuBLASLt does, within FP8's tolerance
+    assert "cuBLASLt / engine " in done.stdout
