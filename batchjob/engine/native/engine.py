@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchjob.engine.api import Completion, EngineSetupError, Request
+from batchjob.engine.api import Completion, Request
 from batchjob.engine.devices import device_kind, torch_device
 from batchjob.engine.grammar import GrammarCompiler, GrammarError
 from batchjob.engine.native.layers import parallel
@@ -240,19 +240,8 @@ class NativeEngine:
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         completions = self._generate(requests)
-        if not self._spec_checks:
-            return completions
         checks, self._spec_checks = self._spec_checks, []
-        return self._held_until_verified(checks, completions)
-
-    @staticmethod
-    def _held_until_verified(
-        checks: list[spec_check.SpecCheck], completions: Iterator[Completion]
-    ) -> Iterator[Completion]:
-        try:
-            yield from spec_check.held_until_verified(checks, completions)
-        except spec_check.SpecCheckError as err:
-            raise EngineSetupError(str(err)) from None
+        return spec_check.held_until_verified(checks, completions) if checks else completions
 
     def _generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         queue = AdmissionQueue(requests, self.options.admission_window)
@@ -467,10 +456,7 @@ class NativeEngine:
 
     def settle(self) -> None:
         checks, self._spec_checks = self._spec_checks, []
-        try:
-            spec_check.verify(checks)
-        except spec_check.SpecCheckError as err:
-            raise EngineSetupError(str(err)) from None
+        spec_check.verify(checks)  # a difference is a setup error (`SpecCheckError`)
 
     def close(self) -> None:
         spec_check.stop(self._spec_checks)  # neither generated nor settled: the checks end unverified

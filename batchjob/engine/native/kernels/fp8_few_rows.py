@@ -74,7 +74,7 @@ def suits(m: int, k: int, a_scales: torch.Tensor) -> bool:
     return 0 < m <= MAX_ROWS and k % BLOCK_K == 0 and a_scales.shape[1] == 1
 
 
-def config(n: int, k: int, block_m: int) -> tuple[int, int, int]:
+def config(n: int, block_m: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). Measured on an H100 at an 8B's projections (scripts/dev/fp8_shapes.py, 1 to 64
     rows): 64-wide tiles six stages deep for q/k/v, o and down (10-30% faster than 32- or 128-wide ones); for the
     wide gate/up (28,672 channels) three stages, 64 wide at 64 rows, 32 wide below (every tile within 10% there)."""
@@ -96,7 +96,7 @@ def matmul(
     m, k = a.shape
     n = w.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
-    block_n, warps, stages = tile or config(n, k, block_m)
+    block_n, warps, stages = tile or config(n, block_m)
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     _few_rows_kernel[(triton.cdiv(n, block_n),)](
         a, a_scales, w, w_scales, a if bias is None else bias, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),

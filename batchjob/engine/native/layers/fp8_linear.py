@@ -102,11 +102,12 @@ class Fp8Linear(nn.Module):
             q, scales = x.q, x.scales
         else:
             q, scales = self.quantize_input(x.reshape(-1, self.in_features))
+        per_row = self.block is None and not self.batch_invariant  # the batch-invariant path is the Triton matmul
         if not q.is_cuda:
             out = self._plain(q, scales)
-        elif self.block is None and not self.batch_invariant and fp8_few_rows.suits(q.shape[0], q.shape[1], scales):
+        elif per_row and fp8_few_rows.suits(q.shape[0], q.shape[1], scales):
             out = fp8_few_rows.matmul(q, scales, self.weight, self.weight_scale, self.bias, self.out_dtype)
-        elif self.block is None and self.out_dtype == torch.bfloat16 and not self.batch_invariant:
+        elif per_row and self.out_dtype == torch.bfloat16:
             out = torch._scaled_mm(
                 q,
                 self.weight.t(),

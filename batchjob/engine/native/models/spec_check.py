@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from batchjob.caches import cache_root
+from batchjob.engine.api import EngineSetupError
 from batchjob.engine.native.models.spec import ModelSpec
 from batchjob.engine.native.models.spec_cache import spec_to_json
 
@@ -40,8 +41,9 @@ _native_reading: contextvars.ContextVar[bool] = contextvars.ContextVar("native_s
 _pending: dict[tuple[str, str], SpecCheck] = {}
 
 
-class SpecCheckError(RuntimeError):
-    """The native reading of a config differs from transformers' (a fault of batchjob's, not of the model)."""
+class SpecCheckError(EngineSetupError):
+    """The native reading of a config differs from transformers' (a fault of batchjob's, not of the model): a setup
+    error, whose message says to run again (the spec cache then holds transformers' reading)."""
 
 
 @dataclasses.dataclass

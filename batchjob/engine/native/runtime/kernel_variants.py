@@ -97,7 +97,8 @@ def _collecting(
             return handled
         with lock:
             new = variant.key not in found
-            found.setdefault(variant.key, variant)
+            if new:
+                found[variant.key] = variant
         if new and on_new is not None:
             on_new(variant)
         return handled
