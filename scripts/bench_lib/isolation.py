@@ -24,10 +24,19 @@ REPO = SCRIPTS.parent
 PROFILE_LINES = 45
 # `python -m bench_lib.isolation`, less the working directory that `-m` and `-c` put first on the path: started
 # from a checkout's root it would import that checkout's `batchjob` before the one PYTHONPATH names (`repo`).
+# Then, as `python -m batchjob` does first, `keep_bytecode`: in an environment that cannot keep bytecode beside
+# its sources (PYTHONDONTWRITEBYTECODE, read-only folders) a cold run compiles the imports into its cache and the
+# warm run reads them there, as a job's would (a checkout from before it, under `--against`, goes without).
 CHILD = (
     "import runpy, sys\n"
     "if sys.path and sys.path[0] == '':\n"
     "    del sys.path[0]\n"
+    "try:\n"
+    "    from batchjob.job.startup import keep_bytecode\n"
+    "except ImportError:\n"
+    "    pass\n"
+    "else:\n"
+    "    keep_bytecode()\n"
     "runpy.run_module('bench_lib.isolation', run_name='__main__', alter_sys=True)"
 )
 

@@ -8,6 +8,7 @@ cache holds transformers' reading."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -187,6 +188,8 @@ def test_a_start_up_reads_natively_and_leaves_transformers_reading_in_the_cache(
     next(completions)
     assert checks[0].process.poll() is not None, "a completion was handed on before transformers' reading ended"
     assert len(list(completions)) == 2
+    stats = engine.stats()
+    assert stats["spec_check_s"] > 0 and 0 <= stats["spec_check_wait_s"] <= stats["spec_check_s"]
     engine.close()
     kept = load_spec(spec_key(model_dir), model_dir)
     assert kept is not None and comparable(kept) == comparable(read[0][2])
@@ -276,3 +279,31 @@ def test_held_items_wait_for_a_slow_check_only_so_long_then_for_the_check_itself
 
     assert list(spec_check.held_until_verified([check], items(), hold_s=0.0)) == [0, 1, 2, 3]
     assert produced == [False, True, True, True]
+    timings = spec_check.timings([check])  # the engine's stats: how long the check ran, how long it was waited for
+    assert timings["spec_check_s"] >= 1.5 and 0.5 < timings["spec_check_wait_s"] <= timings["spec_check_s"]
+
+
+def test_the_checks_worker_reads_the_config_without_the_packages_transformers_need_not_import(tmp_path):
+    """Vision and scikit-learn packages that transformers imports where installed (seconds on a GPU host) are
+    hidden from the worker: installed here as packages that fail on import, the worker still reads the config."""
+    import subprocess
+
+    from batchjob.engine.native.models.spec_check_worker import UNUSED
+    from batchjob.job.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    for name in UNUSED:
+        (tmp_path / "site" / name).mkdir(parents=True)
+        (tmp_path / "site" / name / "__init__.py").write_text(f"raise RuntimeError('{name} was imported')\n")
+    probe = (
+        "import importlib.util, sys\n"
+        "from batchjob.engine.native.models import spec_check_worker as worker\n"
+        f"assert importlib.util.find_spec({UNUSED[0]!r}) is not None  # installed, as on a GPU host\n"
+        "worker.main(sys.argv[1])\n"
+        "assert all(importlib.util.find_spec(name) is None for name in worker.UNUSED)\n"
+    )
+    env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", probe, str(model_dir)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == comparable(transformers_spec(model_dir))

@@ -137,6 +137,7 @@ class NativeEngine:
         self.options = NativeOptions.from_mapping(options)
         self.ranks: RankGroup | None = None
         self._spec_checks: list[spec_check.SpecCheck] = []
+        self._verified: list[spec_check.SpecCheck] = []  # taken by `generate` or `settle`: their timings
         # A model spec missing from the cache is read without transformers, and checked against transformers'
         # reading in a process beside the start-up; `generate` hands on nothing before it has passed
         # (models/spec_check.py), so the check need not end before the engine is ready.
@@ -241,6 +242,7 @@ class NativeEngine:
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         completions = self._generate(requests)
         checks, self._spec_checks = self._spec_checks, []
+        self._verified.extend(checks)
         return spec_check.held_until_verified(checks, completions) if checks else completions
 
     def _generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
@@ -441,6 +443,7 @@ class NativeEngine:
                 grammars_compiled=self.grammars.compiled,
                 grammar_cache_hits=self.grammars.cache_hits,
             )
+        stats.update(spec_check.timings(self._verified))
         if runner.clock is not None and runner.clock.fraction() is not None:
             stats["gpu_busy_fraction"] = runner.clock.fraction()
         if self.ranks is not None:
@@ -456,6 +459,7 @@ class NativeEngine:
 
     def settle(self) -> None:
         checks, self._spec_checks = self._spec_checks, []
+        self._verified.extend(checks)
         spec_check.verify(checks)  # a difference is a setup error (`SpecCheckError`)
 
     def close(self) -> None:

@@ -51,11 +51,22 @@ class SpecCheck:
     model_dir: Path
     native: ModelSpec
     process: subprocess.Popen
+    began: float = dataclasses.field(default_factory=time.perf_counter)
+    ended: float | None = None  # when the worker was first seen to have ended
+    waited_s: float = 0.0  # how long the engine waited for it
+
+    def done(self) -> bool:
+        if self.ended is None and self.process.poll() is not None:
+            self.ended = time.perf_counter()
+        return self.ended is not None
 
     def result(self) -> None:
         """Wait for transformers' reading; raise `SpecCheckError` where it differs from the native one. A worker
         that could not read the config (transformers refuses it) is a difference too."""
+        waiting = time.perf_counter()
         out, err = self.process.communicate()
+        self.done()  # it has ended: when it was first seen to have
+        self.waited_s += max(0.0, self.ended - waiting)
         if self.process.returncode != 0:
             raise SpecCheckError(
                 f"transformers could not read {self.model_dir}/config.json, which batchjob read without it "
@@ -122,7 +133,18 @@ def take() -> list[SpecCheck]:
 
 def settled(checks: list[SpecCheck]) -> bool:
     """Whether every one of `checks` has ended, so that `verify` would not wait."""
-    return all(check.process.poll() is not None for check in checks)
+    return all([check.done() for check in checks])
+
+
+def timings(checks: list[SpecCheck]) -> dict[str, float]:
+    """`spec_check_s`: from the first check's start to the last one's end; `spec_check_wait_s`: how long the
+    engine waited for them (completions held after the engine had no more, or `settle`). Empty while any runs."""
+    if not checks or not all(check.ended for check in checks):
+        return {}
+    return {
+        "spec_check_s": max(check.ended for check in checks) - min(check.began for check in checks),
+        "spec_check_wait_s": sum(check.waited_s for check in checks),
+    }
 
 
 def verify(checks: list[SpecCheck]) -> None:
