@@ -17,6 +17,7 @@ plus an `hf` mapping for the transformers fallback, which also receives the keys
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -56,6 +57,12 @@ OPTION_CHECKS: dict[str, str] = {
     "native_sync": "batchjob.engine.native.options:NativeOptions.from_mapping",
     "hf": "batchjob.engine.hf_options:check_options",
     "vllm": "batchjob.engine.vllm_options:check_options",
+}
+# What a backend begins on a model before its engine's imports (seconds of torch's), in a module that imports no
+# torch: the native engine's check of its own reading of config.json, which then runs beside those imports.
+EARLY_STARTS: dict[str, str] = {
+    "native": "batchjob.engine.native.models.spec_check:begin_early",
+    "native_sync": "batchjob.engine.native.models.spec_check:begin_early",
 }
 AUTO = "auto"
 SHARED_OPTIONS = ("dtype", "device", "max_model_len", "deterministic")
@@ -179,7 +186,15 @@ def _check_fallback(native: Mapping[str, Any]) -> None:
         )
 
 
+def _begin_early(name: str, model_path: str, options: Mapping[str, Any]) -> None:
+    target = EARLY_STARTS.get(name)
+    if target is not None:
+        with contextlib.suppress(OSError):  # an unreadable model directory: the backend's own checks name it
+            _imported(target)(model_path, str(options.get("device", "auto")))
+
+
 def _check_model(name: str, model_path: str, options: Mapping[str, Any]) -> str | None:
+    _begin_early(name, model_path, options)
     cls, fixed = _backend(name)
     check_model = getattr(cls, "check_model", None)
     return None if check_model is None else check_model(model_path, {**options, **fixed})
@@ -193,6 +208,7 @@ def create_engine(name: str, model_path: str, options: Mapping[str, Any], asked:
     if name == AUTO:
         choice = choose_backend(name, model_path, options)
         name, options = choice.name, choice.options
+    _begin_early(name, model_path, options)
     cls, fixed = _backend(name)
     merged = {**options, **fixed}
     try:

@@ -93,7 +93,7 @@ def model_shape(architecture: dict[str, Any], quantization: str = "auto", kv_cac
     from batchjob.engine.native.layers.attention import TorchPagedAttention
     from batchjob.engine.native.layers.fp8_linear import Fp8Linear
     from batchjob.engine.native.loading.model_loader import quantize_loaded
-    from batchjob.engine.native.models import CausalLM
+    from batchjob.engine.native.models.decoder import CausalLM
     from batchjob.engine.native.models.registry import ARCHITECTURES, spec_from_config
 
     fields = dict(architecture)

@@ -173,7 +173,8 @@ def _requests(count: int = 3):
 
 
 def test_a_start_up_reads_natively_and_leaves_transformers_reading_in_the_cache(tmp_path, monkeypatch):
-    from batchjob.engine.native.models.spec_cache import load_spec, spec_key
+    from batchjob.engine.native.models.spec_cache import load_spec
+    from batchjob.engine.native.models.spec_key import spec_key
     from batchjob.job.tiny_model import make_tiny_model
 
     monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))  # as a GPU's start-up
@@ -197,10 +198,52 @@ def test_a_start_up_reads_natively_and_leaves_transformers_reading_in_the_cache(
     assert len(read) == 1  # the next start-up reads the cache
 
 
+def test_the_check_begins_before_the_engines_imports_and_the_native_reading_joins_it(tmp_path, monkeypatch):
+    """`create_engine` starts transformers' reading before it imports the engine (torch), from modules that import
+    no torch; the native reading is then checked against that process rather than a second one. A check begun
+    early that no native reading joins is stopped; none begins for a kept spec, a CPU start-up or a hub id."""
+    import subprocess
+
+    from batchjob.job.tiny_model import make_tiny_model
+
+    monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    probe = (
+        "import sys\n"
+        "from batchjob.engine import _begin_early\n"
+        "from batchjob.engine.native.models import spec_check\n"
+        "spec_check.NATIVE_READING_DEVICES = frozenset({'cpu'})\n"
+        "_begin_early('native', sys.argv[1], {'device': 'cpu'})\n"
+        "(check,) = spec_check._pending.values()\n"
+        "assert check.native is None and 'torch' not in sys.modules, sorted(sys.modules)\n"
+        "assert spec_check.take() == [] and check.process.returncode is not None  # no native reading joined it\n"
+    )
+    env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / "cache-probe")}
+    done = subprocess.run([sys.executable, "-c", probe, str(model_dir)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    workers = []
+    monkeypatch.setattr(spec_check, "_worker", lambda *a, worker=spec_check._worker: workers.append(a) or worker(*a))
+    checks = []
+    monkeypatch.setattr(spec_check, "take", lambda take=spec_check.take: checks.extend(taken := take()) or taken)
+    engine = _engine(model_dir)
+    assert len(workers) == 1 and len(checks) == 1 and checks[0].native is not None
+    assert len(list(engine.generate(_requests()))) == 3
+    engine.close()
+    for path, device in [(model_dir, "cpu"), (tmp_path / "llama", "cuda"), ("org/model", "cuda")]:
+        spec_check.begin_early(str(path), device)  # kept spec (twice), and a hub id
+    monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda"}))
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache-2"))
+    spec_check.begin_early(str(model_dir), "cpu")
+    assert len(workers) == 1 and spec_check.take() == []
+
+
 def test_an_engine_that_generates_nothing_settles_its_check_or_stops_it_at_close(tmp_path, monkeypatch):
     """`settle` (what `batchjob.warmup` calls) waits for the check, which leaves transformers' reading in the spec
     cache; an engine closed without it stops the check."""
-    from batchjob.engine.native.models.spec_cache import load_spec, spec_key
+    from batchjob.engine.native.models.spec_cache import load_spec
+    from batchjob.engine.native.models.spec_key import spec_key
     from batchjob.job.tiny_model import make_tiny_model
 
     monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from batchjob.engine.native.loading.model_loader import read_model_spec
-from batchjob.engine.native.models.spec_cache import spec_from_json, spec_key, spec_to_json
+from batchjob.engine.native.models.spec_cache import spec_from_json, spec_to_json
+from batchjob.engine.native.models.spec_key import spec_key
 from batchjob.job.tiny_model import make_tiny_model
 
 

@@ -13,7 +13,7 @@ from batchjob.engine.native.layers.attention import TorchPagedAttention
 from batchjob.engine.native.layers.parallel import TensorParallel
 from batchjob.engine.native.loading.model_loader import read_model_spec
 from batchjob.engine.native.loading.sharding import check_tensor_parallel, param_shard, rank_spec
-from batchjob.engine.native.models import CausalLM
+from batchjob.engine.native.models.decoder import CausalLM
 from batchjob.job.tiny_model import make_tiny_model
 
 

@@ -19,7 +19,7 @@ from batchjob.engine.native.loading.checkpoint_names import Slot, checkpoint_slo
 from batchjob.engine.native.loading.fp8_scales import load_scales
 from batchjob.engine.native.loading.sharding import ParamShard
 from batchjob.engine.native.loading.weight_stream import Piece, WeightReader, read_entries
-from batchjob.engine.native.models import CausalLM
+from batchjob.engine.native.models.decoder import CausalLM
 from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError
 from batchjob.engine.weight_files import safetensors_paths
 

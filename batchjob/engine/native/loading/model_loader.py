@@ -25,8 +25,7 @@ from batchjob.engine.native.layers.parallel import TensorParallel
 from batchjob.engine.native.loading.checkpoint import load_checkpoint, safetensors_files
 from batchjob.engine.native.loading.dummy_weights import fill_dummy_weights
 from batchjob.engine.native.loading.sharding import check_tensor_parallel, param_shard, rank_spec
-from batchjob.engine.native.models import CausalLM
-from batchjob.engine.native.models.decoder import quantize_at_source
+from batchjob.engine.native.models.decoder import CausalLM, quantize_at_source
 from batchjob.engine.native.models.registry import SUPPORTED_ARCHITECTURES, spec_from_config_files
 from batchjob.engine.native.models.spec import ModelSpec, UnsupportedModelError, check_batch_invariant
 from batchjob.engine.weight_files import check_weight_files

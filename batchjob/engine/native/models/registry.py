@@ -27,7 +27,8 @@ from batchjob.engine.native.models.spec import (
     common_spec,
     requested_spec,
 )
-from batchjob.engine.native.models.spec_cache import load_spec, spec_key, store_spec
+from batchjob.engine.native.models.spec_cache import load_spec, store_spec
+from batchjob.engine.native.models.spec_key import spec_key
 from batchjob.engine.transformers_import import from_transformers
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -11,36 +11,17 @@ from the config; one that cannot be written (a read-only cache) is skipped.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-from batchjob.caches import files_key, load_entry, store_entry
-from batchjob.engine.native.layers import rope
+from batchjob.caches import load_entry, store_entry
 from batchjob.engine.native.layers.rope import RopeSpec
 from batchjob.engine.native.models.quantization import QuantSpec
 from batchjob.engine.native.models.spec import DTYPES, LayerSpec, ModelSpec, MoESpec
-from batchjob.engine.transformers_import import transformers_version
+from batchjob.engine.native.models.spec_key import KIND
 
 log = logging.getLogger("batchjob.engine.native")
-
-CONFIG_FILES = ("config.json", "generation_config.json")
-KIND = "model-specs"
-
-
-@cache
-def _code_digest() -> str:
-    """What builds a spec: the model families' modules and the rope parameters' normalisation."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")) + [Path(rope.__file__)]:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
-
-
-def spec_key(model_dir: Path) -> str:
-    return files_key(model_dir, CONFIG_FILES, transformers_version(), _code_digest())
 
 
 def load_spec(key: str, model_dir: Path) -> ModelSpec | None:

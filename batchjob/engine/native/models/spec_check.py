@@ -25,12 +25,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from batchjob.caches import cache_root
 from batchjob.engine.api import EngineSetupError
-from batchjob.engine.native.models.spec import ModelSpec
-from batchjob.engine.native.models.spec_cache import spec_to_json
+from batchjob.engine.native.models.spec_key import is_kept, spec_key
+
+if TYPE_CHECKING:
+    from batchjob.engine.native.models.spec import ModelSpec
 
 T = TypeVar("T")
 # How long the engine's first completions wait for a check before it stops producing more and waits for the check
@@ -49,7 +51,7 @@ class SpecCheckError(EngineSetupError):
 @dataclasses.dataclass
 class SpecCheck:
     model_dir: Path
-    native: ModelSpec
+    native: ModelSpec | None  # None while begun early, before the native reading it checks (`begin_early`)
     process: subprocess.Popen
     began: float = dataclasses.field(default_factory=time.perf_counter)
     ended: float | None = None  # when the worker was first seen to have ended
@@ -85,6 +87,8 @@ class SpecCheck:
 
 def comparable(spec: ModelSpec) -> dict:
     """A spec as JSON, less where it was read from."""
+    from batchjob.engine.native.models.spec_cache import spec_to_json
+
     fields = json.loads(json.dumps(spec_to_json(spec)))
     fields.pop("model_dir", None)
     return fields
@@ -111,24 +115,48 @@ def enabled() -> bool:
 
 
 def begin(key: str, model_dir: Path, native: ModelSpec) -> None:
-    """Start transformers' reading of `model_dir` beside, unless one for `key` runs already."""
-    pending = (str(cache_root()), key)
-    if pending in _pending:
+    """Check `native`, read from `model_dir`, against transformers' reading in a process beside: the one
+    `begin_early` started for `key`, else a new one."""
+    pending = _pending.get((str(cache_root()), key))
+    if pending is None:
+        _pending[(str(cache_root()), key)] = SpecCheck(model_dir, native, _worker(model_dir))
+    elif pending.native is None:
+        pending.native = native
+
+
+def begin_early(model_path: str, device: str) -> None:
+    """Start transformers' reading of a local model directory whose spec the cache lacks before the engine's
+    imports (torch's take seconds), for a start-up on `device` that may read natively: a GPU's, or `auto` on a
+    node whose NVIDIA driver is loaded. `begin` then checks the native reading against it; one that no native
+    reading took (the spec was read through transformers, or on a CPU after all) is stopped by `take`."""
+    maybe_gpu = Path("/proc/driver/nvidia").is_dir()
+    kind = device.split(":")[0]
+    if kind not in NATIVE_READING_DEVICES and not (kind == "auto" and maybe_gpu):
         return
+    model_dir = Path(model_path).expanduser()
+    if not (model_dir / "config.json").is_file():
+        return  # a hub id, or no model: the engine's checks say which
+    key = spec_key(model_dir)
+    if (str(cache_root()), key) not in _pending and not is_kept(key):
+        _pending[(str(cache_root()), key)] = SpecCheck(model_dir, None, _worker(model_dir))
+
+
+def _worker(model_dir: Path) -> subprocess.Popen:
     from batchjob.processes import dies_with_us
 
     command = [sys.executable, "-m", "batchjob.engine.native.models.spec_check_worker", str(model_dir)]
-    process = subprocess.Popen(
+    return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=dies_with_us(signal.SIGKILL)
     )
-    _pending[pending] = SpecCheck(model_dir, native, process)
 
 
 def take() -> list[SpecCheck]:
-    """The checks this process began, now the caller's to `verify` (or `stop`)."""
+    """The checks this process began, now the caller's to `verify` (or `stop`); those begun early that no native
+    reading took are stopped."""
     checks = list(_pending.values())
     _pending.clear()
-    return checks
+    stop([check for check in checks if check.native is None])
+    return [check for check in checks if check.native is not None]
 
 
 def settled(checks: list[SpecCheck]) -> bool:

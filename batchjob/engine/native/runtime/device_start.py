@@ -23,7 +23,7 @@ import torch
 
 from batchjob.engine.api import EngineSetupError
 from batchjob.engine.grammar import bitmask_words
-from batchjob.engine.native.models import CausalLM
+from batchjob.engine.native.models.decoder import CausalLM
 from batchjob.engine.native.models.spec import ModelSpec
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.runtime.io_slot import SlotLimits

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from batchjob.engine.native.models import CausalLM
+from batchjob.engine.native.models.decoder import CausalLM
 from batchjob.engine.native.runtime.io_slot import IOSlot, StepShape
 from batchjob.engine.native.runtime.step_layout import GraphBuckets, StepLayout, fastest_buckets
 from batchjob.engine.native.sampling.sampler import SamplerMode
