@@ -2,15 +2,16 @@
 the same files in a process beside the start-up.
 
 Within `checking()` (the engine's start-up), a model whose spec is not in the spec cache is read natively, and a
-worker process (`spec_check_worker.py`) reads it through transformers, keeps
-that spec in the cache (so later start-ups read it from there) and prints it. The engine takes the checks once
+worker process (`spec_check_worker.py`) reads it through transformers, keeps that spec in the cache (so later
+start-ups read it from there) and prints it. The worker is started before the engine's imports where it can be
+(`begin_early`: this module imports no torch), and the native reading joins it. The engine takes the checks once
 started and generates at once; `held_until_verified` hands on no completion before the worker has ended and its
 reading equals the native one: a difference is a fault of the native reading, reported as a setup error that
 names the fields (nothing having been handed on, so nothing committed); the next start-up then reads
 transformers' spec from the cache. A config that transformers refuses but the native reading took (a value of the
 wrong type, say) is refused there too, with transformers' reason: at the engine's first results rather than in the
-job's checks before it. Outside `checking()`, and where
-the native reading cannot tell, the spec is read through transformers as it always was.
+job's checks before it. Outside `checking()`, and where the native reading cannot tell, the spec is read through
+transformers as it always was.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def take() -> list[SpecCheck]:
 
 def settled(checks: list[SpecCheck]) -> bool:
     """Whether every one of `checks` has ended, so that `verify` would not wait."""
-    return all([check.done() for check in checks])
+    return all([check.done() for check in checks])  # each polled, so that each notes when it ended
 
 
 def timings(checks: list[SpecCheck]) -> dict[str, float]:
