@@ -373,3 +373,17 @@ def test_step_kinds_splits_a_recorded_w2_run_into_decode_and_prefill_steps_again
     assert "decode          506 steps" in run.stdout and "mixed 8192       35 steps" in run.stdout
     assert run.stdout.count("GPU spans by duration (544 steps") == 4  # cold and warm, without and with the flag
     assert run.stdout.count("20-40    ms     35 steps") == 2 and run.stdout.count("40-inf   ms     35 steps") == 2
+
+
+def test_a_run_whose_results_waited_for_the_config_check_says_so_beside_its_rate(bench_lib):
+    """The engine's stats time its check of the config reading; a run whose results waited for it (its seconds
+    include the wait) notes how long, beside any other note."""
+    from bench_lib.report import held_for_check
+    from bench_lib.systems import SystemResult
+
+    def run(**stats: float) -> SystemResult:
+        return SystemResult("native", 3.0, 100, 1, 1, 10.0, False, engine_stats=stats)
+
+    assert held_for_check(run(spec_check_s=13.4, spec_check_wait_s=4.11)) == "results held 4.1 s for the config check"
+    assert held_for_check(run(spec_check_s=13.4, spec_check_wait_s=0.0)) == ""
+    assert held_for_check(run()) == ""

@@ -150,6 +150,7 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
             if twin in other and not r.cut:
                 # --against: this checkout's run against the other checkout's of the same round
                 status = f"{r.tok_per_s / other[twin]:.3f}x of {twin[0]} {r.label}"
+            status = "; ".join(part for part in (status, held_for_check(r)) if part)
             lines.append(
                 f"{name:<9}{r.system + ' ' + r.label:<24}{r.wall_s:>9.2f}{r.output_tokens:>10}{r.tok_per_s:>10.0f}"
                 f"{_percent(report.fraction_of_roofline(r)):>10}{_percent(r.gpu_busy_fraction):>10}"
@@ -160,6 +161,13 @@ def table(reports: list[WorkloadReport], hardware: HardwareRates | None) -> str:
         for system, reason in {**report.skipped, **report.errors}.items():
             lines.append(f"{name:<9}{system:<24}{'':>{COLUMNS_AFTER_SYSTEM}}  {reason}")
     return "\n".join(lines)
+
+
+def held_for_check(result: SystemResult) -> str:
+    """A native cold run's results held for the engine's check of its config reading, which a run's seconds
+    include: "" where they were not (or for less than 0.05 s)."""
+    held = result.engine_stats.get("spec_check_wait_s", 0.0)
+    return f"results held {held:.1f} s for the config check" if held >= 0.05 else ""
 
 
 def _medians(name: str, report: WorkloadReport) -> list[str]:
