@@ -204,6 +204,7 @@ def test_the_check_begins_before_the_engines_imports_and_the_native_reading_join
     early that no native reading joins is stopped; none begins for a kept spec, a CPU start-up or a hub id."""
     import subprocess
 
+    from batchjob.engine.native.engine import NativeEngine
     from batchjob.job.tiny_model import make_tiny_model
 
     monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda", "cpu"}))
@@ -233,10 +234,14 @@ def test_the_check_begins_before_the_engines_imports_and_the_native_reading_join
     engine.close()
     for path, device in [(model_dir, "cpu"), (tmp_path / "llama", "cuda"), ("org/model", "cuda")]:
         spec_check.begin_early(str(path), device)  # kept spec (twice), and a hub id
-    monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda"}))
     monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache-2"))
+    with pytest.raises(ValueError, match="max_model_len"):  # a model check that fails stops the check it began
+        NativeEngine.check_model(str(model_dir), {"device": "cpu", "max_model_len": 10**6})
+    assert len(workers) == 2 and spec_check._pending == {}
+    monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda"}))
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache-3"))
     spec_check.begin_early(str(model_dir), "cpu")
-    assert len(workers) == 1 and spec_check.take() == []
+    assert len(workers) == 2 and spec_check.take() == []
 
 
 def test_an_engine_that_generates_nothing_settles_its_check_or_stops_it_at_close(tmp_path, monkeypatch):

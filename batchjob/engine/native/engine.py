@@ -124,13 +124,19 @@ class NativeEngine:
         from batchjob.engine.native.models.spec import check_batch_invariant
 
         opts = NativeOptions.from_mapping(options)
-        with spec_check.checking(device_kind(opts.device)):  # the engine this process starts verifies it
-            spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
-        check_tensor_parallel(spec, opts.tensor_parallel)
-        if opts.deterministic:
-            check_batch_invariant(spec)
-        _check_gpu_count(opts)
-        torch_device(opts.device)
+        try:
+            with spec_check.checking(device_kind(opts.device)):  # the engine this process starts verifies it
+                spec = read_model_spec(
+                    model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype
+                )
+            check_tensor_parallel(spec, opts.tensor_parallel)
+            if opts.deterministic:
+                check_batch_invariant(spec)
+            _check_gpu_count(opts)
+            torch_device(opts.device)
+        except BaseException:
+            spec_check.discard()  # no engine will verify it (engine=auto may fall back to another backend)
+            raise
         return spec.architecture
 
     def __init__(self, model_path: str, **options: Any) -> None:
