@@ -241,7 +241,16 @@ def test_the_check_begins_before_the_engines_imports_and_the_native_reading_join
     monkeypatch.setattr(spec_check, "NATIVE_READING_DEVICES", frozenset({"cuda"}))
     monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache-3"))
     spec_check.begin_early(str(model_dir), "cpu")
+    monkeypatch.setattr(spec_check, "NVIDIA_DRIVER", tmp_path / "no-driver")
+    spec_check.begin_early(str(model_dir), "auto")
     assert len(workers) == 2 and spec_check.take() == []
+    monkeypatch.setattr(spec_check, "NVIDIA_DRIVER", tmp_path)  # a GPU node, its GPUs hidden, then not
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    spec_check.begin_early(str(model_dir), "auto")
+    assert len(workers) == 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    spec_check.begin_early(str(model_dir), "auto")
+    assert len(workers) == 3 and spec_check.take() == []  # no native reading joined it: stopped
 
 
 def test_an_engine_that_generates_nothing_settles_its_check_or_stops_it_at_close(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -129,10 +130,10 @@ def begin_early(model_path: str, device: str) -> None:
     """Start transformers' reading of a local model directory whose spec the cache lacks before the engine's
     imports (torch's take seconds), for a start-up on `device` that may read natively: a GPU's, or `auto` on a
     node whose NVIDIA driver is loaded. `begin` then checks the native reading against it; one that no native
-    reading took (the spec was read through transformers, or on a CPU after all) is stopped by `take`."""
-    maybe_gpu = Path("/proc/driver/nvidia").is_dir()
+    reading took (the spec was read through transformers, or on a CPU after all) is stopped by `take`. A node whose
+    GPUs are hidden (`CUDA_VISIBLE_DEVICES` empty) starts none for `auto`."""
     kind = device.split(":")[0]
-    if kind not in NATIVE_READING_DEVICES and not (kind == "auto" and maybe_gpu):
+    if kind not in NATIVE_READING_DEVICES and not (kind == "auto" and may_have_gpu()):
         return
     model_dir = Path(model_path).expanduser()
     if not (model_dir / "config.json").is_file():
@@ -140,6 +141,15 @@ def begin_early(model_path: str, device: str) -> None:
     key = spec_key(model_dir)
     if (str(cache_root()), key) not in _pending and not is_kept(key):
         _pending[(str(cache_root()), key)] = SpecCheck(model_dir, None, _worker(model_dir))
+
+
+# Where a loaded NVIDIA driver shows itself, told without torch.
+NVIDIA_DRIVER = Path("/proc/driver/nvidia")
+
+
+def may_have_gpu() -> bool:
+    """Whether `device=auto` may choose a GPU here: an NVIDIA driver is loaded and CUDA_VISIBLE_DEVICES hides none."""
+    return NVIDIA_DRIVER.is_dir() and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
 
 
 def _worker(model_dir: Path) -> subprocess.Popen:
