@@ -114,7 +114,7 @@ def test_after_batchjob_warmup_a_job_compiles_no_kernel(tmp_path: Path) -> None:
 
 
 def _cold_job(tmp_path: Path, name: str, *overrides: str) -> tuple[list, dict, str]:
-    """A job of the default model in its own `BATCHJOB_CACHE` (compile cache inside): its rows, start-up, log."""
+    """A job of the default model in its own `BATCHJOB_CACHE` (compile cache inside): its rows, report, log."""
     env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / f"cache-{name.split('-')[0]}")}
     env.pop("TRITON_CACHE_DIR", None)
     out = tmp_path / name
@@ -123,21 +123,26 @@ def _cold_job(tmp_path: Path, name: str, *overrides: str) -> tuple[list, dict, s
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out.parent / f"{out.name}.batchjob" / "_report.json").read_text())
     table = pads.dataset(str(out), format="parquet").to_table().sort_by("row_id")
-    return table.column("generation").to_pylist(), report["startup_s"], done.stderr
+    return table.column("generation").to_pylist(), report, done.stderr
 
 
 def test_a_cold_start_up_has_workers_compile_its_kernels_and_generates_the_same(tmp_path: Path) -> None:
     """Empty caches: the start-up lists its kernel variants, worker processes compile every one (the start-up's
     own launches compile none), and the rows equal those of a start-up that compiled one kernel at a time. The
     next job finds every binary its plan names: no listing, no workers, the same rows."""
-    serial, serial_startup, _ = _cold_job(tmp_path, "serial", "engine.compile_workers=0")
-    workers, startup, log = _cold_job(tmp_path, "workers")
-    print(json.dumps({"serial": serial_startup, "workers": startup}, indent=1))
+    serial, serial_report, _ = _cold_job(tmp_path, "serial", "engine.compile_workers=0")
+    workers, report, log = _cold_job(tmp_path, "workers")
+    startup = report["startup_s"]
+    print(json.dumps({"serial": serial_report["startup_s"], "workers": startup}, indent=1))
     assert workers == serial
+    # Its empty cache held no spec: config.json was read natively and checked by transformers' reading beside.
+    assert 0 <= report["engine"]["spec_check_wait_s"] <= report["engine"]["spec_check_s"]
     assert "Triton kernel variants compiled or found by worker processes" in log
     assert startup["engine_kernel_listing_s"] > 0 and startup["engine_kernel_compile_s"] > 0
     assert "the workers had not compiled were compiled by the start-up" not in log, log[-3000:]
-    again, warm_startup, log = _cold_job(tmp_path, "workers-again")
+    again, warm_report, log = _cold_job(tmp_path, "workers-again")
     assert again == serial
+    warm_startup = warm_report["startup_s"]
     assert "engine_kernel_listing_s" not in warm_startup and "engine_kernel_compile_s" not in warm_startup
+    assert "spec_check_s" not in warm_report["engine"]  # the spec came from the cache
     assert "worker processes" not in log
