@@ -160,3 +160,23 @@ def test_captured_decode_graph_replays_with_other_seq_lens():
         torch.cuda.synchronize()
         assert relative_error(out, reference(*step, scale=scale)) < 1e-2
         assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping], k)
+
+
+def test_the_decode_attention_profiler_times_the_engines_launch_beside_the_configs_asked_for():
+    """scripts/dev/decode_attention_shapes.py at a 1B's decode steps: every launch tried computes what the engine's
+    does, and none beats the floor of reading the cache once by 2x."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "decode_attention_shapes.py"
+    args = ["--rows", "8,256", "--context", "64-1024", "--block-n", "32,64", "--warps", "4", "--stages", "3"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split() and line.split()[0] in ("8", "256")]
+    assert [r[0] for r in rows] == ["8", "256"]
+    for row in rows:
+        floor, engine, best = (float(cell) for cell in row[2:5])
+        assert min(engine, best) >= 0.5 * floor, row
+        assert not row[5].endswith("!"), row
+    assert done.stdout.count("every launch") == 2 and "!" not in done.stdout.split("every launch")[-1]

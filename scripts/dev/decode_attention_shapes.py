@@ -1,0 +1,155 @@
+"""Paged decode attention by launch shape at a benchmark model's decode steps: the engine's launch (`default_config`,
+`default_num_splits`, the longest context first) against each `DecodeConfig` asked for, per row count:
+
+    python scripts/dev/decode_attention_shapes.py --architecture llama-3.2-1b --rows 256,512 --context 64-1536
+    python scripts/dev/decode_attention_shapes.py --architecture llama-3.1-8b --rows 32,256 --block-n 32,64 --warps 4,8
+
+Contexts are drawn uniformly from the `--context` range (numpy's default_rng(1234)), as a mixed workload's decode
+steps hold them, and each sequence's cache blocks are scattered over the pool as a running engine leaves them. A
+time is a call's share of a CUDA graph of calls over as many layers' caches as outgrow the L2 cache (median of 20
+replays), so neither launch overhead nor a cache hit counts. The floor reads every cached key and value once, and
+the queries and outputs, at the copy rate measured here first. A config whose output is not the engine launch's
+within bf16's tolerance is marked !.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
+
+from bench_lib.hardware import measure_copy_bandwidth, median_seconds  # noqa: E402
+from bench_lib.workloads import ARCHITECTURES  # noqa: E402
+
+BLOCK_SIZE = 16  # the engine's default `engine.block_size`
+L2_BYTES = 256 << 20  # read between two reads of one layer's cache: more than any L2 cache holds
+
+
+def per_call_us(calls: list) -> float:
+    """Microseconds a call takes inside a CUDA graph of `calls` (each on another layer's cache)."""
+    import torch
+
+    for call in calls:
+        call()  # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return 1e6 * median_seconds(graph.replay, 20) / len(calls)
+
+
+def decode_step(rows: int, context: tuple[int, int], heads: int, kv_heads: int, head_dim: int):
+    """One decode step's inputs and `layers` caches: (q, caches, block_tables, seq_lens, cu_query_lens, order,
+    KV bytes a layer reads)."""
+    import numpy as np
+    import torch
+
+    lengths = np.random.default_rng(1234).integers(context[0], context[1] + 1, size=rows)
+    blocks = -(-lengths // BLOCK_SIZE)
+    pool = int(blocks.sum())
+    scattered = torch.randperm(pool, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    tables = torch.zeros(rows, int(blocks.max()), dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = scattered[start : start + count]
+        start += count
+    kv_bytes = 2 * int(lengths.sum()) * kv_heads * head_dim * 2
+    layers = max(2, -(-L2_BYTES // kv_bytes))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def cache() -> torch.Tensor:
+        shape = (pool, BLOCK_SIZE, kv_heads, head_dim)
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+
+    caches = [(cache(), cache()) for _ in range(layers)]
+    q = torch.randn(rows, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    cu_query_lens = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
+    order = torch.tensor(np.argsort(-lengths, kind="stable"), dtype=torch.int32, device="cuda")
+    return q, caches, tables.cuda(), seq_lens, cu_query_lens, order, kv_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--architecture", default="llama-3.2-1b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--rows", default="256,512", help="comma-separated sequences a step")
+    parser.add_argument("--context", default="64-1536", help="the range contexts are drawn from, LOW-HIGH tokens")
+    parser.add_argument("--block-n", default="32,64,128", help="comma-separated tokens a tile to try")
+    parser.add_argument("--warps", default="4,8", help="comma-separated num_warps to try")
+    parser.add_argument("--stages", default="2,3,4", help="comma-separated num_stages to try")
+    parser.add_argument(
+        "--heads-first", default="0,1", help="comma-separated 0/1: the grid's first dimension the KV heads"
+    )
+    parser.add_argument("--splits", default="1", help="comma-separated splits a sequence to try")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from batchjob.engine.native.kernels.decode_attention import (
+        DecodeConfig,
+        default_config,
+        default_num_splits,
+        paged_decode_attention,
+    )
+
+    cfg = ARCHITECTURES[args.architecture]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    low, high = (int(v) for v in args.context.split("-"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy = measure_copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, {sms} multiprocessors")
+    print(f"{args.architecture}: {heads} query heads, {kv_heads} KV heads of {head_dim}; contexts U({low}, {high})")
+    knobs = [args.block_n, args.warps, args.stages, args.heads_first, args.splits]
+    tried = list(itertools.product(*(map(int, v.split(",")) for v in knobs)))
+    print(f"{'rows':>5} {'KV MB':>7} {'floor':>8} {'engine':>8} {'best':>8}  best launch            of copy")
+    for rows in (int(r) for r in args.rows.split(",")):
+        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = decode_step(
+            rows, (low, high), heads, kv_heads, head_dim
+        )
+        out = torch.empty_like(q)
+        floor = (kv_bytes + 2 * q.numel() * q.element_size()) / copy * 1e6
+        attend = functools.partial(
+            paged_decode_attention, q, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu_query_lens,
+            scale=head_dim**-0.5, out=out, order=order,
+        )  # fmt: skip
+
+        def calls(config: DecodeConfig, splits: int, attend=attend, caches=caches) -> list:
+            return [
+                functools.partial(attend, k_cache=k, v_cache=v, num_splits=splits, config=config) for k, v in caches
+            ]
+
+        engine_launch = calls(default_config(rows, kv_heads, sms), default_num_splits(rows, kv_heads, sms))
+        engine_launch[0]()
+        reference = out.float().clone()
+        engine = per_call_us(engine_launch)
+        timed = {}
+        for block_n, warps, stages, heads_first, splits in tried:
+            config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, heads_first=bool(heads_first))
+            launch = calls(config, splits)
+            try:
+                launch[0]()
+            except Exception as exc:  # a launch that does not fit (shared memory): not a candidate
+                print(f"  {block_n}/{warps}/{stages}/{heads_first}/{splits}: {type(exc).__name__}")
+                continue
+            good = ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
+            timed[(block_n, warps, stages, heads_first, splits)] = (per_call_us(launch), good)
+        (best_launch, (best, good)) = min(timed.items(), key=lambda item: item[1][0])
+        text = "/".join(map(str, best_launch)) + ("" if good else "!")
+        print(
+            f"{rows:>5} {kv_bytes / 1e6:7.1f} {floor:8.1f} {engine:8.1f} {best:8.1f}  {text:<22} "
+            f"{floor / best:5.1%} (engine {floor / engine:5.1%})"
+        )
+        listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{'' if ok else '!'}" for t, (us, ok) in timed.items())
+        print(f"   every launch (block_n/warps/stages/heads_first/splits us): {listed}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
