@@ -6,10 +6,10 @@
 
 Contexts are drawn uniformly from the `--context` range (numpy's default_rng(1234)), as a mixed workload's decode
 steps hold them, and each sequence's cache blocks are scattered over the pool as a running engine leaves them. A
-time is a call's share of a CUDA graph of calls over as many layers' caches as outgrow the L2 cache (median of 20
-replays), so neither launch overhead nor a cache hit counts. The floor reads every cached key and value once, and
-the queries and outputs, at the copy rate measured here first. A config whose output is not the engine launch's
-within bf16's tolerance is marked !.
+time is a call's share of a CUDA graph of calls over as many layers' caches as outgrow the L2 cache, one after
+another (`fp8_shapes.per_call_us`: median of 20 replays), so neither launch overhead nor a cache hit counts. The
+floor reads every cached key and value once, and the queries and outputs, at the copy rate measured here first. A
+launch whose output is not the engine launch's within bf16's tolerance is marked !.
 """
 
 from __future__ import annotations
@@ -23,25 +23,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth, median_seconds  # noqa: E402
+from bench_lib.hardware import measure_copy_bandwidth  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
+from fp8_shapes import per_call_us  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's default `engine.block_size`
 L2_BYTES = 256 << 20  # read between two reads of one layer's cache: more than any L2 cache holds
-
-
-def per_call_us(calls: list) -> float:
-    """Microseconds a call takes inside a CUDA graph of `calls` (each on another layer's cache)."""
-    import torch
-
-    for call in calls:
-        call()  # compiled and warm before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return 1e6 * median_seconds(graph.replay, 20) / len(calls)
 
 
 def decode_step(rows: int, context: tuple[int, int], heads: int, kv_heads: int, head_dim: int):
@@ -120,26 +107,26 @@ def main(argv: list[str] | None = None) -> int:
             scale=head_dim**-0.5, out=out, order=order,
         )  # fmt: skip
 
-        def calls(config: DecodeConfig, splits: int, attend=attend, caches=caches) -> list:
-            return [
-                functools.partial(attend, k_cache=k, v_cache=v, num_splits=splits, config=config) for k, v in caches
-            ]
+        def launch(config: DecodeConfig, splits: int, attend=attend):
+            """A layer's call (its `(k_cache, v_cache)`) with this launch shape."""
+            return lambda cache: functools.partial(attend, *cache, num_splits=splits, config=config)
 
-        engine_launch = calls(default_config(rows, kv_heads, sms), default_num_splits(rows, kv_heads, sms))
-        engine_launch[0]()
+        engine_launch = launch(default_config(rows, kv_heads, sms), default_num_splits(rows, kv_heads, sms))
+        engine_launch(caches[0])()
         reference = out.float().clone()
-        engine = per_call_us(engine_launch)
+        calls = max(4, len(caches))  # every layer's cache once at least; a big step's few calls are long enough
+        engine = per_call_us(engine_launch, caches, calls)
         timed = {}
         for block_n, warps, stages, heads_first, splits in tried:
             config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, heads_first=bool(heads_first))
-            launch = calls(config, splits)
+            call = launch(config, splits)
             try:
-                launch[0]()
+                call(caches[0])()
             except Exception as exc:  # a launch that does not fit (shared memory): not a candidate
                 print(f"  {block_n}/{warps}/{stages}/{heads_first}/{splits}: {type(exc).__name__}")
                 continue
             good = ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
-            timed[(block_n, warps, stages, heads_first, splits)] = (per_call_us(launch), good)
+            timed[(block_n, warps, stages, heads_first, splits)] = (per_call_us(call, caches, calls), good)
         (best_launch, (best, good)) = min(timed.items(), key=lambda item: item[1][0])
         text = "/".join(map(str, best_launch)) + ("" if good else "!")
         print(

@@ -119,9 +119,9 @@ def enabled() -> bool:
 def begin(key: str, model_dir: Path, native: ModelSpec) -> None:
     """Check `native`, read from `model_dir`, against transformers' reading in a process beside: the one
     `begin_early` started for `key`, else a new one."""
-    pending = _pending.get((str(cache_root()), key))
+    pending = _pending.get(_slot(key))
     if pending is None:
-        _pending[(str(cache_root()), key)] = SpecCheck(model_dir, native, _worker(model_dir))
+        _pending[_slot(key)] = SpecCheck(model_dir, native, _worker(model_dir))
     elif pending.native is None:
         pending.native = native
 
@@ -139,8 +139,8 @@ def begin_early(model_path: str, device: str) -> None:
     if not (model_dir / "config.json").is_file():
         return  # a hub id, or no model: the engine's checks say which
     key = spec_key(model_dir)
-    if (str(cache_root()), key) not in _pending and not is_kept(key):
-        _pending[(str(cache_root()), key)] = SpecCheck(model_dir, None, _worker(model_dir))
+    if _slot(key) not in _pending and not is_kept(key):
+        _pending[_slot(key)] = SpecCheck(model_dir, None, _worker(model_dir))
 
 
 # Where a loaded NVIDIA driver shows itself, told without torch.
@@ -150,6 +150,11 @@ NVIDIA_DRIVER = Path("/proc/driver/nvidia")
 def may_have_gpu() -> bool:
     """Whether `device=auto` may choose a GPU here: an NVIDIA driver is loaded and CUDA_VISIBLE_DEVICES hides none."""
     return NVIDIA_DRIVER.is_dir() and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+
+
+def _slot(key: str) -> tuple[str, str]:
+    """A check's place in `_pending`: the spec cache it fills, and the config's key there."""
+    return str(cache_root()), key
 
 
 def _worker(model_dir: Path) -> subprocess.Popen:
@@ -178,7 +183,7 @@ def settled(checks: list[SpecCheck]) -> bool:
 def timings(checks: list[SpecCheck]) -> dict[str, float]:
     """`spec_check_s`: from the first check's start to the last one's end; `spec_check_wait_s`: how long the
     engine waited for them (completions held after the engine had no more, or `settle`). Empty while any runs."""
-    if not checks or not all(check.ended for check in checks):
+    if not checks or any(check.ended is None for check in checks):
         return {}
     return {
         "spec_check_s": max(check.ended for check in checks) - min(check.began for check in checks),
