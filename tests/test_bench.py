@@ -373,6 +373,10 @@ def test_step_kinds_splits_a_recorded_w2_run_into_decode_and_prefill_steps_again
     assert "decode          506 steps" in run.stdout and "mixed 8192       35 steps" in run.stdout
     assert run.stdout.count("GPU spans by duration (544 steps") == 4  # cold and warm, without and with the flag
     assert run.stdout.count("20-40    ms     35 steps") == 2 and run.stdout.count("40-inf   ms     35 steps") == 2
+    # W2's floor as the bench's roofline puts it, and higher with a decode step's kernels one after another
+    floors = re.search(r"workload floor ([\d.]+) s; its decode steps' kernels one after another ([\d.]+) s", run.stdout)
+    overlapped, serial = float(floors[1]), float(floors[2])
+    assert overlapped == pytest.approx(2.31, abs=0.01) and 1.0 < serial / overlapped < 1.2
 
 
 def test_a_run_whose_results_waited_for_the_config_check_says_so_beside_its_rate(bench_lib):

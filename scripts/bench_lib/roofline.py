@@ -152,10 +152,13 @@ def decode_floor(
     copy_bytes_per_s: float,
     matmul_flops_per_s: float,
     fp8_matmul_flops_per_s: float | None = None,
+    serial: bool = False,
 ) -> tuple[float, int, int]:
     """Seconds, steps and peak concurrency of the decode phase. The first output token of each request comes
     from its prefill, so a request of L output tokens takes L - 1 decode steps; at decode step j its
-    attention reads `prompt + j` tokens of KV."""
+    attention reads `prompt + j` tokens of KV. A step takes the longer of its reads and its FLOPs; with `serial`,
+    its attention's KV read and then the longer of its weights' read and its matmuls' FLOPs, as kernels that run
+    one after another do."""
     remaining = output_lengths.astype(np.int64) - 1
     footprint = prompt_lengths + output_lengths
     if (footprint > kv_budget_tokens).any():
@@ -176,9 +179,14 @@ def decode_floor(
         context[running] += 1
         batch = int(running.sum())
         kv_tokens = int(context[running].sum())
-        read_s = (shape.step_weight_bytes(batch) + kv_tokens * shape.kv_bytes_per_token) / copy_bytes_per_s
-        compute_s = shape.matmul_seconds(batch, batch, kv_tokens, matmul_flops_per_s, fp8_matmul_flops_per_s)
-        seconds += max(read_s, compute_s)
+        kv_s = kv_tokens * shape.kv_bytes_per_token / copy_bytes_per_s
+        weights_s = shape.step_weight_bytes(batch) / copy_bytes_per_s
+        if serial:
+            matmul_s = shape.matmul_seconds(batch, batch, 0, matmul_flops_per_s, fp8_matmul_flops_per_s)
+            seconds += kv_s + max(weights_s, matmul_s)
+        else:
+            compute_s = shape.matmul_seconds(batch, batch, kv_tokens, matmul_flops_per_s, fp8_matmul_flops_per_s)
+            seconds += max(kv_s + weights_s, compute_s)
         steps += 1
         peak = max(peak, batch)
         remaining[running] -= 1
@@ -210,10 +218,12 @@ def roofline(
     matmul_flops_per_s: float,
     kv_budget_bytes: int,
     fp8_matmul_flops_per_s: float | None = None,
+    serial: bool = False,
 ) -> RooflineFloor:
+    """The workload's floor; `serial`: its decode steps' as `decode_floor`'s kernels one after another."""
     prompts, outputs = requests.prompt_lengths, requests.output_lengths
     kv_tokens = kv_budget_bytes // shape.kv_bytes_per_token
     rates = (matmul_flops_per_s, fp8_matmul_flops_per_s)
-    decode_s, steps, peak = decode_floor(shape, prompts, outputs, kv_tokens, copy_bytes_per_s, *rates)
+    decode_s, steps, peak = decode_floor(shape, prompts, outputs, kv_tokens, copy_bytes_per_s, *rates, serial)
     prefill_s = prefill_floor(shape, prompts, requests.spec.shared_prefix, *rates)
     return RooflineFloor(decode_s, prefill_s, steps, peak, requests.total_output_tokens)

@@ -5,11 +5,12 @@ engine's few-rows kernel (`kernels/fp8_few_rows.py`) with its chosen tile and wi
     python scripts/dev/fp8_shapes.py --architecture llama-3.1-70b --rows 32,64 --block-n 32,64,128 --stages 3,4,6
 
 For each projection (qkv, o, gate_up, down) of one layer and row count it prints the floor (the e4m3 weight, the
-input and the bf16 output at the copy rate measured here first), cuBLASLt's time, the kernel's with the engine's
-tile and the best tile tried (BLOCK_N / warps / stages), and the share of the copy rate each reaches. A time is a
-call's share of a CUDA graph of 24 calls (median of 20 replays), each call reading another copy of the weight than
-the call before, so neither launch overhead nor the L2 cache counts. A tile whose output is not cuBLASLt's within
-FP8 tolerance is marked !.
+input and the bf16 output at the copy rate measured here first, or the FLOPs at the FP8 matmul rate measured here if
+those take longer), cuBLASLt's time, the kernel's with the engine's tile and the best tile tried (BLOCK_N / warps /
+stages), and the share of the floor each reaches. Above the kernel's `MAX_ROWS` the engine takes cuBLASLt with its
+rows padded (`fp8_linear.blas_matmul`), and no tile is tried. A time is a call's share of a CUDA graph of 24 calls
+(median of 20 replays), each call reading another copy of the weight than the call before, so neither launch
+overhead nor the L2 cache counts. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth, median_seconds  # noqa: E402
+from bench_lib.hardware import measure_copy_bandwidth, measure_fp8_matmul_rate, median_seconds  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 from matmul_shapes import projections  # noqa: E402
 
@@ -50,6 +51,12 @@ def cublaslt_call(a, a_scales, w_scales, weight):
     return lambda: torch._scaled_mm(a, weight.t(), scale_a=a_scales, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
+def engine_blas_call(a, a_scales, w_scales, weight):
+    from batchjob.engine.native.layers.fp8_linear import blas_matmul
+
+    return lambda: blas_matmul(a, a_scales, weight, w_scales, None)
+
+
 def few_rows_call(a, a_scales, w_scales, weight, tile=None):
     import torch
 
@@ -69,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from batchjob.engine.native.kernels import fp8
+    from batchjob.engine.native.kernels import fp8, fp8_few_rows
     from batchjob.engine.native.layers.fp8_linear import quantize_weight
 
-    copy = measure_copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s")
+    copy, flops = measure_copy_bandwidth(), measure_fp8_matmul_rate()
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, fp8 matmul {flops / 1e12:.0f} TFLOP/s")
     tiles = list(itertools.product(*(map(int, v.split(",")) for v in (args.block_n, args.warps, args.stages))))
     shapes = {name: shape for name, shape in projections(args.architecture).items() if name != "lm_head"}
-    print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLASLt':>9} {'engine':>8} {'best':>8} tile  of copy")
+    print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLASLt':>9} {'engine':>8} {'best':>8} tile  of floor")
     generator = torch.Generator(device="cuda").manual_seed(0)
     totals = dict.fromkeys(["floor", "cuBLASLt", "engine", "best"], 0.0)
     for name, (n, k) in shapes.items():
@@ -86,15 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
             a, a_scales = fp8.quantize(x)
-            floor = (n * k + rows * k + 2 * rows * n) / copy * 1e6
+            floor = max((n * k + rows * k + 2 * rows * n) / copy, 2 * rows * n * k / flops) * 1e6
 
             blas = functools.partial(cublaslt_call, a, a_scales, w_scales)
             few = functools.partial(few_rows_call, a, a_scales, w_scales)
             blas_out = blas(w)().float()
             blas_us = per_call_us(blas, weights)
-            engine = per_call_us(few, weights)
-            timed = {}
-            for tile in tiles:
+            few_rows = fp8_few_rows.suits(rows, k, a_scales)
+            engine = per_call_us(
+                few if few_rows else functools.partial(engine_blas_call, a, a_scales, w_scales), weights
+            )
+            timed = {} if few_rows else {("padded",): (engine, True)}
+            for tile in tiles if few_rows else ():
                 try:
                     out = few(w, tile)().float()
                 except Exception as exc:  # a tile that does not fit (shared memory): not a candidate

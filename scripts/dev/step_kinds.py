@@ -10,7 +10,9 @@ size, `simulate_admission.replay`) and prices every step as the roofline does (b
 step reads its weights and its sequences' KV, a step's prefill tokens add their FLOPs), at the copy and matmul
 rates of the bench's `hardware`. The measured side groups the run's GPU spans (`busy_timeline`) by duration:
 decode steps are the short ones, mixed steps longer as their bucket grows. The two sides' step counts per group
-show how well the groups match (the replay is not the run: a few steps differ).
+show how well the groups match (the replay is not the run: a few steps differ). Last, the roofline's floor of the
+whole workload beside the same floor with each decode step's attention and matmuls one after another
+(`roofline(serial=True)`): what a step's kernels in turn could reach at best.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.roofline import model_shape  # noqa: E402
+from bench_lib.roofline import model_shape, roofline  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES, WORKLOADS, draw_requests  # noqa: E402
 from simulate_admission import replay  # noqa: E402
 
@@ -91,6 +93,13 @@ def main() -> None:
         n, seconds = floors[kind]
         print(f"  {kind:<12} {n:>6} steps {seconds:8.2f} s  ({seconds / n * 1e3:.1f} ms a step)")
     print(f"  {'total':<12} {sum(n for n, _ in floors.values()):>6} steps {sum(s for _, s in floors.values()):8.2f} s")
+    spec = WORKLOADS[args.workload]
+    shape = model_shape(ARCHITECTURES[spec.architecture])
+    requests = draw_requests(spec, shape.vocab)
+    kv_bytes = int(stats["kv_blocks"]) * int(stats.get("block_size", 16)) * shape.kv_bytes_per_token
+    rates = (hardware["copy_bytes_per_s"], hardware["matmul_flops_per_s"], kv_bytes)
+    overlapped, serial = (roofline(shape, requests, *rates, serial=serial).total_s for serial in (False, True))
+    print(f"workload floor {overlapped:.2f} s; its decode steps' kernels one after another {serial:.2f} s")
     edges = [0.0, *(float(b) / 1e3 for b in args.bands_ms.split(",")), float("inf")]
     for run in runs:
         timeline = run["busy_timeline"]

@@ -18,7 +18,7 @@ from fp8_models import handwritten_checkpoint, reference_logits  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
 from batchjob.engine.native.kernels import fp8  # noqa: E402
-from batchjob.engine.native.layers.fp8_linear import Fp8Linear, quantize_weight  # noqa: E402
+from batchjob.engine.native.layers.fp8_linear import Fp8Linear, blas_matmul, quantize_weight  # noqa: E402
 from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -138,6 +138,29 @@ def test_row_scaled_projections_agree_with_the_float32_arithmetic(rows):
     reference = layer._plain(q, scales).float()
     assert out.dtype == torch.bfloat16
     assert ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("rows", [65, 224, 256, 300])
+def test_the_fp8_gemm_reads_its_rows_up_to_a_multiple_of_128_and_gives_back_the_rows_asked_for(rows):
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weight, weight_scale = quantize_weight(torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16, generator=gen))
+    bias = torch.randn(768, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, scales = fp8.quantize(torch.randn(rows, 1024, device="cuda", generator=gen) * 3)
+    assert fp8.padded_rows(q) is not None, "the quantizer leaves the GEMM the rows up to a multiple of 128"
+    out = blas_matmul(q, scales, weight, weight_scale, bias)
+    unpadded = blas_matmul(q.clone(), scales.clone(), weight, weight_scale, bias)  # no room: the rows asked for
+    padded = -(-rows // fp8.BUFFER_ROWS) * fp8.BUFFER_ROWS
+    whole = torch.zeros(padded, 1024, device="cuda").to(fp8.FP8)
+    whole[:rows] = q
+    whole_scales = torch.ones(padded, 1, device="cuda")
+    whole_scales[:rows] = scales
+    expected = torch._scaled_mm(
+        whole, weight.t(), scale_a=whole_scales, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=torch.bfloat16
+    )
+    assert out.shape == (rows, 768) and out.is_contiguous() and out.dtype == torch.bfloat16
+    assert torch.equal(out, expected[:rows])
+    assert unpadded.shape == out.shape
+    assert ((unpadded.float() - out.float()).norm() / out.float().norm()).item() < 1e-2
 
 
 def test_fp8_greedy_output_is_the_float64_references_choice_but_where_an_fp8_rounding_flips(source, checkpoint):

@@ -79,6 +79,18 @@ def greedy(model_dir, prompts: list[list[int]], **options) -> dict[int, tuple[in
         engine.close()
 
 
+@pytest.mark.parametrize(("rows", "padded"), [(1, 128), (128, 128), (224, 256), (300, 384)])
+def test_quantized_activations_lie_in_buffers_of_whole_128_row_blocks_the_fp8_gemm_may_read_whole(rows, padded):
+    q, scales = fp8.row_buffers(rows, 96, 1, torch.device("cpu"))
+    assert q.shape == (rows, 96) and q.dtype == fp8.FP8 and scales.shape == (rows, 1)
+    whole = fp8.padded_rows(q)
+    assert whole.shape == (padded, 96) and whole.data_ptr() == q.data_ptr()
+    assert fp8.padded_rows(scales).shape == (padded, 1)
+    # a tensor without the room (or not the start of its buffer) is taken as it is
+    assert (fp8.padded_rows(torch.zeros(rows, 96)) is None) == (rows != padded)
+    assert fp8.padded_rows(fp8.row_buffers(rows + 1, 96, 1, torch.device("cpu"))[0][1:]) is None
+
+
 def test_each_checkpoint_format_computes_the_float64_reference_of_its_fp8_arithmetic(source, checkpoint):
     ours = our_logits(checkpoint, PROMPT)
     reference = reference_logits(source, checkpoint, PROMPT)

@@ -29,6 +29,10 @@ INV_FP8_MAX = 1.0 / FP8_MAX  # taken as float32 by every path (torch's float32 t
 MIN_SCALE = 1e-12
 # The K depth of an FP8 tensor-core dot (Triton refuses less on Hopper).
 FP8_DOT_DEPTH = 32
+# Quantized activations are the first rows of buffers of a multiple of this many rows (`row_buffers`): torch's FP8
+# GEMM runs another row count far slower than the multiple above it, so `fp8_linear.blas_matmul` hands it the whole
+# buffer (`padded_rows`) and drops the extra rows' results.
+BUFFER_ROWS = 128
 
 
 @triton.jit
@@ -80,14 +84,31 @@ def _quantize_kernel(
         tl.store(q_ptr + row * q_stride + cols, to_fp8(x, scale, q_ptr), mask=mask)
 
 
+def row_buffers(rows: int, cols: int, groups: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised e4m3 [rows, cols] and float32 [rows, groups] tensors for quantized activations and their
+    scales, each the first rows of a buffer of `BUFFER_ROWS`-row multiples."""
+    padded = -(-rows // BUFFER_ROWS) * BUFFER_ROWS
+    q = torch.empty((padded, cols), dtype=FP8, device=device)[:rows]
+    return q, torch.empty((padded, groups), dtype=torch.float32, device=device)[:rows]
+
+
+def padded_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """`t` [M, C] (the first rows of its storage, contiguous) with its rows up to the next multiple of
+    `BUFFER_ROWS`, where its storage holds them (`row_buffers`); else None. The extra rows hold what was there."""
+    rows, cols = t.shape
+    padded = -(-rows // BUFFER_ROWS) * BUFFER_ROWS
+    if t.storage_offset() or not t.is_contiguous() or t.untyped_storage().nbytes() < padded * cols * t.element_size():
+        return None
+    return t.as_strided((padded, cols), (cols, 1))
+
+
 def quantize(x: torch.Tensor, group_size: int | None = None, upper: float | None = None):
     """(x in e4m3 [M, K], float32 scales [M, K / group_size]) for activations x [M, K]; `group_size` None: one
     scale per row. `upper` caps each group's amax (fbgemm_fp8's activation_scale_ub)."""
     rows, cols = x.shape
     group = cols if group_size is None else group_size
     groups = triton.cdiv(cols, group)
-    q = torch.empty((rows, cols), dtype=FP8, device=x.device)
-    scales = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    q, scales = row_buffers(rows, cols, groups, x.device)
     if rows:
         block = min(triton.next_power_of_2(group), 1024)
         _quantize_kernel[(rows, groups)](

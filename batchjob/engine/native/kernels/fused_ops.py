@@ -106,8 +106,7 @@ def rms_norm_fp8(
     rows, which this kernel's compiled variant may round one bf16 step apart from `rms_norm`'s in a rare element
     (tests/gpu/test_fp8_gpu.py bounds it)."""
     rows, cols = x.shape[-2:]
-    q = torch.empty((rows, cols), dtype=fp8.FP8, device=x.device)
-    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    q, scales = fp8.row_buffers(rows, cols, 1, x.device)
     _launch_norm(x, weight, eps, residual, weight_fp32, offset, q, scales, upper)
     return (q, scales), residual
 
@@ -331,8 +330,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, upper: float | None = None) -> tuple
     [rows, 1]), with `fp8.quantize(silu_and_mul(gate_up), None, upper)`'s arithmetic."""
     rows, width = gate_up.shape
     n = width // 2
-    q = torch.empty((rows, n), dtype=fp8.FP8, device=gate_up.device)
-    scales = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    q, scales = fp8.row_buffers(rows, n, 1, gate_up.device)
     if rows:
         # A row of up to WHOLE_ROW_MAX products fits one program's registers (16 warps: 32 floats a thread): one
         # read of the row, its loads all in flight at once (a decode step has a program for each of its few rows).
