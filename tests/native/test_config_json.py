@@ -78,6 +78,7 @@ VARIANTS = {
         dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
     ),
     "llama linear, partial rotary": ("LlamaConfig", dict(rope_scaling={"type": "linear", "factor": 2.0})),
+    "llama dynamic": ("LlamaConfig", dict(rope_scaling={"type": "dynamic", "factor": 2.0})),
     "gemma2 default layers": ("Gemma2Config", dict(head_dim=16)),
     "gemma3 pattern of 2, linear global rope": (
         "Gemma3TextConfig",

@@ -315,3 +315,18 @@ def test_a_run_leaves_start_up_objects_to_no_collection_and_close_hands_them_bac
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert dropped() is None
+
+
+def test_a_dynamic_ntk_rope_model_generates_what_transformers_does_up_to_its_length_and_no_further(tmp_path):
+    """transformers' "dynamic" rope raises theta once a forward call passes max_position_embeddings; the engine,
+    which never runs past it, uses the default frequencies and must agree to the last position."""
+    scaling = {"rope_type": "dynamic", "factor": 4.0}
+    model_dir = make_tiny_model(tmp_path / "m", arch="llama", max_position_embeddings=64, rope_scaling=scaling)
+    requests = [
+        Request(0, tuple(range(10, 50)), SamplingParams(max_new_tokens=24, ignore_eos=True)),  # up to position 63
+        Request(1, tuple(range(100, 107)), SamplingParams(max_new_tokens=12, ignore_eos=True)),
+    ]
+    got, _ = _run(model_dir, requests)
+    assert {i: c.token_ids for i, c in got.items()} == _hf_greedy(model_dir, requests)
+    with pytest.raises(ValueError, match="max_model_len=128 exceeds"):
+        create_engine("native", str(model_dir), {"dtype": "float32", "max_model_len": 128})

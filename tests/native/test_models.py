@@ -175,6 +175,7 @@ def test_llama3_rope_scaling_is_read_and_matches_transformers(tiny_llama_dir):
         {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 1e6},
         {"rope_type": "yarn", "factor": 2.0, "beta_fast": 16, "mscale": 0.7, "mscale_all_dim": 1.0},
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     ],
 )
 def test_other_rope_scalings_match_transformers(tiny_llama_dir, tmp_path, rope_parameters):

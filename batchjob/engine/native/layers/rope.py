@@ -17,7 +17,7 @@ from torch import nn
 
 from batchjob.engine.native.layers.elementwise import RMSNorm
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,10 @@ def rope_inv_freq(rope: RopeSpec, dim: int, long: bool = False) -> tuple[torch.T
     them for each rope type (`dim`: the rotated channels of a head). `long`: longrope's long-context set."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "default":
+    if rope.rope_type in ("default", "dynamic"):
+        # Dynamic NTK scaling (transformers' "dynamic") raises theta only once a forward call's longest position
+        # passes max_position_embeddings; below it the frequencies are the default ones, and the engine's
+        # max_model_len never exceeds it (a longer one is refused).
         return inv_freq, 1.0
     if rope.rope_type == "linear":
         return inv_freq / rope.factor, 1.0
