@@ -95,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--greedy", action="store_true", help="decode every workload greedily (W5: the sampler's cost)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny llama, tiny workload, no roofline")
     parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="run each workload's model with its first N decoder layers only (its steps' kernels on a smaller GPU)",
+    )
+    parser.add_argument(
         "--constrained",
         action="store_true",
         help=f"structured outputs: a BPE tokenizer, and systems {','.join(CONSTRAINED_SYSTEMS)} by default",
@@ -175,6 +181,7 @@ def run_workload(
         )
         print(
             f"{spec.name}: roofline {floor.total_s:.2f} s = {floor.tok_per_s:,.0f} tok/s"
+            + (f" ({spec.architecture})" if args.layers else "")
             + (f" ({gpus} GPUs' bandwidth)" if gpus > 1 else ""),
             flush=True,
         )
@@ -293,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("the benchmark needs a CUDA GPU; use --tiny for the CPU smoke run")
-        specs = [workload(name, args.greedy) for name in _select(args.workloads, WORKLOADS, "--workloads")]
+        try:
+            names = _select(args.workloads, WORKLOADS, "--workloads")
+            specs = [workload(name, args.greedy, args.layers) for name in names]
+        except KeyError as error:
+            raise SystemExit(f"--layers {args.layers}: {error.args[0]}") from None
         settings = RunSettings(
             "cuda", "bfloat16", args.time_limit_s, args.hf_batch, args.hf_max_batch_tokens, args.hf_attn_implementation
         )
@@ -322,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_options": options,
         "load_format": args.load_format,
         "greedy": args.greedy,
+        "layers": args.layers,
         "hf_batch": args.hf_batch,
     }
     write_json(args.out / "bench.json", reports, rates, run)

@@ -87,6 +87,22 @@ def test_w1_decode_floor_matches_design_at_the_h200_copy_bandwidth(bench_lib):
     assert floor.prefill_s < 0.1 * floor.decode_s
 
 
+def test_a_workload_on_its_first_layers_keeps_its_requests_and_layer_shapes_and_scales_its_floor(bench_lib):
+    workloads, roofline = bench_lib.workloads, bench_lib.roofline
+    whole, part = workloads.workload("W8"), workloads.workload("W8", layers=40)
+    assert part.architecture == "llama-3.1-70b-fp8-40-layers"
+    assert workloads.draw_requests(part, 128256).prompts == workloads.draw_requests(whole, 128256).prompts
+    fields = workloads.ARCHITECTURES[part.architecture]
+    assert fields == {**workloads.ARCHITECTURES[whole.architecture], "num_hidden_layers": 40}
+    full, half = (roofline.model_shape(workloads.ARCHITECTURES[s.architecture]) for s in (whole, part))
+    assert (full.layers, half.layers) == (80, 40) and half.kv_bytes_per_token * 2 == full.kv_bytes_per_token
+    assert half.fp8_parameters * 2 == full.fp8_parameters  # every projection is a layer's
+    with pytest.raises(KeyError, match="has 16 layers"):
+        workloads.workload("W2", layers=17)
+    with pytest.raises(KeyError):
+        workloads.ARCHITECTURES["llama-3.1-8b-0-layers"]
+
+
 def test_decode_floor_runs_requests_in_waves_when_the_kv_budget_holds_only_some(bench_lib):
     roofline = bench_lib.roofline
     shape = roofline.ModelShape(

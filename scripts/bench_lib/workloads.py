@@ -3,12 +3,32 @@ a generator seeded per workload so that every system in every run sees the same 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 SEED = 1234
+_LAYERS = re.compile(r"(?P<base>.+)-(?P<layers>[1-9][0-9]*)-layers")
+
+
+class _Architectures(dict):
+    """Architecture name -> config fields; a name ending in "-N-layers" (`layers`, the bench's `--layers`) is the
+    named architecture with its first N decoder layers: the same layers and step shapes, less memory."""
+
+    def __missing__(self, name: str) -> dict[str, Any]:
+        match = _LAYERS.fullmatch(name)
+        if match is None or match["base"] not in self:
+            raise KeyError(name)
+        fields, layers = dict(self[match["base"]]), int(match["layers"])
+        if layers > fields["num_hidden_layers"]:
+            raise KeyError(f"{name}: {match['base']} has {fields['num_hidden_layers']} layers")
+        fields["num_hidden_layers"] = layers
+        if "layer_types" in fields:
+            fields["layer_types"] = fields["layer_types"][:layers]
+        return fields
+
 
 # The real configs of the architectures the workloads name (weights are random: they cannot be downloaded).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -68,6 +88,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
 }
+ARCHITECTURES = _Architectures(ARCHITECTURES)
 # Llama 3.2 1B and Llama 3.1 70B are the 8B's recipe, narrower and shallower (its embeddings tied) or wider and
 # deeper.
 ARCHITECTURES["llama-3.2-1b"] = {
@@ -148,10 +169,15 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 }
 
 
-def workload(name: str, greedy: bool = False) -> WorkloadSpec:
+def workload(name: str, greedy: bool = False, layers: int | None = None) -> WorkloadSpec:
     """The named workload; `greedy`: the same requests decoded greedily (W5 without its sampling, for the
-    sampler's cost: the same prompts, output lengths and floor, since a sampler reads only the logits)."""
+    sampler's cost: the same prompts, output lengths and floor, since a sampler reads only the logits); `layers`:
+    on its architecture's first `layers` decoder layers (a model too large for the GPU, its steps' kernels as the
+    whole model's)."""
     spec = TINY_WORKLOAD if name == TINY_WORKLOAD.name else WORKLOADS[name]
+    if layers is not None:
+        spec = replace(spec, architecture=f"{spec.architecture}-{layers}-layers")
+        ARCHITECTURES[spec.architecture]  # a KeyError now where the model has fewer layers
     return replace(spec, temperature=0.0, top_p=1.0) if greedy else spec
 
 
