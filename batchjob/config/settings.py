@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -341,6 +341,19 @@ def _may_be_openai_batch(data_format: str, path: Any) -> bool:
         return True
 
 
+def for_shard_rows(settings: JobSettings, rows: int | None) -> JobSettings:
+    """`settings` for a shard of `rows` input rows (`data.limit` applied; None: unknown, as a stream's): no more
+    sequences in flight (`engine.max_num_seqs`) than the rows make (x `sampling.n`), so a small job's engine
+    captures and compiles only the steps it can run. Not for an OpenAI batch file, whose lines may set their own n,
+    nor for an empty shard."""
+    seqs = settings.engine_options.get("max_num_seqs")
+    if not rows or isinstance(seqs, bool) or not isinstance(seqs, int):
+        return settings
+    if rows * settings.sampling.n >= seqs or _may_be_openai_batch(settings.data.format, settings.data.path):
+        return settings
+    return replace(settings, engine_options={**settings.engine_options, "max_num_seqs": rows * settings.sampling.n})
+
+
 def load_settings(cfg: DictConfig) -> JobSettings:
     """Check `cfg` (and the engine options, through the backend's own check) without loading anything."""
     check_resolvable(cfg)
@@ -406,11 +419,6 @@ def load_settings(cfg: DictConfig) -> JobSettings:
         # No row of this job can carry a constraint: the graphs of its split steps would only cost start-up
         # (more than half the graphs a native engine captures).
         engine_cfg["graph_constrained"] = False
-    rows = None if limit is None or batch_file else limit * sampling.n  # (a line may set n)
-    seqs = engine_cfg.get("max_num_seqs")
-    if rows and isinstance(seqs, int) and not isinstance(seqs, bool) and rows < seqs:
-        # A job of `data.limit` rows never has more sequences in flight: fewer decode graphs to capture.
-        engine_cfg["max_num_seqs"] = rows
     if not batch_file and engine_cfg.get("graph_sampling") in (True, "all"):
         # Every row of this job samples alike (an OpenAI batch file may set a temperature per line): the graphs
         # of the other two sampler modes would be two thirds of the start-up's capture, never replayed.

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from batchjob.config.settings import JobSettings
+from batchjob.config.settings import JobSettings, for_shard_rows
 from batchjob.engine import choose_backend
 from batchjob.engine.config_files import BrokenConfigFileError, read_json_file
 from batchjob.engine.transformers_import import load_tokenizer as load_hf_tokenizer
@@ -149,7 +149,7 @@ def prepare(checked: CheckedInput, startup: StartupClock) -> PreparedJob:
     """Choose the engine for the model and check the output directory; lock the shard unless the ids must be
     scanned first (`PreparedJob.scan_ids`). Loads no tokenizer and no model weights."""
     model_path, source, passthrough = checked.model_path, checked.source, checked.passthrough
-    settings = choose_engine(checked.settings, model_path)
+    settings = for_shard_rows(choose_engine(checked.settings, model_path), source.num_rows())
     startup.lap("config_s")
     data = settings.data
     record = job_record(settings, model_path, source.fingerprint(), passthrough, source.job_rows(), source.string_ids)

@@ -187,10 +187,10 @@ def test_a_job_whose_rows_all_sample_alike_captures_graphs_of_that_sampler_mode_
 def test_an_openai_batch_file_read_under_format_auto_keeps_every_sampler_graph(tmp_path: Path) -> None:
     """Its lines set their own temperature, n and response format: under data.format=auto the graphs are not
     narrowed to the job's sampling (they were, before the format was recognised, leaving per-line temperatures and
-    schemas to eager steps); a plain .jsonl of prompts still is."""
+    schemas to eager steps), nor its sequences to its rows; a plain .jsonl of prompts still is."""
     import json
 
-    from batchjob.config.settings import load_settings
+    from batchjob.config.settings import for_shard_rows, load_settings
 
     batch = tmp_path / "requests.jsonl"
     request = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}}
@@ -198,31 +198,62 @@ def test_an_openai_batch_file_read_under_format_auto_keeps_every_sampler_graph(t
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     out = f"output.dir={tmp_path / 'out'}"
-    options = load_settings(job_config("engine=native", out, f"data.path={batch}", "data.limit=20")).engine_options
+    settings = for_shard_rows(load_settings(job_config("engine=native", out, f"data.path={batch}")), 20)
+    options = settings.engine_options
     assert (options["graph_sampling"], options["graph_constrained"], options["max_num_seqs"]) == ("all", True, 512)
-    options = load_settings(job_config("engine=native", out, f"data.path={prompts}", "data.limit=20")).engine_options
+    settings = for_shard_rows(load_settings(job_config("engine=native", out, f"data.path={prompts}")), 20)
+    options = settings.engine_options
     assert (options["graph_sampling"], options["graph_constrained"], options["max_num_seqs"]) == ("greedy", False, 20)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rows", "seqs"),
+    [
+        ((), None, 512),  # a stream: rows unknown
+        ((), 20, 20),
+        (("sampling.n=3", "sampling.temperature=0.7"), 20, 60),
+        ((), 100000, 512),
+        (("engine.max_num_seqs=8",), 20, 8),
+        ((), 0, 512),  # an empty shard
+        (("data.format=openai_batch",), 20, 512),  # a line may ask for several samples
+    ],
+)
+def test_a_shard_of_a_few_rows_runs_no_more_sequences_than_they_make(
+    tmp_path: Path, overrides: tuple[str, ...], rows: int | None, seqs: int
+) -> None:
+    from batchjob.config.settings import for_shard_rows, load_settings
+
+    settings = load_settings(job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides))
+    configured = 8 if "engine.max_num_seqs=8" in overrides else 512
+    assert settings.engine_options["max_num_seqs"] == configured, (
+        "the config alone lowers nothing: a warm-up's is whole"
+    )
+    assert for_shard_rows(settings, rows).engine_options["max_num_seqs"] == seqs
 
 
 @pytest.mark.parametrize(
     ("overrides", "seqs"),
     [
-        ((), 512),
-        (("data.limit=20",), 20),
-        (("data.limit=20", "sampling.n=3", "sampling.temperature=0.7"), 60),
-        (("data.limit=100000",), 512),
-        (("data.limit=20", "engine.max_num_seqs=8"), 8),
-        (("data.limit=0",), 512),
-        (("data.limit=20", "data.format=openai_batch"), 512),  # a line may ask for several samples
+        ((), 12),  # the input's rows, without data.limit
+        (("data.limit=5",), 5),
+        (("shard.count=2", "shard.index=1"), 6),  # this shard's rows
+        (("sampling.n=2", "sampling.temperature=0.7"), 24),
     ],
 )
-def test_a_job_of_a_few_rows_runs_no_more_sequences_than_it_has(
+def test_a_job_runs_its_engine_with_no_more_sequences_than_its_shard_has(
     tmp_path: Path, overrides: tuple[str, ...], seqs: int
 ) -> None:
-    from batchjob.config.settings import load_settings
+    data = write_prompts(tmp_path / "prompts.parquet", 12)
+    out = tmp_path / "out"
+    assert run_job(job_config("engine=native", f"data.path={data}", f"output.dir={out}", *overrides)) == 0
+    report = read_report(out) if "shard.count=2" not in overrides else _shard_report(out, 1)
+    assert report["engine"]["max_num_seqs"] == seqs
 
-    cfg = job_config("engine=native", f"output.dir={tmp_path / 'out'}", *overrides)
-    assert load_settings(cfg).engine_options["max_num_seqs"] == seqs
+
+def _shard_report(out: Path, shard: int) -> dict:
+    import json
+
+    return json.loads(next(bookkeeping(out).glob(f"_report-s{shard:05d}*.json")).read_text())
 
 
 def test_graph_sampling_takes_a_mode_name_or_a_boolean_and_names_its_choices() -> None:

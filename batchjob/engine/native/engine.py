@@ -432,6 +432,7 @@ class NativeEngine:
             output_tokens=self.outputs.tokens_out + self.outputs.forced_tokens,
             wasted_tokens=self.outputs.wasted,
             preemptions=self.scheduler.num_preemptions,
+            max_num_seqs=self.options.max_num_seqs,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
         )
         if runner.masked_steps:
