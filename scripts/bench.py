@@ -111,7 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="bpe",
         help="with --constrained: a generated 128k BPE, or tiktoken's cl100k_base (needs tiktoken and its download)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: a model needs at least one layer")
+    return args
 
 
 def unavailable_reason(system: str) -> str | None:

@@ -25,8 +25,6 @@ class _Architectures(dict):
         if layers > fields["num_hidden_layers"]:
             raise KeyError(f"{name}: {match['base']} has {fields['num_hidden_layers']} layers")
         fields["num_hidden_layers"] = layers
-        if "layer_types" in fields:
-            fields["layer_types"] = fields["layer_types"][:layers]
         return fields
 
 

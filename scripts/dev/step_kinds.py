@@ -36,11 +36,9 @@ from simulate_admission import replay  # noqa: E402
 from batchjob.engine.native.runtime.step_layout import mixed_buckets  # noqa: E402
 
 
-def step_floors(workload: str, kv_blocks: int, max_num_seqs: int, max_tokens: int, copy: float, flops: float):
-    """(kind, floor seconds) of each replayed step: "decode", or "mixed N" for the token bucket N it fills."""
-    spec = WORKLOADS[workload]
-    shape = model_shape(ARCHITECTURES[spec.architecture])
-    requests = draw_requests(spec, shape.vocab)
+def step_floors(shape, requests, kv_blocks: int, max_num_seqs: int, max_tokens: int, copy: float, flops: float):
+    """(kind, floor seconds) of each replayed step of `requests` on a model of `shape`: "decode", or "mixed N" for
+    the token bucket N it fills."""
     buckets = tuple(mixed_buckets(max_tokens, max_num_seqs))
     params = 2.0 * shape.matmul_parameters_per_token
     for plan, _ in replay(
@@ -81,9 +79,12 @@ def main() -> None:
         parser.error(f"{args.runs} has no {args.workload} run with a GPU timeline")
     stats = runs[0]["engine_stats"]
     stats = stats if isinstance(stats, dict) else ast.literal_eval(stats)  # older rows hold a repr
+    spec = WORKLOADS[args.workload]
+    shape = model_shape(ARCHITECTURES[spec.architecture])
+    requests = draw_requests(spec, shape.vocab)
     floors = defaultdict(lambda: [0, 0.0])
     for kind, seconds in step_floors(
-        args.workload, int(stats["kv_blocks"]), args.max_num_seqs, args.max_num_batched_tokens,
+        shape, requests, int(stats["kv_blocks"]), args.max_num_seqs, args.max_num_batched_tokens,
         hardware["copy_bytes_per_s"], hardware["matmul_flops_per_s"],
     ):  # fmt: skip
         floors[kind][0] += 1
@@ -93,9 +94,6 @@ def main() -> None:
         n, seconds = floors[kind]
         print(f"  {kind:<12} {n:>6} steps {seconds:8.2f} s  ({seconds / n * 1e3:.1f} ms a step)")
     print(f"  {'total':<12} {sum(n for n, _ in floors.values()):>6} steps {sum(s for _, s in floors.values()):8.2f} s")
-    spec = WORKLOADS[args.workload]
-    shape = model_shape(ARCHITECTURES[spec.architecture])
-    requests = draw_requests(spec, shape.vocab)
     kv_bytes = int(stats["kv_blocks"]) * int(stats.get("block_size", 16)) * shape.kv_bytes_per_token
     rates = (hardware["copy_bytes_per_s"], hardware["matmul_flops_per_s"], kv_bytes)
     overlapped, serial = (roofline(shape, requests, *rates, serial=serial).total_s for serial in (False, True))
