@@ -54,6 +54,12 @@ def hf_greedy(model_dir, requests: list[Request], device: str = "cpu") -> dict:
     return ref
 
 
+def open_ended(monkeypatch) -> None:
+    """Have the scheduler take every row for one that may end early (at EOS): it then keeps no room for rows to
+    reach their ends, so a tiny cache preempts and recomputes, the path a test of preemption exercises."""
+    monkeypatch.setattr("batchjob.engine.native.scheduling.scheduler.runs_to_max_len", lambda seq: False)
+
+
 def with_stops(requests: list[Request], ref: dict) -> tuple[list[Request], dict]:
     """Every third request stops on EOS or on a token it generates mid-way (a stop while the next step is
     already in flight); returns the requests and the tokens each must produce."""

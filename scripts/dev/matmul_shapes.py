@@ -2,15 +2,17 @@
 
     python scripts/dev/matmul_shapes.py --architecture llama-3.2-1b --rows 32,128,512,1024,8192
     python scripts/dev/matmul_shapes.py --architecture llama-3.1-8b --serial-waves 1,2,4 --parts 1,2,4 --group-m 1,16
+    python scripts/dev/matmul_shapes.py --rows 2048,8192 --serial-tiles 128x128x64w8s4,128x256x64w8s3
 
 For each projection (qkv, o, gate_up, down, lm_head) and row count it prints cuBLAS's time, the invariant
 matmul's as the engine runs it, and each variant asked for: `--serial-waves W` (a step computes K's parts
 within each program from W waves of programs), `--parts P` (K split into at most P parts) and `--group-m G` (G row
 tiles walked together down each column tile: program order, the same bits), `--serial-block-n` and
-`--serial-warps` (the serial launch's column tile and warps). A variant marked ! computed the step's first rows
-otherwise than it computes them in a step of those 16 rows alone. Each time is the
-median of CUDA-event timings; the floor is the larger of the bytes (weight, input, output) at the copy rate and
-the FLOPs at the bf16 matmul rate, both measured here first. Only variants whose bits a row keeps whatever the row
+`--serial-warps` (the serial launch's column tile and warps), and `--serial-tiles MxNxKwWsS[@W]` (the serial
+launch's whole shape: tile, K step, warps, pipeline stages; with @W, from W waves). A variant marked ! computed
+16 of the step's rows otherwise than it computes them in a step of those rows alone. Each time is the median of
+CUDA-event timings; the floor is the larger of the bytes (weight, input, output) at the copy rate and the FLOPs
+at the bf16 matmul rate, both measured here first. Only variants whose bits a row keeps whatever the row
 count are candidates for the engine: a variant's parts must be a function of the weight's shape and the GPU.
 """
 
@@ -46,7 +48,29 @@ def median_ms(fn, repeats: int = 30) -> float:
     return 1e3 * median_seconds(fn, repeats)
 
 
-KNOBS = ("SERIAL_WAVES", "MAX_PARTS", "GROUP_M", "SERIAL_BLOCK_N", "SERIAL_WARPS")
+KNOBS = (
+    "SERIAL_WAVES",
+    "MAX_PARTS",
+    "GROUP_M",
+    "SERIAL_BLOCK_M",
+    "SERIAL_BLOCK_N",
+    "SERIAL_BLOCK_K",
+    "SERIAL_WARPS",
+    "SERIAL_STAGES",
+)
+
+
+def serial_tile(text: str) -> dict[str, int]:
+    """'128x256x64w8s3' -> the serial launch's knobs (tile M x N x K, warps, stages); '...@W' also sets
+    SERIAL_WAVES to W."""
+    text, _, waves = text.partition("@")
+    tile, rest = text.split("w")
+    warps, stages = rest.split("s")
+    m, n, k = (int(v) for v in tile.split("x"))
+    names = ("SERIAL_BLOCK_M", "SERIAL_BLOCK_N", "SERIAL_BLOCK_K", "SERIAL_WARPS", "SERIAL_STAGES")
+    return dict(zip(names, (m, n, k, int(warps), int(stages)), strict=True)) | (
+        {"SERIAL_WAVES": int(waves)} if waves else {}
+    )
 
 
 def variant(**knobs: int):
@@ -66,6 +90,14 @@ def variant(**knobs: int):
     return run
 
 
+def same_bits(run, x, w) -> bool:
+    """Whether `run` computes the step's first 16 rows and 16 rows from its middle as it does those rows alone."""
+    import torch
+
+    whole, middle = run(x, w), x.shape[0] // 2 + 3
+    return torch.equal(whole[:16], run(x[:16], w)) and torch.equal(whole[middle : middle + 16], run(x[middle:][:16], w))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--architecture", default="llama-3.2-1b", choices=sorted(ARCHITECTURES))
@@ -75,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-m", default="", help="comma-separated GROUP_M to try besides the engine's")
     parser.add_argument("--serial-block-n", default="", help="comma-separated SERIAL_BLOCK_N to try")
     parser.add_argument("--serial-warps", default="", help="comma-separated SERIAL_WARPS to try")
+    parser.add_argument("--serial-tiles", default="", help="comma-separated serial launch shapes, MxNxKwWsS")
     parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
     args = parser.parse_args(argv)
 
@@ -96,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"engine": variant()}
     for label, (knob, values) in asked.items():
         runs |= {f"{label}={v}": variant(**{knob: int(v)}) for v in filter(None, values.split(","))}
+    runs |= {v: variant(**serial_tile(v)) for v in filter(None, args.serial_tiles.split(","))}
     shapes = projections(args.architecture)
     wanted = [s for s in args.only.split(",") if s] or list(shapes)
-    print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLAS':>7} " + " ".join(f"{n:>10}" for n in runs))
+    width = max(10, *(len(label) + 1 for label in runs))
+    print(f"{'proj':8} {'N x K':>13} {'rows':>5} {'floor':>7} {'cuBLAS':>7} " + " ".join(f"{n:>{width}}" for n in runs))
     generator = torch.Generator(device="cuda").manual_seed(0)
     total = dict.fromkeys(["floor", "cuBLAS", *runs], 0.0)
     for name in wanted:
@@ -112,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             for label, ms in (("floor", floor), ("cuBLAS", blas), *times.items()):
                 total[label] += ms
             mode = "serial" if im.serial(rows, w) else f"{im.num_parts(w)} parts"
-            # A variant whose first rows differ from its own launch for those rows alone is no candidate (marked !):
-            # its bits change with the row count.
-            same = {label: torch.equal(run(x, w)[:16], run(x[:16], w)) for label, run in runs.items()}
-            cells = " ".join(f"{ms:9.3f}{' ' if same[label] else '!'}" for label, ms in times.items())
+            # A variant whose first rows, or 16 rows from the middle of the step, differ from its own launch for
+            # those rows alone is no candidate (marked !): its bits change with the row count.
+            same = {label: same_bits(run, x, w) for label, run in runs.items()}
+            cells = " ".join(f"{ms:{width - 1}.3f}{' ' if same[label] else '!'}" for label, ms in times.items())
             print(f"{name:8} {n:>6} x {k:<6} {rows:>5} {floor:7.3f} {blas:7.3f} {cells}  ({mode} as the engine)")
     print("sum ms: " + ", ".join(f"{label} {ms:.2f}" for label, ms in total.items()))
     print("cuBLAS / each: " + ", ".join(f"{label} {total['cuBLAS'] / total[label]:.3f}" for label in runs))

@@ -14,7 +14,7 @@ import torch
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 GPUs", allow_module_level=True)
 
-from engine_cases import CASES, mixed_requests, with_stops  # noqa: E402
+from engine_cases import CASES, mixed_requests, open_ended, with_stops  # noqa: E402
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
 from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
@@ -59,11 +59,12 @@ def test_two_gpus_greedy_fp32_equals_one_gpu_with_graphs(case):
 
 
 @pytest.mark.parametrize("arch", ["llama_one_kv_head", "qwen3_moe", "olmo2"])
-def test_two_gpus_sync_loop_with_preemption_equals_one_gpu(arch, tmp_path):
+def test_two_gpus_sync_loop_with_preemption_equals_one_gpu(arch, tmp_path, monkeypatch):
     family, overrides = TP_CASES[arch]
     model_dir = make_tiny_model(tmp_path / arch, arch=family, **overrides)
     tight = {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 100, "max_num_batched_tokens": 32}
     # Outputs that outgrow the room the scheduler keeps free for each running sequence: some are preempted.
+    open_ended(monkeypatch)
     base = mixed_requests(48, seed=7, max_prompt=64, max_new=48)
     one_gpu, _ = run(model_dir, base, **tight)
     requests, expected = with_stops(base, token_ids(one_gpu))

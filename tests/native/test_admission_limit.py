@@ -1,6 +1,7 @@
 """Admission on a KV cache too small for `max_num_seqs` sequences: a sequence is admitted only while the running
 ones keep room to grow, a preemption caps admission at the sequences the cache was seen to hold, and the cap goes
-once the cache has room to spare; over a whole workload preemption becomes rare (scripts/dev/simulate_admission.py)."""
+once the cache has room to spare; over a whole workload preemption becomes rare (scripts/dev/simulate_admission.py).
+The sequences here may end at EOS, so their growth is unknown (known lengths: test_growth_projection.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ BLOCK = 16
 
 
 def _sequence(seq_id: int, prompt_len: int, new: int = 64) -> Sequence:
-    request = Request(seq_id, tuple(range(3, 3 + prompt_len)), SamplingParams(new, ignore_eos=True))
+    request = Request(seq_id, tuple(range(3, 3 + prompt_len)), SamplingParams(new))
     return Sequence.create(seq_id, RequestGroup(request, prompt_len), 0, prompt_len + new, seq_id, BLOCK)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import CASES, assert_each_request_as_alone, per_request_settings
+from engine_cases import CASES, assert_each_request_as_alone, open_ended, per_request_settings
 from engine_cases import hf_greedy as _hf_greedy
 from engine_cases import mixed_requests as _requests
 from engine_cases import with_stops as _with_stops
@@ -45,8 +45,9 @@ def test_greedy_equals_transformers_for_64_mixed_requests(arch_case, engine):
     assert {i: c.finish_reason for i, c in got.items()} == reasons
 
 
-def test_chunked_prefill_and_preemption_keep_greedy_output(arch_case):
+def test_chunked_prefill_and_preemption_keep_greedy_output(arch_case, monkeypatch):
     model_dir, reqs, expected = arch_case
+    open_ended(monkeypatch)
     got, eng = _run(model_dir, reqs, **TIGHT)
     assert {i: c.token_ids for i, c in got.items()} == expected
     assert eng.stats_seen["preemptions"] > 0
@@ -73,12 +74,23 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("engine", ["native", "native_sync"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_schedule_does_not_change_greedy_output(llama_case, engine, schedule):
+def test_schedule_does_not_change_greedy_output(llama_case, engine, schedule, monkeypatch):
     model_dir, reqs, expected = llama_case
+    if schedule.startswith("tiny cache"):
+        open_ended(monkeypatch)
     got, eng = _run(model_dir, reqs, engine, **SCHEDULES[schedule])
     assert {i: c.token_ids for i, c in got.items()} == expected
     if schedule.startswith("tiny cache"):
         assert eng.stats_seen["preemptions"] > 0
+
+
+@pytest.mark.parametrize("engine", ["native", "native_sync"])
+def test_rows_of_known_length_run_in_a_tiny_cache_without_preemption(llama_case, engine):
+    model_dir, reqs, expected = llama_case
+    known = [r for r in reqs if not r.sampling.stop_token_ids]  # EOS ignored, no stop: each runs to its length
+    got, eng = _run(model_dir, known, engine, **TIGHT)
+    assert {i: c.token_ids for i, c in got.items()} == {r.id: expected[r.id] for r in known}
+    assert eng.stats_seen["preemptions"] == 0
 
 
 def test_shared_prompt_prefix_is_computed_once_and_output_unchanged(llama_case):

@@ -11,7 +11,7 @@ import torch
 
 from batchjob.engine import Request, SamplingParams
 from batchjob.engine.native.runtime.io_slot import IOSlot, SlotLimits, StepShape
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 

@@ -26,7 +26,7 @@ from batchjob.engine.native.runtime.step_layout import (
     sampler_mode,
 )
 from batchjob.engine.native.sampling.sampler import SamplerMode
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 from batchjob.job.tiny_model import make_tiny_model
 

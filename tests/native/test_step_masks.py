@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.sequence import Status
 from batchjob.engine.native.step_masks import StepMasks
 

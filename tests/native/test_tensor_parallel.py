@@ -5,7 +5,7 @@ preemption, and with dummy weights."""
 from __future__ import annotations
 
 import pytest
-from engine_cases import CASES, mixed_requests, with_stops
+from engine_cases import CASES, mixed_requests, open_ended, with_stops
 
 from batchjob.engine import Request, SamplingParams, create_engine
 from batchjob.job.tiny_model import make_tiny_model
@@ -45,10 +45,11 @@ def test_tensor_parallel_2_greedy_output_equals_one_device(tp_case):
 
 
 @pytest.mark.parametrize("arch", ["llama_one_kv_head", "qwen3_moe", "olmo2"])
-def test_tensor_parallel_2_sync_loop_with_chunked_prefill_and_preemption_equals_one_device(arch, tmp_path):
+def test_tensor_parallel_2_sync_loop_with_chunked_prefill_and_preemption_equals_one_device(arch, tmp_path, monkeypatch):
     family, overrides = TP_CASES[arch]
     model_dir = make_tiny_model(tmp_path / arch, arch=family, **overrides)
     # Outputs that outgrow the room the scheduler keeps free for each running sequence: some are preempted.
+    open_ended(monkeypatch)
     requests, expected = single_device_case(model_dir, max_new=60, **TIGHT)
     # Poisoned host buffers on the ranks: a field the job process's message leaves out would corrupt a step.
     options = {**TIGHT, "tensor_parallel": 2, "debug_poison_slots": True}

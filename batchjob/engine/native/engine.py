@@ -56,7 +56,8 @@ from batchjob.engine.native.runtime.model_runner import PreparedStep, StepHandle
 from batchjob.engine.native.runtime.precompile import compiling_ahead
 from batchjob.engine.native.scheduling.admission import AdmissionQueue
 from batchjob.engine.native.scheduling.block_manager import KVBlockManager
-from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig, StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
+from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 from batchjob.engine.native.step_masks import StepMasks
 from batchjob.engine.transformers_import import load_tokenizer

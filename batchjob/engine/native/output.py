@@ -18,7 +18,8 @@ from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Comple
 from batchjob.engine.grammar import GrammarCompiler
 from batchjob.engine.native.detokenizer import StopStringMatcher
 from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
-from batchjob.engine.native.scheduling.scheduler import Scheduler, StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
+from batchjob.engine.native.scheduling.scheduler import Scheduler
 from batchjob.engine.native.scheduling.sequence import NOT_PLAIN, Sequence, Status
 
 # How many sequences `process` applies between two calls of its `poll`: at about 1 us a sequence, a filled

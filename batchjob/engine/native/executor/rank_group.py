@@ -42,7 +42,7 @@ from batchjob.engine.native.runtime.io_slot import IOSlot
 from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
 from batchjob.engine.native.runtime.packed_step import PackedStep
 from batchjob.engine.native.runtime.step_layout import GraphBuckets, layout_step
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.processes import popen_for_life
 
 log = logging.getLogger("batchjob.engine.native")

@@ -34,11 +34,15 @@ GROUP_M = 8
 # A step serializes K's parts within each program from this many waves of programs (a multiprocessor holds two of
 # these at once; fewer would leave it waiting on memory): a prefill chunk's rows, not a decode step's.
 SERIAL_WAVES = 4
-# The serial launch's column tile and warps. A wider tile reads each input tile for more columns; an element's
-# arithmetic (K in BLOCK_K steps from 0, the parts in order) does not change with it, but whether the GPU's MMA
-# instructions of another width round alike is measured (scripts/dev/matmul_shapes.py), not assumed.
-SERIAL_BLOCK_N = BLOCK_N
-SERIAL_WARPS = 4
+# The serial launch's tile, warps and pipeline stages. A larger tile reads each input and weight tile for more
+# outputs; an element's arithmetic (K's parts in order, each summed from its start) is meant not to change with it,
+# but whether the GPU's MMA instructions of another shape and K step round alike is measured
+# (scripts/dev/matmul_shapes.py, tests/gpu/test_deterministic_gpu.py), not assumed.
+SERIAL_BLOCK_M = BLOCK_M
+SERIAL_BLOCK_N = 128
+SERIAL_BLOCK_K = BLOCK_K
+SERIAL_WARPS = 8
+SERIAL_STAGES = 4
 
 
 @triton.jit
@@ -146,9 +150,11 @@ def _k_per_part(k: int, parts: int) -> int:
 
 
 def serial(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `rows` rows of `weight`'s product fill `SERIAL_WAVES` waves of programs without splitting K, so that
-    each program computes its tile's parts itself (the same bits as split, without the parts' float32 round trip)."""
-    programs = triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], SERIAL_BLOCK_N)
+    """Whether `rows` rows of `weight`'s product fill `SERIAL_WAVES` waves of programs of the split launch's tile
+    without splitting K, so that each program computes its tile's parts itself (the same bits as split, without the
+    parts' float32 round trip). Counted in the split launch's tiles, so the serial launch's own tile changes how
+    fast a step runs, never which launch it takes."""
+    programs = triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N)
     return programs >= SERIAL_WAVES * _sm_count(weight.device)
 
 
@@ -168,19 +174,22 @@ def _launch(
 ) -> torch.Tensor:
     """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`); with
     `serial_parts`, `out` [1, rows, N] gets that many parts added in order, then `bias`. `serial_tile`: in the
-    serial launch's tiles (`SERIAL_BLOCK_N`, `SERIAL_WARPS`)."""
+    serial launch's tiles, warps and stages (`SERIAL_*`)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     parts, m, n = out.shape
     k = x.shape[1]
     if m == 0:
         return out
     stages = 4 if x.element_size() <= 2 else 2
-    block_n, warps = (SERIAL_BLOCK_N, SERIAL_WARPS) if serial_tile else (BLOCK_N, 4)
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, block_n), parts)
+    block_m, block_n, block_k, warps = BLOCK_M, BLOCK_N, BLOCK_K, 4
+    if serial_tile:
+        block_m, block_n, block_k, warps = SERIAL_BLOCK_M, SERIAL_BLOCK_N, SERIAL_BLOCK_K, SERIAL_WARPS
+        stages = SERIAL_STAGES if x.element_size() <= 2 else 2
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), parts)
     _parts_kernel[grid](
         x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(1), _k_per_part(k, max(parts, serial_parts)), HAS_BIAS=bias is not None,
-        SERIAL_PARTS=serial_parts, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        SERIAL_PARTS=serial_parts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -22,7 +22,7 @@ import torch
 
 from batchjob.engine.native.layers.attention import AttentionMetadata, longest_first
 from batchjob.engine.native.sampling.sampler import SamplingTensors
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 
 INT_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "carry_idx", "carry_mask")
 INT_ROW_FIELDS = ("logits_indices", "seeds", "out_positions", "top_k", "mask_rows")

@@ -48,7 +48,7 @@ from batchjob.engine.native.runtime.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.runtime.step_layout import GraphBuckets, StepLayout, layout_step
 from batchjob.engine.native.sampling.sampler import SamplerMode, sample
 from batchjob.engine.native.sampling.token_mask import TokenMask
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 
 if TYPE_CHECKING:
     from batchjob.engine.native.runtime.packed_step import PackedStep

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from batchjob.engine.native.options import GRAPH_SAMPLING
 from batchjob.engine.native.runtime.io_slot import StepShape
 from batchjob.engine.native.sampling.sampler import SamplerMode
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 
 GREEDY = SamplerMode()
 # Temperature-only steps get their own graphs: their draw is one pass over the logits, as cheap as greedy,

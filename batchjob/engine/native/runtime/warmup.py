@@ -38,7 +38,7 @@ import torch
 
 from batchjob.engine.api import Request, SamplingParams
 from batchjob.engine.native.runtime.model_runner import ModelRunner
-from batchjob.engine.native.scheduling.scheduler import StepPlan
+from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 log = logging.getLogger("batchjob.engine.native")

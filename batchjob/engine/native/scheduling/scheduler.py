@@ -7,13 +7,17 @@ while blocks and budget last, with prompt blocks shared from the prefix cache. N
 the input only when a sequence slot is free, so memory stays bounded for any input size.
 
 A prompt's blocks fit long before its outputs have grown, so a cache smaller than `max_num_seqs` sequences need
-would admit sequences only to preempt them again, each recomputing its prompt and its output so far. Two rules
-keep that rare. A sequence is admitted only while `RESERVE` blocks of growth stay free for every running one. And
-a preemption lowers the admission limit to the sequences running then, the number the cache was seen to hold: a
-finished sequence's place goes to one waiting, no more; once a `SPARE` share of the cache is free again (shorter
-requests in the input), the limit is `max_num_seqs` again. `scripts/dev/simulate_admission.py` replays a workload's
+would admit sequences only to preempt them again, each recomputing its prompt and its output so far. Three rules
+keep that rare. A sequence is admitted only while `RESERVE` blocks of growth stay free for every running one. A
+sequence whose length is known (EOS ignored, no stop, no constraint: it runs to `max_len`) is admitted only if
+the cache can hold every such sequence to its end: the cache's use, projected with each of them growing a token a
+step and freeing its blocks at its end, never passes the cache's size (`GrowthProjection`). And a preemption
+lowers the admission limit to the sequences running then, the number the cache was seen to hold: a finished
+sequence's place goes to one waiting, no more; once a `SPARE` share of the cache is free again (shorter requests
+in the input), the limit is `max_num_seqs` again. `scripts/dev/simulate_admission.py` replays a workload's
 lengths through this scheduler (W5 on the cache of an 8B model on a 141 GB card, `max_num_seqs=1024`: 181
-preemptions recomputing 11.6% of the tokens before these rules, none after).
+preemptions recomputing 11.6% of the tokens before the first and last rules, none after; W8, the 70B in FP8 on a
+141 GB card, recomputed 35.3% of its tokens before the projection, none after).
 
 With the asynchronous loop the step being planned runs after one still in flight; the plan assumes every
 sequence in flight grows by its pending token, and blocks are reserved for it.
@@ -30,12 +34,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from functools import cached_property
-from itertools import chain, islice
+from itertools import islice
 
 import numpy as np
 
 from batchjob.engine.native.scheduling.block_manager import KVBlockManager
+from batchjob.engine.native.scheduling.growth import GrowthProjection, runs_to_max_len
+from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.sequence import Sequence, Status
 
 # KV blocks of growth kept free for each running sequence before another is admitted (64 tokens at 16 a block).
@@ -58,47 +63,6 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] = ()
 
 
-@dataclass
-class StepPlan:
-    """Sequences of one step, in batch order: first position and token count of each chunk, whether the
-    chunk ends in a sampled token, and for a chunk whose last input token is still pending, the row of the
-    previous step's output that holds it (-1 otherwise)."""
-
-    seqs: list[Sequence]
-    starts: np.ndarray
-    counts: np.ndarray
-    samples: np.ndarray
-    carry_rows: np.ndarray
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.counts.sum())
-
-    # What the step layout and the IO slot both read of the sampled rows, gathered once a step: a pass over
-    # every sequence costs tens of microseconds of the loop's thread at 256 rows.
-    @cached_property
-    def sampled(self) -> list[Sequence]:
-        """The sequences whose chunk ends in a sampled token, in row order."""
-        return [seq for seq, keep in zip(self.seqs, self.samples.tolist(), strict=True) if keep]
-
-    @cached_property
-    def sampler_rows(self) -> np.ndarray:
-        """float64 [rows, 5]: each sampled row's `Sequence.sampler_row`."""
-        rows = self.sampled
-        values = chain.from_iterable([seq.sampler_row for seq in rows])
-        return np.fromiter(values, dtype=np.float64, count=5 * len(rows)).reshape(-1, 5)
-
-    @cached_property
-    def constrained(self) -> np.ndarray:
-        """bool [rows]: which sampled rows are under a constraint."""
-        sampled = self.sampled
-        return np.fromiter((seq.matcher is not None for seq in sampled), dtype=bool, count=len(sampled))
-
-    @property
-    def is_decode(self) -> bool:
-        return bool((self.counts == 1).all())
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: KVBlockManager) -> None:
         self.config = config
@@ -110,6 +74,7 @@ class Scheduler:
         # The sequences the cache was seen to hold: lowered to the running count at each preemption (module
         # docstring), back to `max_num_seqs` once the cache has room to spare
         self.admit_limit = config.max_num_seqs
+        self.known_running = 0  # running sequences of known length (`growth.runs_to_max_len`)
 
     @property
     def has_unfinished(self) -> bool:
@@ -187,6 +152,7 @@ class Scheduler:
         # Admit waiting sequences while there is room, in arrival order.
         if self.admit_limit < self.config.max_num_seqs and self.blocks.num_free >= SPARE * self.blocks.num_blocks:
             self.admit_limit = self.config.max_num_seqs
+        projection = None
         while self.waiting and budget > 0 and len(self.running) < self.admit_limit:
             seq = self.waiting[0]
             if not seq.ready_for_prefill:
@@ -202,12 +168,22 @@ class Scheduler:
             needed = self.blocks.blocks_needed(len(shared), cached_tokens + count)
             if not self._fits(shared, needed + RESERVE * len(self.running)):  # room for the running ones to grow
                 break
+            known = runs_to_max_len(seq)
+            if self.running and (known or self.known_running):  # room for those of known length to end
+                if projection is None:
+                    projection = GrowthProjection(self.running, self.blocks.block_size, self.blocks.num_blocks - 1)
+                used = self.blocks.num_blocks - 1 - self.blocks.num_free + needed + self._reusable(shared)
+                if not projection.fits(used, seq, len(shared) + needed):
+                    break
             seq.block_table = self.blocks.allocate(shared, needed)
             seq.num_computed = cached_tokens
             self.prefix_hit_tokens += cached_tokens
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            self.known_running += known
+            if projection is not None:
+                projection.add(seq)
             choose(chosen, seq, count)
             budget -= count
 
@@ -238,9 +214,12 @@ class Scheduler:
         if seq.num_registered < min(seq.num_computed, seq.prompt_len) // self.blocks.block_size:
             self._register_full_prompt_blocks(seq)
 
+    def _reusable(self, shared: list[int]) -> int:
+        """The cached blocks of `shared` no sequence holds: free now, taken from the free ones by sharing them."""
+        return sum(1 for b in shared if self.blocks.ref_counts[b] == 0)
+
     def _fits(self, shared: list[int], needed: int) -> bool:
-        reusable = sum(1 for b in shared if self.blocks.ref_counts[b] == 0)
-        return needed <= self.blocks.num_free - reusable
+        return needed <= self.blocks.num_free - self._reusable(shared)
 
     def _reserve(self, seq: Sequence, total_tokens: int, chosen: list) -> bool:
         """Give `seq` blocks for `total_tokens`, preempting later-admitted sequences not yet `chosen` for this
@@ -262,6 +241,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.known_running -= runs_to_max_len(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
@@ -284,6 +264,7 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+            self.known_running -= runs_to_max_len(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release_if_idle(seq)
