@@ -133,3 +133,21 @@ def test_a_workload_of_equal_lengths_on_a_cache_holding_two_fifths_of_it_recompu
     result = simulate(prompts, outputs, kv_blocks=1 + 80 * 768 // BLOCK, max_num_seqs=200)
     assert result["preemptions"] == 0 and result["recomputed"] == 0
     assert result["rows_per_decode_step"] >= 60  # about 80 at a time, fewer as a wave ends and the next starts
+
+
+def test_blocks_shared_by_samples_of_one_prompt_count_once():
+    # Eight samples of one 160-token prompt (9 blocks shared through the prefix cache; each computes the last one
+    # itself), 48 tokens of growth each (3 blocks): 9 + 8 x 4 = 41 blocks hold them all, and the projection's
+    # rounding a block each 49; counted whole, each would take 13 blocks, 104 in all.
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096),
+        KVBlockManager(1 + 52, BLOCK, enable_prefix_caching=True),
+    )
+    request = Request(0, tuple(range(3, 163)), SamplingParams(48, ignore_eos=True))
+    group = RequestGroup(request, 160)
+    for i in range(8):
+        scheduler.add(Sequence.create(i, group, i, 208, i, BLOCK))
+    _step(scheduler)
+    assert len(scheduler.running) == 8
+    _run_to_end(scheduler)
+    assert scheduler.num_preemptions == 0
