@@ -51,12 +51,18 @@ def replay(prompt_lens, new_tokens, kv_blocks: int, max_num_seqs: int, max_num_b
         if plan is None:
             raise RuntimeError("the scheduler planned nothing with sequences left: the cache is too small")
         yield plan, scheduler
-        for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True):
-            seq.inflight -= 1
-            if sampled:
-                seq.resolve_oldest(7)
-                if seq.num_tokens >= seq.max_len:
-                    scheduler.finish(seq, "length")
+        step_done(scheduler, plan)
+
+
+def step_done(scheduler: Scheduler, plan) -> None:
+    """What the engine does when a step's tokens are back, without a model: each sampled sequence gets a token,
+    and one at its max_len finishes."""
+    for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True):
+        seq.inflight -= 1
+        if sampled:
+            seq.resolve_oldest(7)
+            if seq.num_tokens >= seq.max_len:
+                scheduler.finish(seq, "length")
 
 
 def simulate(prompt_lens, new_tokens, kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int = 8192) -> dict:

@@ -18,7 +18,7 @@ from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
 
-from simulate_admission import simulate  # noqa: E402
+from simulate_admission import simulate, step_done  # noqa: E402
 
 BLOCK = 16
 
@@ -38,12 +38,7 @@ def _step(scheduler: Scheduler) -> None:
     """One step, its tokens back at once; a sequence at its max_len finishes."""
     plan = scheduler.schedule()
     assert plan is not None, "nothing planned with sequences left"
-    for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True):
-        seq.inflight -= 1
-        if sampled:
-            seq.resolve_oldest(7)
-            if seq.num_tokens >= seq.max_len:
-                scheduler.finish(seq, "length")
+    step_done(scheduler, plan)
 
 
 def _run_to_end(scheduler: Scheduler) -> None:

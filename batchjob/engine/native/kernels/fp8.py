@@ -84,10 +84,14 @@ def _quantize_kernel(
         tl.store(q_ptr + row * q_stride + cols, to_fp8(x, scale, q_ptr), mask=mask)
 
 
+def _buffer_rows(rows: int) -> int:
+    return -(-rows // BUFFER_ROWS) * BUFFER_ROWS
+
+
 def row_buffers(rows: int, cols: int, groups: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised e4m3 [rows, cols] and float32 [rows, groups] tensors for quantized activations and their
     scales, each the first rows of a buffer of `BUFFER_ROWS`-row multiples."""
-    padded = -(-rows // BUFFER_ROWS) * BUFFER_ROWS
+    padded = _buffer_rows(rows)
     q = torch.empty((padded, cols), dtype=FP8, device=device)[:rows]
     return q, torch.empty((padded, groups), dtype=torch.float32, device=device)[:rows]
 
@@ -96,7 +100,7 @@ def padded_rows(t: torch.Tensor) -> torch.Tensor | None:
     """`t` [M, C] (the first rows of its storage, contiguous) with its rows up to the next multiple of
     `BUFFER_ROWS`, where its storage holds them (`row_buffers`); else None. The extra rows hold what was there."""
     rows, cols = t.shape
-    padded = -(-rows // BUFFER_ROWS) * BUFFER_ROWS
+    padded = _buffer_rows(rows)
     if t.storage_offset() or not t.is_contiguous() or t.untyped_storage().nbytes() < padded * cols * t.element_size():
         return None
     return t.as_strided((padded, cols), (cols, 1))

@@ -180,11 +180,13 @@ def _launch(
     k = x.shape[1]
     if m == 0:
         return out
-    stages = 4 if x.element_size() <= 2 else 2
-    block_m, block_n, block_k, warps = BLOCK_M, BLOCK_N, BLOCK_K, 4
     if serial_tile:
-        block_m, block_n, block_k, warps = SERIAL_BLOCK_M, SERIAL_BLOCK_N, SERIAL_BLOCK_K, SERIAL_WARPS
-        stages = SERIAL_STAGES if x.element_size() <= 2 else 2
+        block_m, block_n, block_k, warps, stages = (
+            SERIAL_BLOCK_M, SERIAL_BLOCK_N, SERIAL_BLOCK_K, SERIAL_WARPS, SERIAL_STAGES
+        )  # fmt: skip
+    else:
+        block_m, block_n, block_k, warps, stages = BLOCK_M, BLOCK_N, BLOCK_K, 4, 4
+    stages = stages if x.element_size() <= 2 else 2
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), parts)
     _parts_kernel[grid](
         x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),

@@ -41,25 +41,26 @@ class GrowthProjection:
     def fits(self, used: int, seq: Sequence, blocks: int) -> bool:
         """Whether the cache, with `used` blocks in use once `seq` holds its `blocks`, holds every sequence of
         known length, `seq` among them if its length is known, to its end."""
-        known = runs_to_max_len(seq)
-        tokens, to_come, held = self.tokens, self.to_come, self.held
-        if known:
-            tokens = np.append(tokens, seq.num_tokens)
-            to_come = np.append(to_come, seq.max_len - seq.num_tokens)
-            held += blocks
+        tokens, to_come, held = self._with(seq, blocks)
         if not len(tokens):
             return used <= self.capacity
-        fixed = used - held
         order = np.argsort(-to_come, kind="stable")
         ends = to_come[order]
         running_at_end = np.arange(1, len(ends) + 1)
         # blocks(n + t) <= (n + t + block_size - 1) / block_size, summed over the sequences still running at t
-        peak = fixed + (np.cumsum(tokens[order] + self.block_size - 1) + ends * running_at_end) / self.block_size
+        peak = used - held + (np.cumsum(tokens[order] + self.block_size - 1) + ends * running_at_end) / self.block_size
         return float(peak.max()) <= self.capacity
 
     def add(self, seq: Sequence) -> None:
         """`seq` was admitted: it is one of the running sequences from now on."""
-        if runs_to_max_len(seq):
-            self.tokens = np.append(self.tokens, seq.num_tokens)
-            self.to_come = np.append(self.to_come, seq.max_len - seq.num_tokens)
-            self.held += len(seq.block_table)
+        self.tokens, self.to_come, self.held = self._with(seq, len(seq.block_table))
+
+    def _with(self, seq: Sequence, blocks: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """The arrays and held blocks with `seq`, holding `blocks`, among the sequences if its length is known."""
+        if not runs_to_max_len(seq):
+            return self.tokens, self.to_come, self.held
+        return (
+            np.append(self.tokens, seq.num_tokens),
+            np.append(self.to_come, seq.max_len - seq.num_tokens),
+            self.held + blocks,
+        )
