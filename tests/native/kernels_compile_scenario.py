@@ -46,7 +46,12 @@ class AbsentDevice(TargetOnlyDriver):
         return None, None, 0, 0, 1024
 
     def launcher_cls(self, src: Any, metadata: Any) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches += 1
+
+        return launch
+
+    launches = 0  # launches that reached a binary
 
 
 def calls() -> dict[str, Callable[[], Any]]:
@@ -198,7 +203,9 @@ def calls() -> dict[str, Callable[[], Any]]:
 
 def through_workers() -> None:
     """Every call's variants listed (launches skipped), compiled by two compile workers (which load no torch), then
-    every call launched: each launch must find its binary under the key the workers wrote, compiling nothing."""
+    every call launched: each launch must find its binary under the key the workers wrote, compiling nothing. Then
+    a second listing, in a process that now holds every binary (a second engine's start-up): it lists the same
+    variants and launches none of them."""
     from batchjob.engine.native.runtime.compile_pool import CompilePool
     from batchjob.engine.native.runtime.kernel_variants import (
         recording_compiles,
@@ -206,14 +213,20 @@ def through_workers() -> None:
         zeroed_allocations,
     )
 
-    driver.set_active(AbsentDevice())
-    listing_errors = {}
-    with zeroed_allocations(), skipping_launches() as found:
-        for name, call in calls().items():
-            try:
-                call()
-            except Exception as exc:  # a call whose host code reads a skipped launch's output: listed so far
-                listing_errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+    device = AbsentDevice()
+    driver.set_active(device)
+
+    def listing() -> tuple[list, dict[str, str]]:
+        errors = {}
+        with zeroed_allocations(), skipping_launches() as found:
+            for name, call in calls().items():
+                try:
+                    call()
+                except Exception as exc:  # a call whose host code reads a skipped launch's output: listed so far
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+        return found, errors
+
+    found, listing_errors = listing()
     pool = CompilePool(2, ("cuda", 90, 32))
     pool.submit(found)
     report = pool.wait(timeout_s=900)
@@ -222,6 +235,8 @@ def through_workers() -> None:
     with recording_compiles() as launched:
         for call in calls().values():
             call()
+    launches = device.launches
+    relisted, relisting_errors = listing()
     compiled = {v.key: v.cache_hash for v in report.compiled}
     print(
         json.dumps(
@@ -233,6 +248,10 @@ def through_workers() -> None:
                 "launched": len(launched),
                 "missed": sorted({v.qualname for v in launched if compiled.get(v.key) != v.cache_hash}),
                 "new_cache_entries": len(set(os.listdir(folder)) - before),
+                "launches": launches,
+                "relisted_as_listed": sorted(v.key for v in relisted) == sorted(v.key for v in found),
+                "relisting_errors": relisting_errors,
+                "relisting_launches": device.launches - launches,
             }
         )
     )

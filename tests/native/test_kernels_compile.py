@@ -34,7 +34,8 @@ def test_every_engine_kernel_compiles_for_an_h100_and_fits_its_shared_memory(tmp
 
 def test_compile_workers_compile_every_engine_kernel_under_the_key_its_launch_looks_up(tmp_path: Path) -> None:
     """The workers load no torch (a placeholder stands in for it while the kernels' modules import): every kernel
-    above, listed, compiled by them and then launched, finds the workers' binary and compiles nothing itself."""
+    above, listed, compiled by them and then launched, finds the workers' binary and compiles nothing itself; listed
+    again, now that the process holds them all, it launches none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     scenario = Path(__file__).with_name("kernels_compile_scenario.py")
@@ -46,3 +47,8 @@ def test_compile_workers_compile_every_engine_kernel_under_the_key_its_launch_lo
     assert report["failed"] == [] and report["compiled"] == report["listed"] > 20
     assert report["launched"] == report["listed"], "the launches met the variants the listing found"
     assert report["missed"] == [] and report["new_cache_entries"] == 0
+    # A listing pass after every kernel ran in the process (a second engine's start-up) runs none of them: one that
+    # ran would read what the skipped launches left unwritten (an out-of-range index: an illegal memory access).
+    assert report["launches"] > report["listed"]
+    assert report["relisted_as_listed"] and report["relisting_errors"] == report["listing_errors"]
+    assert report["relisting_launches"] == 0

@@ -7,10 +7,14 @@ of a cold start-up. Triton hands its compile hooks a record of each variant (`sp
 which `JITFunction.preload` compiles the same binary under the same cache key in another process
 (`compile_pool.py`). Two ways to collect the records:
 
-- `skipping_launches()`: a launch of a variant this process has not compiled yet is recorded and not run (the
-  `jit_cache_hook` answers that it handled it), so running the start-up's steps under it lists every variant
-  they need in a fraction of a second and compiles none. Its steps compute nothing meaningful: the tensors
-  those launches should have written keep what they held, which is why `zeroed_allocations()` goes with it.
+- `skipping_launches()`: every launch of an engine kernel is recorded and not run (the `jit_cache_hook` answers
+  that it handled it; the variants this process compiled before are hidden from Triton meanwhile, so each launch
+  asks the hook), so running the start-up's steps under it lists every variant they need in a fraction of a
+  second and compiles none. Its steps compute nothing meaningful: the tensors those launches should have written
+  keep what they held, which is why `zeroed_allocations()` goes with it. No Triton kernel runs at all: one that
+  did (a variant compiled by an earlier engine of the process) would read what a skipped one should have
+  written, and an index read there can be out of range (an illegal memory access, which leaves the process's
+  GPU unusable).
 - `recording_compiles()`: every variant this process compiles or loads from the cache while it is active, with
   the hash of its cache entry: what a start-up needed, kept as the next start-up's plan (`precompile.py`).
 """
@@ -20,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -31,6 +37,8 @@ from triton import knobs
 from triton.runtime.cache import get_cache_manager
 
 log = logging.getLogger("batchjob.engine.native")
+# The modules whose Triton kernels a listing pass hides (`_none_compiled`): the native engine's.
+_ENGINE_PACKAGE = "batchjob.engine.native."
 
 
 @dataclass(frozen=True)
@@ -111,17 +119,40 @@ def _collecting(
         variants.extend(found.values())
 
 
-def skipping_launches(
-    on_new: Callable[[KernelVariant], None] | None = None,
-) -> AbstractContextManager[list[KernelVariant]]:
-    """Record the variants launched while active that this process had not compiled, and launch none of them (a
-    variant compiled earlier in the process still runs). `on_new` gets each variant as it is found, so that
-    compiling it can start before the listing ends."""
+@contextmanager
+def skipping_launches(on_new: Callable[[KernelVariant], None] | None = None) -> Iterator[list[KernelVariant]]:
+    """Record the variants of the engine's kernels launched while active, and launch none of them, compiled earlier
+    in the process or not. `on_new` gets each variant as it is found, so that compiling it can start before the
+    listing ends."""
 
     def variant(*, fn: Any, compile: dict[str, Any], **_: Any) -> KernelVariant:
         return _variant(fn, compile)
 
-    return _collecting("jit_cache_hook", variant, handled=True, on_new=on_new)
+    with _none_compiled(), _collecting("jit_cache_hook", variant, handled=True, on_new=on_new) as found:
+        yield found
+
+
+@contextmanager
+def _none_compiled() -> Iterator[None]:
+    """While active, Triton finds no compiled variant of the engine's kernels in this process: each launch looks
+    its variant up afresh, through `jit_cache_hook`. The variants compiled before are back afterwards."""
+    from triton.runtime.jit import JITFunction
+
+    kernels = {
+        id(value): value
+        for name, module in list(sys.modules.items())
+        if name.startswith(_ENGINE_PACKAGE) and module is not None
+        for value in list(vars(module).values())
+        if isinstance(value, JITFunction)
+    }.values()
+    saved = [(kernel, kernel.device_caches) for kernel in kernels]
+    for kernel, _ in saved:
+        kernel.device_caches = defaultdict(kernel.create_binder)
+    try:
+        yield
+    finally:
+        for kernel, caches in saved:
+            kernel.device_caches = caches
 
 
 def recording_compiles() -> AbstractContextManager[list[KernelVariant]]:
