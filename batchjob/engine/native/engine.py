@@ -225,6 +225,7 @@ class NativeEngine:
                 enable_chunked_prefill=opts.enable_chunked_prefill,
                 constrained_lag=opts.constrained_lag and opts.async_loop,
                 token_buckets=tuple(self.runner.graph_buckets.mixed),
+                decode_rows=self.runner.graph_buckets.decode_rows,
             ),
             self.blocks,
         )
@@ -433,6 +434,7 @@ class NativeEngine:
             output_tokens=self.outputs.tokens_out + self.outputs.forced_tokens,
             wasted_tokens=self.outputs.wasted,
             preemptions=self.scheduler.num_preemptions,
+            decodes_sat_out=self.scheduler.sat_out,
             max_num_seqs=self.options.max_num_seqs,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
         )

@@ -10,8 +10,9 @@ step_layout.py says how a step is padded to a graph's shape. All graphs share on
 stream; the largest steps are captured first, so the smaller ones reuse their memory.
 
 A capture runs its step once eagerly (lazy initialisation, autotuning), then records it, from inputs whose
-every token is padding in the scratch block. Once captured, each decode graph is replayed and timed, and a
-bucket that a larger one beats is dropped from the buckets steps pad to (`step_layout.fastest_buckets`).
+every token is padding in the scratch block. Once captured, each decode graph is replayed and timed: a bucket
+that a larger one beats is dropped from the buckets steps pad to (`step_layout.fastest_buckets`), and a count of
+decodes that a smaller bucket runs at more tokens a second runs that bucket's rows (`step_layout.decode_rows`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from batchjob.engine.native.models.decoder import CausalLM
 from batchjob.engine.native.runtime.io_slot import IOSlot, StepShape
-from batchjob.engine.native.runtime.step_layout import GraphBuckets, StepLayout, fastest_buckets
+from batchjob.engine.native.runtime.step_layout import GraphBuckets, StepLayout, decode_rows, fastest_buckets
 from batchjob.engine.native.sampling.sampler import SamplerMode
 
 
@@ -71,6 +72,17 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream) -> 
             yield
         finally:
             graph.capture_end()
+
+
+def _ranges(counts: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and count == runs[-1][-1] + 1:
+            runs[-1].append(count)
+        else:
+            runs.append([count])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def prepare_dummy(slot: IOSlot, prev: IOSlot, shape: StepShape, max_model_len: int) -> None:
@@ -159,7 +171,10 @@ class StepGraphs:
             mixed_modes=frozenset(key[2] for key in self.mixed),
             mixed_masked_modes=frozenset(key[2] for key in self.mixed_masked),
             mixed_seqs=self.runner.slots[0].limits.max_rows,
+            decode_rows=decode_rows({b: self.decode_seconds[b] for b in kept}),
         )
+        if capped := [count for count, rows in enumerate(self.buckets.decode_rows) if rows < count]:
+            log.info("decode steps of %s rows run fewer, the rest sitting a step out", _ranges(capped))
         torch.cuda.synchronize(device)
         return time.perf_counter() - start, torch.cuda.memory_reserved(device) - before
 

@@ -22,6 +22,9 @@ preemptions recomputing 11.6% of the tokens before the first and last rules, non
 With the asynchronous loop the step being planned runs after one still in flight; the plan assumes every
 sequence in flight grows by its pending token, and blocks are reserved for it.
 
+A decode step whose row count runs fewer tokens a second than a smaller decode graph's runs that graph's rows,
+the latest admitted sitting the step out (`SchedulerConfig.decode_rows`, from the graphs' replay times).
+
 With CUDA graphs a step that carries prefill chunks is padded up to a token bucket of the mixed graphs, and a
 padded token costs a real token's compute. A step that would overshoot a bucket takes smaller chunks to fill
 the bucket below exactly when that keeps at least `CUT_SHARE` of its prefill; the rest of a prompt comes in the
@@ -61,6 +64,8 @@ class SchedulerConfig:
     constrained_lag: bool = False
     # The mixed CUDA graphs' token buckets (ascending; empty: steps are not padded, so no step is cut to one).
     token_buckets: tuple[int, ...] = ()
+    # How many of a decode step's rows run, by how many it has (`step_layout.decode_rows`; empty: all of them).
+    decode_rows: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -75,6 +80,7 @@ class Scheduler:
         # docstring), back to `max_num_seqs` once the cache has room to spare
         self.admit_limit = config.max_num_seqs
         self.known_running = 0  # running sequences of known length (`growth.runs_to_max_len`)
+        self.sat_out = 0  # decodes that sat a step out (`_sit_out`)
 
     @property
     def has_unfinished(self) -> bool:
@@ -189,6 +195,7 @@ class Scheduler:
 
         if not chosen:
             return None
+        self._sit_out(chosen)
         seqs, starts, counts, samples = (list(column) for column in zip(*chosen, strict=True))
         carry_rows = [seq.carry_row() for seq in seqs]
         row = 0
@@ -203,6 +210,20 @@ class Scheduler:
             samples=np.array(samples, dtype=bool),
             carry_rows=np.array(carry_rows, dtype=np.int64),
         )
+
+    def _sit_out(self, chosen: list) -> None:
+        """A decode step whose row count runs slower for each row than a smaller bucket's (`decode_rows`) runs that
+        many; the latest admitted of its rows sit the step out and run in the next one."""
+        rows = self.config.decode_rows
+        if len(chosen) >= len(rows) or rows[len(chosen)] == len(chosen):
+            return
+        if any(count != 1 or start < seq.prompt_len for seq, start, count, _ in chosen):
+            return  # a prompt's token: a mixed step (padded to a token bucket), or one a later prompt may share
+        for seq, _, _, _ in chosen[rows[len(chosen)] :]:
+            seq.num_computed -= 1
+            seq.inflight -= 1
+        self.sat_out += len(chosen) - rows[len(chosen)]
+        del chosen[rows[len(chosen)] :]
 
     def _choose(self, chosen: list, seq: Sequence, count: int) -> None:
         start = seq.num_computed
