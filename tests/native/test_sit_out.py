@@ -5,6 +5,8 @@ the latest admitted wait a step. Output is unchanged; only steps of output token
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 from engine_cases import hf_greedy, mixed_requests
@@ -15,6 +17,10 @@ from batchjob.engine.native.scheduling.block_manager import KVBlockManager
 from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 from batchjob.job.tiny_model import make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
+
+from simulate_admission import step_done  # noqa: E402
 
 BLOCK = 16
 
@@ -44,12 +50,7 @@ def _decode(seq_id: int) -> Sequence:
 
 def _step(scheduler: Scheduler):
     plan = scheduler.schedule()
-    for seq, sampled in zip(plan.seqs, plan.samples.tolist(), strict=True):
-        seq.inflight -= 1
-        if sampled:
-            seq.resolve_oldest(7)
-            if seq.num_tokens >= seq.max_len:
-                scheduler.finish(seq, "length")
+    step_done(scheduler, plan)
     return plan
 
 
