@@ -215,15 +215,16 @@ class Scheduler:
         """A decode step whose row count runs slower for each row than a smaller bucket's (`decode_rows`) runs that
         many; the latest admitted of its rows sit the step out and run in the next one."""
         rows = self.config.decode_rows
-        if len(chosen) >= len(rows) or rows[len(chosen)] == len(chosen):
+        keep = rows[len(chosen)] if len(chosen) < len(rows) else len(chosen)
+        if keep == len(chosen):
             return
         if any(count != 1 or start < seq.prompt_len for seq, start, count, _ in chosen):
             return  # a prompt's token: a mixed step (padded to a token bucket), or one a later prompt may share
-        for seq, _, _, _ in chosen[rows[len(chosen)] :]:
+        for seq, _, _, _ in chosen[keep:]:  # `_choose` undone: a decode's token registers no prompt block
             seq.num_computed -= 1
             seq.inflight -= 1
-        self.sat_out += len(chosen) - rows[len(chosen)]
-        del chosen[rows[len(chosen)] :]
+        self.sat_out += len(chosen) - keep
+        del chosen[keep:]
 
     def _choose(self, chosen: list, seq: Sequence, count: int) -> None:
         start = seq.num_computed
