@@ -3,7 +3,7 @@ by Triton's real compiler, on a machine without a GPU. A driver for a device tha
 no-op after the checks a real launch makes first (the kernel's shared memory against an H100's 227 KB, its threads),
 so every kernel a call launches gets compiled and checked, not only the first. Each call is one engine path (a
 norm, a rotary step, an attention step, a sampler, a matmul, the MoE layer); prints one JSON object: each call's
-"ok" or its error, and how many kernel variants were compiled.
+"ok" or its error, how many kernel variants were compiled, and those whose registers spill.
 
     python kernels_compile_scenario.py
     python kernels_compile_scenario.py --through-workers   (the same kernels compiled by compile workers first)
@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,6 +172,9 @@ def calls() -> dict[str, Callable[[], Any]]:
         "invariant matmul, serial": lambda: invariant_matmul.matmul(
             torch.randn(2304, 2048, dtype=bf16), torch.randn(3072, 2048, dtype=bf16)
         ),
+        "invariant matmul, serial, K in four parts (Llama-3.2-1B's down)": lambda: invariant_matmul.matmul(
+            torch.randn(2304, 8192, dtype=bf16), torch.randn(2048, 8192, dtype=bf16)
+        ),
         "fp8 per-token activations, per-row weights": fp8_projection(None, (1, 2048)),
         "fp8 group activations, 128x128 weight blocks": fp8_projection(128, (128, 128)),
         "rms_norm with residual, quantized to fp8": lambda: fused_ops.rms_norm_fp8(x, w, 1e-5, x.clone()),
@@ -269,7 +275,25 @@ def main() -> None:
         except Exception as exc:
             results[name] = f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-1500:]
     folder = os.environ["TRITON_CACHE_DIR"]
-    print(json.dumps({"results": results, "compiled": len(os.listdir(folder)) if os.path.isdir(folder) else 0}))
+    compiled = len(os.listdir(folder)) if os.path.isdir(folder) else 0
+    print(json.dumps({"results": results, "compiled": compiled, "spilled": spilled(folder)}))
+
+
+def spilled(folder: str) -> dict[str, int]:
+    """Each compiled kernel whose registers spill to local memory, with its stack frame in bytes (cuobjdump's
+    resource usage of every binary in Triton's cache): a spill inside a matmul's K loop costs it several times
+    its speed."""
+    from triton import knobs
+
+    found = {}
+    for binary in sorted(Path(folder).glob("*/*.cubin")):
+        usage = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-res-usage", str(binary)], capture_output=True, text=True, check=True
+        ).stdout
+        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+        if stack:
+            found[f"{binary.stem} ({binary.parent.name[:8]})"] = stack
+    return found
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""The engine's Triton kernels compile for an H100 (sm_90) with Triton's real compiler, and each fits the shared
-memory and threads an H100 block may have, checked on a machine without a GPU: a norm, the rotary step that stores
-K/V, SiLU-and-mul, decode (one split and several), prefill and mixed attention, the batch-invariant matmul (K split
-and serial), FP8 projections (per-row and block weights), the samplers and the fused mixture of experts, and the
-benchmark models' own shapes (head_dim 64, Qwen 3's head norms, Gemma's norm, Qwen3-30B-A3B's experts with the
-configs the package's table tunes for an H200). The
-interpreter tests check what the kernels compute; this checks that the compiler takes them, which only a GPU run
-showed before. Runs kernels_compile_scenario.py in a process of its own (the suite's processes interpret)."""
+"""The engine's Triton kernels compile for an H100 (sm_90) with Triton's real compiler, and each fits the shared memory
+and threads an H100 block may have without spilling registers, checked on a machine without a GPU: a norm, the rotary
+step that stores K/V, SiLU-and-mul, decode (one split and several), prefill and mixed attention, the batch-invariant
+matmul (K split and serial), FP8 projections (per-row and block weights), the samplers and the fused mixture of experts,
+and the benchmark models' own shapes (head_dim 64, Qwen 3's head norms, Gemma's norm, Qwen3-30B-A3B's experts with the
+configs the package's table tunes for an H200). The interpreter tests check what the kernels compute; this checks that
+the compiler takes them, which only a GPU run showed before. Runs kernels_compile_scenario.py in a process of its own
+(the suite's processes interpret)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_every_engine_kernel_compiles_for_an_h100_and_fits_its_shared_memory(tmp_path: Path) -> None:
+def test_every_engine_kernel_compiles_for_an_h100_fits_its_shared_memory_and_spills_no_register(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     scenario = Path(__file__).with_name("kernels_compile_scenario.py")
@@ -30,6 +30,8 @@ def test_every_engine_kernel_compiles_for_an_h100_and_fits_its_shared_memory(tmp
     failed = {name: why for name, why in report["results"].items() if why != "ok"}
     assert not failed, "\n\n".join(f"{name}: {why}" for name, why in failed.items())
     assert report["compiled"] >= len(report["results"])
+    # No kernel spills its registers to local memory (the invariant matmul's serial launch did, at four parts of K).
+    assert report["spilled"] == {}
 
 
 def test_compile_workers_compile_every_engine_kernel_under_the_key_its_launch_looks_up(tmp_path: Path) -> None:

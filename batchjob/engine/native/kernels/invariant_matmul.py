@@ -107,7 +107,9 @@ def _parts_kernel(
         a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
     )  # fmt: skip
-    for p in tl.static_range(1, SERIAL_PARTS):
+    # A loop, not unrolled: a copy of the K loop per part kept every copy's pipeline in registers, and at four parts
+    # the serial tile spilled its sums to local memory (tests/native/test_kernels_compile.py checks for spills).
+    for p in range(1, SERIAL_PARTS):
         k_lo = p * k_per_part
         acc += _part_product(
             a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am,
