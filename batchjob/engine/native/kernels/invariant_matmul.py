@@ -31,9 +31,10 @@ MAX_PARTS = 4
 # runs): a prefill step's GROUP_M row tiles of the input stay in L2 while the weight's column tiles pass them,
 # instead of the whole input being read again for every column tile.
 GROUP_M = 8
-# A step serializes K's parts within each program from this many waves of programs (a multiprocessor holds two of
-# these at once; fewer would leave it waiting on memory): a prefill chunk's rows, not a decode step's.
-SERIAL_WAVES = 4
+# A step serializes K's parts within each program from this many waves of programs of the split launch's tile: below
+# it (a decode step's few rows), splitting K is what fills the GPU. From one wave rather than four, W2 and W1 in
+# this mode ran 1.018x and 1.007x (docs/benchmarks.md).
+SERIAL_WAVES = 1
 # The serial launch's tile, warps and pipeline stages. A larger tile reads each input and weight tile for more
 # outputs; an element's arithmetic (K's parts in order, each summed from its start) is meant not to change with it,
 # but whether the GPU's MMA instructions of another shape and K step round alike is measured
