@@ -1,4 +1,5 @@
-"""The roofline's rates, measured in the same run as the systems (copy, bf16 and FP8 matmul); `graph_ms`."""
+"""The roofline's rates, measured in the same run as the systems (copy, bf16 and FP8 matmul); `graph_ms`, and
+`per_call_us` for the kernel profilers in scripts/dev."""
 
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def per_call_us(make_call, weights: list, calls: int = 24) -> float:
+    """Microseconds a call of `make_call(weight)` takes inside a CUDA graph of `calls` calls, one weight copy after
+    another (as a step's layers read weights the L2 cache does not hold), so no launch overhead is counted."""
+    import torch
+
+    for weight in weights:
+        make_call(weight)()  # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            make_call(weights[i % len(weights)])()
+    return 1e6 * median_seconds(graph.replay, 20) / calls
 
 
 def measure_copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> float:

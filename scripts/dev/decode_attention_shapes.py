@@ -7,7 +7,7 @@
 Contexts are drawn uniformly from the `--context` range (numpy's default_rng(1234)), as a mixed workload's decode
 steps hold them, and each sequence's cache blocks are scattered over the pool as a running engine leaves them. A
 time is a call's share of a CUDA graph of calls over as many layers' caches as outgrow the L2 cache, one after
-another (`fp8_shapes.per_call_us`: median of 20 replays), so neither launch overhead nor a cache hit counts. The
+another (`bench_lib.hardware.per_call_us`: median of 20 replays), so neither launch overhead nor a cache hit counts. The
 floor reads every cached key and value once, and the queries and outputs, at the copy rate measured here first. A
 launch whose output is not the engine launch's within bf16's tolerance is marked !.
 """
@@ -23,9 +23,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth  # noqa: E402
+from bench_lib.hardware import measure_copy_bandwidth, per_call_us  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
-from fp8_shapes import per_call_us  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's default `engine.block_size`
 L2_BYTES = 256 << 20  # read between two reads of one layer's cache: more than any L2 cache holds

@@ -24,24 +24,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth, measure_fp8_matmul_rate, median_seconds  # noqa: E402
+from bench_lib.hardware import measure_copy_bandwidth, measure_fp8_matmul_rate, per_call_us  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 from matmul_shapes import projections  # noqa: E402
-
-
-def per_call_us(make_call, weights: list, calls: int = 24) -> float:
-    """Microseconds a call of `make_call(weight)` takes inside a CUDA graph of `calls` calls, one weight copy after
-    another (as a step's layers read weights the L2 cache does not hold), so no launch overhead is counted."""
-    import torch
-
-    for weight in weights:
-        make_call(weight)()  # compiled and warm before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            make_call(weights[i % len(weights)])()
-    return 1e6 * median_seconds(graph.replay, 20) / calls
 
 
 def cublaslt_call(a, a_scales, w_scales, weight):
