@@ -281,8 +281,8 @@ def main() -> None:
 
 def spilled(folder: str) -> dict[str, int]:
     """Each compiled kernel whose registers spill to local memory, with its stack frame in bytes (cuobjdump's
-    resource usage of every binary in Triton's cache): a spill inside a matmul's K loop costs it several times
-    its speed."""
+    resource usage of every binary in Triton's cache): a kernel that spills keeps part of what its loop works on
+    in local memory, and goes there for it at every step."""
     from triton import knobs
 
     found = {}
