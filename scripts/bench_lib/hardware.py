@@ -61,6 +61,15 @@ def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+L2_BYTES = 256 << 20  # read between two reads of one copy: more than any GPU's L2 cache holds
+
+
+def copies_beyond_l2(tensor) -> list:
+    """`tensor` and as many clones as make `L2_BYTES` between two reads of one copy, for `per_call_us` to walk."""
+    count = max(1, -(-L2_BYTES // (tensor.numel() * tensor.element_size())))
+    return [tensor] + [tensor.clone() for _ in range(count - 1)]
+
+
 def per_call_us(make_call, weights: list, calls: int = 24) -> float:
     """Microseconds a call of `make_call(weight)` takes inside a CUDA graph of `calls` calls, one weight copy after
     another (as a step's layers read weights the L2 cache does not hold), so no launch overhead is counted."""

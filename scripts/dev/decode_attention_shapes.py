@@ -23,11 +23,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth, per_call_us  # noqa: E402
+from bench_lib.hardware import L2_BYTES, measure_copy_bandwidth, per_call_us  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's default `engine.block_size`
-L2_BYTES = 256 << 20  # read between two reads of one layer's cache: more than any L2 cache holds
 
 
 def decode_step(rows: int, context: tuple[int, int], heads: int, kv_heads: int, head_dim: int):

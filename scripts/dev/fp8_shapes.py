@@ -24,7 +24,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth, measure_fp8_matmul_rate, per_call_us  # noqa: E402
+from bench_lib.hardware import (  # noqa: E402
+    copies_beyond_l2,
+    measure_copy_bandwidth,
+    measure_fp8_matmul_rate,
+    per_call_us,
+)
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 from matmul_shapes import projections  # noqa: E402
 
@@ -73,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = dict.fromkeys(["floor", "cuBLASLt", "engine", "best"], 0.0)
     for name, (n, k) in shapes.items():
         w, w_scales = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator))
-        # copies enough to outgrow the L2 cache (at least 256 MB read between two reads of one copy)
-        weights = [w] + [w.clone() for _ in range(max(1, -(-(256 << 20) // w.numel())) - 1)]
+        weights = copies_beyond_l2(w)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
             a, a_scales = fp8.quantize(x)

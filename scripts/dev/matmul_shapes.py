@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import measure_copy_bandwidth, measure_matmul_rate, per_call_us  # noqa: E402
+from bench_lib.hardware import copies_beyond_l2, measure_copy_bandwidth, measure_matmul_rate, per_call_us  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def projections(architecture: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def graph_ms(run, x, weights: list) -> float:
+def call_ms(run, x, weights: list) -> float:
     """Milliseconds a call of `run(x, weight)` takes inside a CUDA graph (`per_call_us`), one weight copy after
     another: neither the launch from Python nor a weight the L2 cache still holds counts, as in an engine step."""
     return per_call_us(lambda w: lambda: run(x, w), weights) / 1e3
@@ -143,13 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         n, k = shapes[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator)
-        # copies enough to outgrow the L2 cache (at least 256 MB read between two reads of one copy)
-        weights = [w] + [w.clone() for _ in range(max(1, -(-(128 << 20) // w.numel())) - 1)]
+        weights = copies_beyond_l2(w)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
             floor = max(2 * (n * k + rows * k + rows * n) / copy, 2 * rows * n * k / flops) * 1e3
-            blas = graph_ms(lambda x, w: x @ w.T, x, weights)
-            times = {label: graph_ms(run, x, weights) for label, run in runs.items()}
+            blas = call_ms(lambda x, w: x @ w.T, x, weights)
+            times = {label: call_ms(run, x, weights) for label, run in runs.items()}
             for label, ms in (("floor", floor), ("cuBLAS", blas), *times.items()):
                 total[label] += ms
             mode = "serial" if im.serial(rows, w) else f"{im.num_parts(w)} parts"
