@@ -8,7 +8,8 @@ For each projection (qkv, o, gate_up, down, lm_head) and row count it prints cuB
 matmul's as the engine runs it, and each variant asked for: `--serial-waves W` (a step computes K's parts
 within each program from W waves of programs), `--parts P` (K split into at most P parts) and `--group-m G` (G row
 tiles walked together down each column tile: program order, the same bits), `--serial-block-n` and
-`--serial-warps` (the serial launch's column tile and warps), and `--serial-tiles MxNxKwWsS[@W]` (the serial
+`--serial-warps` (the serial launch's column tile and warps), `--tma 0` (tiles loaded by address rather than
+by the tensor memory accelerator), and `--serial-tiles MxNxKwWsS[@W]` (the serial
 launch's whole shape: tile, K step, warps, pipeline stages; with @W, from W waves). A variant marked ! computed
 16 of the step's rows otherwise than it computes them in a step of those rows alone. A time is a call's share of a
 CUDA graph of 24 calls (median of 20 replays), each call reading another copy of the weight than the call before,
@@ -61,6 +62,7 @@ KNOBS = (
     "SERIAL_BLOCK_K",
     "SERIAL_WARPS",
     "SERIAL_STAGES",
+    "TMA_LOADS",
 )
 
 
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serial-block-n", default="", help="comma-separated SERIAL_BLOCK_N to try")
     parser.add_argument("--serial-warps", default="", help="comma-separated SERIAL_WARPS to try")
     parser.add_argument("--serial-tiles", default="", help="comma-separated serial launch shapes, MxNxKwWsS")
+    parser.add_argument("--tma", default="", help="comma-separated TMA_LOADS to try (0: tiles loaded by address)")
     parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
     args = parser.parse_args(argv)
 
@@ -122,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     copy, flops = measure_copy_bandwidth(), measure_matmul_rate()
     print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     block = f"{im.BLOCK_M}x{im.BLOCK_N}x{im.BLOCK_K}"
-    print(f"engine: SERIAL_WAVES={im.SERIAL_WAVES}, MAX_PARTS={im.MAX_PARTS}, GROUP_M={im.GROUP_M}, tiles {block}")
+    print(
+        f"engine: SERIAL_WAVES={im.SERIAL_WAVES}, MAX_PARTS={im.MAX_PARTS}, GROUP_M={im.GROUP_M}, tiles {block}, "
+        f"TMA_LOADS={im.TMA_LOADS}"
+    )
     asked = {
         "waves": ("SERIAL_WAVES", args.serial_waves),
         "parts": ("MAX_PARTS", args.parts),
         "group": ("GROUP_M", args.group_m),
         "sn": ("SERIAL_BLOCK_N", args.serial_block_n),
         "sw": ("SERIAL_WARPS", args.serial_warps),
+        "tma": ("TMA_LOADS", args.tma),
     }
     runs = {"engine": variant()}
     for label, (knob, values) in asked.items():

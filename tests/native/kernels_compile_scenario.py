@@ -72,6 +72,20 @@ def calls() -> dict[str, Callable[[], Any]]:
     from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
     invariant_matmul._sm_count = lambda device: H100_SMS
+    invariant_matmul._has_tma = lambda device: True
+
+    def pointer_loads(call: Callable[[], Any]) -> Callable[[], Any]:
+        """`call` with the invariant matmul's tiles loaded by address, as on a GPU without TMA."""
+
+        def run() -> Any:
+            invariant_matmul.TMA_LOADS = False
+            try:
+                return call()
+            finally:
+                invariant_matmul.TMA_LOADS = True
+
+        return run
+
     device_name = moe_configs.device_name
     bf16 = torch.bfloat16
     x = torch.randn(37, 2048, dtype=bf16)
@@ -174,6 +188,12 @@ def calls() -> dict[str, Callable[[], Any]]:
         ),
         "invariant matmul, serial, K in four parts (Llama-3.2-1B's down)": lambda: invariant_matmul.matmul(
             torch.randn(2304, 8192, dtype=bf16), torch.randn(2048, 8192, dtype=bf16)
+        ),
+        "invariant matmul, K split, tiles loaded by address": pointer_loads(
+            lambda: invariant_matmul.matmul(x, torch.randn(3072, 2048, dtype=bf16))
+        ),
+        "invariant matmul, serial, K in four parts, tiles loaded by address": pointer_loads(
+            lambda: invariant_matmul.matmul(torch.randn(2304, 8192, dtype=bf16), torch.randn(2048, 8192, dtype=bf16))
         ),
         "fp8 per-token activations, per-row weights": fp8_projection(None, (1, 2048)),
         "fp8 group activations, 128x128 weight blocks": fp8_projection(128, (128, 128)),

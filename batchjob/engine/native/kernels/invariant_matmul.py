@@ -20,6 +20,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from batchjob.engine.native.kernels.attention_tile import dot_precision
 
@@ -44,32 +45,45 @@ SERIAL_BLOCK_N = 128
 SERIAL_BLOCK_K = BLOCK_K
 SERIAL_WARPS = 8
 SERIAL_STAGES = 4
+# Tiles loaded by the GPU's tensor memory accelerator (Hopper and later) rather than by each thread's addresses, for
+# both launches where the tensors allow (`_tma`): the same tiles, the same products.
+TMA_LOADS = True
 
 
 @triton.jit
 def _part_product(
-    a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, k_hi, stride_am, stride_bn,
+    a, b, row0, col0, m, n, k_lo, k_hi, stride_am, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
-    """The float32 product of a tile's rows and columns over K in [k_lo, k_hi), BLOCK_K at a time from k_lo."""
+    """The float32 product of the tile's rows from row0 and columns from col0 over K in [k_lo, k_hi), BLOCK_K at a
+    time from k_lo. With
+    TMA, `a` and `b` are the input's and the weight's descriptors: a tile's rows or columns beyond the tensor read
+    as zeros, and no K step crosses k_hi (`_launch` takes descriptors only where K's parts are whole K steps)."""
+    rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_hi
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :], row_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        b = tl.load(
-            b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
-        )
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if TMA:
+            a_tile = a.load([row0, k0])
+            b_tile = b.load([col0, k0]).T
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < k_hi
+            a_tile = tl.load(
+                a + rows[:, None].to(tl.int64) * stride_am + ks[None, :], row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            b_tile = tl.load(
+                b + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
+            )
+        acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit(do_not_specialize=["m"])
 def _parts_kernel(
-    a_ptr,
-    b_ptr,
+    a,
+    b,
     bias_ptr,
     c_ptr,
     m,
@@ -87,10 +101,12 @@ def _parts_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Grid (tiles, parts): program (t, p) writes part p of tile t, the tiles ordered in groups of GROUP_M row
     tiles down each column tile. With SERIAL_PARTS > 1 the grid has one part and each program computes all of them
-    and adds them in order, as `_reduce_kernel` would."""
+    and adds them in order, as `_reduce_kernel` would. `a` and `b` are the input and the weight: pointers, or with
+    TMA descriptors of their tiles."""
     row_tiles, col_tiles = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
     tile = tl.program_id(0)
     group = tile // (GROUP_M * col_tiles)
@@ -100,22 +116,22 @@ def _parts_kernel(
     pid_m = first_row_tile + within % group_rows
     pid_n = within // group_rows
     part = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < m, cols < n
+    row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
     k_lo = part * k_per_part
     acc = _part_product(
-        a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am, stride_bn,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        a, b, row0, col0, m, n, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
     )  # fmt: skip
     # A loop, not unrolled: a copy of the K loop per part kept every copy's pipeline in registers, and at four parts
     # the serial tile spilled its sums to local memory (tests/native/test_kernels_compile.py checks for spills).
     for p in range(1, SERIAL_PARTS):
         k_lo = p * k_per_part
         acc += _part_product(
-            a_ptr, b_ptr, rows, cols, row_mask, col_mask, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am,
-            stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            a, b, row0, col0, m, n, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
         )  # fmt: skip
+    rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
     if HAS_BIAS:  # one part only, or all of them
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + part * stride_cp + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
@@ -137,6 +153,24 @@ def _reduce_kernel(parts_ptr, bias_ptr, out_ptr, numel, n, stride_p, PARTS: tl.c
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma(x: torch.Tensor, weight: torch.Tensor, block_k: int, k_per_part: int) -> bool:
+    """Whether the launch loads its tiles through descriptors: a GPU with the tensor memory accelerator, 16-bit
+    operands whose rows start 16-byte aligned, and K's parts whole `block_k` steps (a descriptor's tile is not
+    masked at a part's end, only at the tensor's)."""
+    return (
+        TMA_LOADS
+        and _has_tma(x.device)
+        and x.element_size() == 2
+        and k_per_part % block_k == 0
+        and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
+    )
 
 
 def num_parts(weight: torch.Tensor) -> int:
@@ -191,11 +225,16 @@ def _launch(
         block_m, block_n, block_k, warps, stages = BLOCK_M, BLOCK_N, BLOCK_K, 4, 4
     stages = stages if x.element_size() <= 2 else 2
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), parts)
+    k_per_part = _k_per_part(k, max(parts, serial_parts))
+    a, b, tma = x, weight, _tma(x, weight, block_k, k_per_part)
+    if tma:
+        a = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k])
+        b = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
     _parts_kernel[grid](
-        x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        out.stride(1), _k_per_part(k, max(parts, serial_parts)), HAS_BIAS=bias is not None,
-        SERIAL_PARTS=serial_parts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
+        a, b, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        out.stride(1), k_per_part, HAS_BIAS=bias is not None, SERIAL_PARTS=serial_parts, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, DOT_PRECISION=dot_precision(x.dtype), TMA=tma,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
