@@ -11,6 +11,11 @@ Where a step has rows enough for waves of programs without splitting (`serial`),
 part of its tile itself, one after another, and adds them in the same order in registers: the same float32
 arithmetic, the same bits, without writing and reading back parts x rows x N float32 sums (at a prefill chunk's
 8,192 rows, more bytes than the weight).
+
+On Hopper and later GPUs the tiles are loaded by the tensor memory accelerator from descriptors of the input and
+the weight (`_tma`); elsewhere, and for a tensor whose rows are not 16-byte aligned, each thread loads its share by
+address. Both load the same tiles and hand the same products to the same MMA instructions: the bits do not depend
+on which one ran (tests/gpu/test_deterministic_gpu.py).
 """
 
 from __future__ import annotations
