@@ -62,20 +62,25 @@ KNOBS = (
     "SERIAL_BLOCK_K",
     "SERIAL_WARPS",
     "SERIAL_STAGES",
+    "ONE_PART_BLOCK_M",
+    "ONE_PART_STAGES",
     "TMA_LOADS",
 )
 
 
 def serial_tile(text: str) -> dict[str, int]:
-    """'128x256x64w8s3' -> the serial launch's knobs (tile M x N x K, warps, stages); '...@W' also sets
-    SERIAL_WAVES to W."""
+    """'128x256x64w8s3' -> the serial launch's knobs (tile M x N x K, warps, stages), for weights of one part and
+    of several alike; '...@W' also sets SERIAL_WAVES to W."""
     text, _, waves = text.partition("@")
     tile, rest = text.split("w")
     warps, stages = rest.split("s")
     m, n, k = (int(v) for v in tile.split("x"))
     names = ("SERIAL_BLOCK_M", "SERIAL_BLOCK_N", "SERIAL_BLOCK_K", "SERIAL_WARPS", "SERIAL_STAGES")
-    return dict(zip(names, (m, n, k, int(warps), int(stages)), strict=True)) | (
-        {"SERIAL_WAVES": int(waves)} if waves else {}
+    knobs = dict(zip(names, (m, n, k, int(warps), int(stages)), strict=True))
+    return (
+        knobs
+        | {"ONE_PART_BLOCK_M": m, "ONE_PART_STAGES": int(stages)}
+        | ({"SERIAL_WAVES": int(waves)} if waves else {})
     )
 
 

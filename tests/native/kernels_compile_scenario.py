@@ -183,11 +183,17 @@ def calls() -> dict[str, Callable[[], Any]]:
         "split decode attention": attention([1] * 4, [700, 1500, 64, 3000], splits=4),
         "prefill and mixed attention": attention([5, 7, 1, 70, 1], [5, 37, 19, 70, 2]),
         "invariant matmul, K split": lambda: invariant_matmul.matmul(x, torch.randn(3072, 2048, dtype=bf16)),
+        "invariant matmul, K split, two row tiles": lambda: invariant_matmul.matmul(
+            torch.randn(200, 2048, dtype=bf16), torch.randn(3072, 2048, dtype=bf16)
+        ),
         "invariant matmul, serial": lambda: invariant_matmul.matmul(
             torch.randn(2304, 2048, dtype=bf16), torch.randn(3072, 2048, dtype=bf16)
         ),
         "invariant matmul, serial, K in four parts (Llama-3.2-1B's down)": lambda: invariant_matmul.matmul(
             torch.randn(2304, 8192, dtype=bf16), torch.randn(2048, 8192, dtype=bf16)
+        ),
+        "invariant matmul, serial, K in one part (Llama-3.2-1B's gate_up)": lambda: invariant_matmul.matmul(
+            torch.randn(2304, 2048, dtype=bf16), torch.randn(16384, 2048, dtype=bf16)
         ),
         "invariant matmul, K split, tiles loaded by address": pointer_loads(
             lambda: invariant_matmul.matmul(x, torch.randn(3072, 2048, dtype=bf16))

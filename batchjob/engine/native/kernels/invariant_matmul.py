@@ -50,8 +50,13 @@ SERIAL_BLOCK_N = 128
 SERIAL_BLOCK_K = BLOCK_K
 SERIAL_WARPS = 8
 SERIAL_STAGES = 4
-# Tiles loaded by the GPU's tensor memory accelerator (Hopper and later) rather than by each thread's addresses, for
-# both launches where the tensors allow (`_tma`): the same tiles, the same products.
+# A weight whose K is one part keeps one float32 sum a thread, not two: its serial launch takes tiles of twice the
+# rows (fewer reads of each weight tile) where the step has rows for them.
+ONE_PART_BLOCK_M = 256
+ONE_PART_STAGES = 3
+# Tiles loaded by the GPU's tensor memory accelerator (Hopper and later) rather than by each thread's addresses, where
+# the step has more than one row tile and the tensors allow (`_tma`): the same tiles, the same products. With one row
+# tile a launch streams the weight, and loads by address measured faster there.
 TMA_LOADS = True
 
 
@@ -165,12 +170,13 @@ def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _tma(x: torch.Tensor, weight: torch.Tensor, block_k: int, k_per_part: int) -> bool:
-    """Whether the launch loads its tiles through descriptors: a GPU with the tensor memory accelerator, 16-bit
-    operands whose rows start 16-byte aligned, and K's parts whole `block_k` steps (a descriptor's tile is not
-    masked at a part's end, only at the tensor's)."""
+def _tma(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_k: int, k_per_part: int) -> bool:
+    """Whether the launch loads its tiles through descriptors: a GPU with the tensor memory accelerator, more than
+    one row tile, 16-bit operands whose rows start 16-byte aligned, and K's parts whole `block_k` steps (a
+    descriptor's tile is not masked at a part's end, only at the tensor's)."""
     return (
         TMA_LOADS
+        and x.shape[0] > block_m
         and _has_tma(x.device)
         and x.element_size() == 2
         and k_per_part % block_k == 0
@@ -216,7 +222,7 @@ def _launch(
 ) -> torch.Tensor:
     """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`); with
     `serial_parts`, `out` [1, rows, N] gets that many parts added in order, then `bias`. `serial_tile`: in the
-    serial launch's tiles, warps and stages (`SERIAL_*`)."""
+    serial launch's tiles, warps and stages (`SERIAL_*`, and `ONE_PART_*` for K in one part)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     parts, m, n = out.shape
     k = x.shape[1]
@@ -226,12 +232,14 @@ def _launch(
         block_m, block_n, block_k, warps, stages = (
             SERIAL_BLOCK_M, SERIAL_BLOCK_N, SERIAL_BLOCK_K, SERIAL_WARPS, SERIAL_STAGES
         )  # fmt: skip
+        if serial_parts == 1 and m >= ONE_PART_BLOCK_M:
+            block_m, stages = ONE_PART_BLOCK_M, ONE_PART_STAGES
     else:
         block_m, block_n, block_k, warps, stages = BLOCK_M, BLOCK_N, BLOCK_K, 4, 4
     stages = stages if x.element_size() <= 2 else 2
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), parts)
     k_per_part = _k_per_part(k, max(parts, serial_parts))
-    a, b, tma = x, weight, _tma(x, weight, block_k, k_per_part)
+    a, b, tma = x, weight, _tma(x, weight, block_m, block_k, k_per_part)
     if tma:
         a = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k])
         b = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
