@@ -7,6 +7,7 @@ norm, a rotary step, an attention step, a sampler, a matmul, the MoE layer); pri
 
     python kernels_compile_scenario.py
     python kernels_compile_scenario.py --through-workers   (the same kernels compiled by compile workers first)
+    python kernels_compile_scenario.py --ada   (for an L40S: sm_89, about 100 KB of shared memory a block, no TMA)
 """
 
 from __future__ import annotations
@@ -29,21 +30,25 @@ from batchjob.engine.native.runtime.compile_worker import TargetOnlyDriver
 
 H100_SHARED_BYTES = 232448  # shared memory a block may opt into on an H100 (and an H200)
 H100_SMS = 132
+# An L40S (Ada, sm_89): shared memory a block may opt into, as on an L4, an RTX 4090 and most Ampere cards but the A100.
+ADA_SHARED_BYTES = 101376
+ADA_SMS = 142
 
 
 class AbsentDevice(TargetOnlyDriver):
-    """The Triton driver of an H100 that is not here: what compiling and launching ask of a driver, with launches
-    that do nothing."""
+    """The Triton driver of a GPU that is not here (an H100 unless told otherwise): what compiling and launching ask
+    of a driver, with launches that do nothing."""
 
-    def __init__(self) -> None:
-        super().__init__(GPUTarget("cuda", 90, 32))
+    def __init__(self, arch: int = 90, shared_bytes: int = H100_SHARED_BYTES, sms: int = H100_SMS) -> None:
+        super().__init__(GPUTarget("cuda", arch, 32))
         self.utils = self
+        self.shared_bytes, self.sms = shared_bytes, sms
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
 
     def get_device_properties(self, device: int) -> dict[str, int]:
-        return {"max_shared_mem": H100_SHARED_BYTES, "multiprocessor_count": H100_SMS, "max_num_regs": 65536}
+        return {"max_shared_mem": self.shared_bytes, "multiprocessor_count": self.sms, "max_num_regs": 65536}
 
     def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[Any, Any, int, int, int]:
         return None, None, 0, 0, 1024
@@ -57,7 +62,7 @@ class AbsentDevice(TargetOnlyDriver):
     launches = 0  # launches that reached a binary
 
 
-def calls() -> dict[str, Callable[[], Any]]:
+def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]:
     from batchjob.engine.native.kernels import (
         fp8,
         fp8_few_rows,
@@ -71,8 +76,8 @@ def calls() -> dict[str, Callable[[], Any]]:
     from batchjob.engine.native.layers.attention import make_metadata
     from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
-    invariant_matmul._sm_count = lambda device: H100_SMS
-    invariant_matmul._has_tma = lambda device: True
+    invariant_matmul._sm_count = lambda device: sms
+    invariant_matmul._has_tma = lambda device: tma
 
     def pointer_loads(call: Callable[[], Any]) -> Callable[[], Any]:
         """`call` with the invariant matmul's tiles loaded by address, as on a GPU without TMA."""
@@ -292,9 +297,10 @@ def through_workers() -> None:
 def main() -> None:
     if sys.argv[1:] == ["--through-workers"]:
         return through_workers()
-    driver.set_active(AbsentDevice())
+    ada = sys.argv[1:] == ["--ada"]
+    driver.set_active(AbsentDevice(89, ADA_SHARED_BYTES, ADA_SMS) if ada else AbsentDevice())
     results = {}
-    for name, call in calls().items():
+    for name, call in calls(ADA_SMS, tma=False).items() if ada else calls().items():
         try:
             call()
             results[name] = "ok"

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from batchjob.engine.native.kernels import fp8
 from batchjob.engine.native.kernels.decode_attention import dot_precision
+from batchjob.engine.native.kernels.launch_fit import launch_in_stages_that_fit
 from batchjob.engine.native.kernels.moe_align import moe_align_block_size
 from batchjob.engine.native.kernels.moe_configs import GemmTile, MoEConfig, moe_config
 
@@ -194,20 +195,26 @@ def grouped_gemm(
         block_k = math.gcd(tile.block_k, *widths)
         narrow = block_k < fp8.FP8_DOT_DEPTH
         tile = dataclasses.replace(tile, block_k=fp8.FP8_DOT_DEPTH if narrow else block_k)
-    _grouped_gemm_kernel[grid](
-        a, b, out, routing_weights, a_scales, b_scales, sorted_pairs, block_experts, padded_rows,
-        n_cols, k_dim, out.shape[0], num_m_blocks,
-        a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        a_scales.shape[1] if scales else 1, a_group, b_block[0], b_block[1],
-        b_scales.stride(0) if scales else 0, b_scales.stride(1) if scales else 0,
-        A_ROW_DIVISOR=top_k if gated else 1, GATED=gated, ROUTED_WEIGHT=not gated,
-        EVEN_K=k_dim % tile.block_k == 0, FP8=scales is not None, FP8_NARROW=narrow,
-        DOT_PRECISION=dot_precision(a.dtype),
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps,
-        # fp32 tiles are twice as wide: two stages keep the gate/up GEMM's three tiles in shared memory.
-        num_stages=tile.num_stages if a.element_size() <= 2 else min(tile.num_stages, 2),
-    )  # fmt: skip
+
+    def launch(stages: int) -> None:
+        _grouped_gemm_kernel[grid](
+            a, b, out, routing_weights, a_scales, b_scales, sorted_pairs, block_experts, padded_rows,
+            n_cols, k_dim, out.shape[0], num_m_blocks,
+            a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+            a_scales.shape[1] if scales else 1, a_group, b_block[0], b_block[1],
+            b_scales.stride(0) if scales else 0, b_scales.stride(1) if scales else 0,
+            A_ROW_DIVISOR=top_k if gated else 1, GATED=gated, ROUTED_WEIGHT=not gated,
+            EVEN_K=k_dim % tile.block_k == 0, FP8=scales is not None, FP8_NARROW=narrow,
+            DOT_PRECISION=dot_precision(a.dtype),
+            BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, num_stages=stages,
+        )  # fmt: skip
+
+    # fp32 tiles are twice as wide: two stages keep the gate/up GEMM's three tiles in shared memory.
+    stages = tile.num_stages if a.element_size() <= 2 else min(tile.num_stages, 2)
+    # The tables' and the default tiles are sized for a Hopper block's 227 KB of shared memory; a GPU of about 100 KB
+    # holds fewer of the gate/up GEMM's stages of three tiles.
+    launch_in_stages_that_fit(launch, (a.device, a.dtype, b.dtype, gated, narrow, block_m, tile), stages)
 
 
 @triton.jit
