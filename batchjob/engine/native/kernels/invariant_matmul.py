@@ -12,9 +12,9 @@ part of its tile itself, one after another, and adds them in the same order in r
 arithmetic, the same bits, without writing and reading back parts x rows x N float32 sums (at a prefill chunk's
 8,192 rows, more bytes than the weight).
 
-On Hopper and later GPUs the tiles are loaded by the tensor memory accelerator from descriptors of the input and
-the weight (`_tma`); elsewhere, and for a tensor whose rows are not 16-byte aligned, each thread loads its share by
-address. Both load the same tiles and hand the same products to the same MMA instructions: the bits do not depend
+On Hopper and later GPUs a launch of more than one row tile loads its tiles by the tensor memory accelerator, from
+descriptors of the input and the weight (`_tma`); elsewhere (one row tile, an older GPU, a tensor whose rows are not
+16-byte aligned) each thread loads its share by address. Both load the same tiles and hand the same products to the same MMA instructions: the bits do not depend
 on which one ran (tests/gpu/test_deterministic_gpu.py).
 """
 
@@ -67,9 +67,9 @@ def _part_product(
     TMA: tl.constexpr,
 ):  # fmt: skip
     """The float32 product of the tile's rows from row0 and columns from col0 over K in [k_lo, k_hi), BLOCK_K at a
-    time from k_lo. With
-    TMA, `a` and `b` are the input's and the weight's descriptors: a tile's rows or columns beyond the tensor read
-    as zeros, and no K step crosses k_hi (`_launch` takes descriptors only where K's parts are whole K steps)."""
+    time from k_lo. With TMA, `a` and `b` are the input's and the weight's descriptors: a tile's rows or columns
+    beyond the tensor read as zeros, and no K step crosses k_hi (`_launch` takes descriptors only where K's parts
+    are whole K steps)."""
     rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
