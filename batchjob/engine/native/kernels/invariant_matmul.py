@@ -14,8 +14,8 @@ arithmetic, the same bits, without writing and reading back parts x rows x N flo
 
 On Hopper and later GPUs a launch of more than one row tile loads its tiles by the tensor memory accelerator, from
 descriptors of the input and the weight (`_tma`); elsewhere (one row tile, an older GPU, a tensor whose rows are not
-16-byte aligned) each thread loads its share by address. Both load the same tiles and hand the same products to the same MMA instructions: the bits do not depend
-on which one ran (tests/gpu/test_deterministic_gpu.py).
+16-byte aligned) each thread loads its share by address. Both load the same tiles and hand the same products to
+the same MMA instructions: the bits do not depend on which one ran (tests/gpu/test_deterministic_gpu.py).
 """
 
 from __future__ import annotations
