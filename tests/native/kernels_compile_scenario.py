@@ -200,8 +200,8 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         "invariant matmul, serial, K in one part (Llama-3.2-1B's gate_up)": lambda: invariant_matmul.matmul(
             torch.randn(2304, 2048, dtype=bf16), torch.randn(16384, 2048, dtype=bf16)
         ),
-        "invariant matmul, K split, tiles loaded by address": pointer_loads(
-            lambda: invariant_matmul.matmul(x, torch.randn(3072, 2048, dtype=bf16))
+        "invariant matmul, K split, two row tiles loaded by address": pointer_loads(
+            lambda: invariant_matmul.matmul(torch.randn(200, 2048, dtype=bf16), torch.randn(3072, 2048, dtype=bf16))
         ),
         "invariant matmul, serial, K in four parts, tiles loaded by address": pointer_loads(
             lambda: invariant_matmul.matmul(torch.randn(2304, 8192, dtype=bf16), torch.randn(2048, 8192, dtype=bf16))
