@@ -7,7 +7,7 @@ are admitted sorted by prompt within a bounded look-ahead window (admission.py),
 ends with a warm-up of every kind of step (warmup.py).
 
 Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have advanced
-the matchers, step N+1's bitmasks are filled and its sampler enqueued (model_runner.py says why; step_masks.py fills
+the matchers, step N+1's bitmasks are filled and its sampler enqueued (split_steps.py says why; step_masks.py fills
 them). In the asynchronous loop a worker thread advances the matchers by N's tokens while this thread applies N's
 unconstrained rows (output.py), then fills the bitmasks (llguidance computes both off the GIL, in its own threads)
 while this thread processes the rest of step N, admits, schedules and fills step N+2; between those pieces of work

@@ -243,7 +243,7 @@ class StepMasks:
     ) -> Future:
         """Fill `rows` of `bitmask` on a worker (having first advanced the matchers of `advance`, and set its
         future); one that fills a whole step (`opens`) opens its gate right after, if its sampler waits behind one
-        (model_runner.py), without waiting for the loop's next `poll`."""
+        (split_steps.py), without waiting for the loop's next `poll`."""
         self.fill_calls += bool(rows)  # counted here, in the loop's thread
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="batchjob-masks")

@@ -3,7 +3,7 @@ memory reaches a value (the CUDA driver's `cuStreamWaitValue32`), and any thread
 
 Structured outputs use it to enqueue a constrained step's masked sampler together with its forward: the sampler's
 bitmask copy waits behind a gate that the thread filling the bitmask opens, so the GPU starts sampling, and then
-the next step's forward, the moment the masks exist, with no CUDA call in between (model_runner.py).
+the next step's forward, the moment the masks exist, with no CUDA call in between (split_steps.py).
 
 A gate's value only grows (each wait asks for the next value of its word), so opening an older wait late, or
 twice, never releases a newer one. The caller must open every wait it enqueues, on every path (`open_all` when a

@@ -8,7 +8,7 @@ bucket was captured with.
 
 A step with constrained rows (structured outputs) also has a token bitmask: one row per constrained sampled row,
 packed at the front of a fixed-size buffer, written by the host once the tokens its constraint depends on are
-back, and copied separately from the other inputs (see model_runner.py). Which bitmask row a sampled row reads
+back, and copied separately from the other inputs (see split_steps.py). Which bitmask row a sampled row reads
 is the packed field `mask_rows`; the bitmask buffer itself never moves, and its rows are exactly ceil(V / 32)
 words, the size llguidance writes.
 """
