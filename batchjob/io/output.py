@@ -3,7 +3,7 @@
 Commit protocol (why each step): on a local disk the part is written to the temp folder beside output.dir
 and fsynced, so a crash never exposes a torn Parquet file; it is renamed into output.dir, the commit point,
 and output.dir is fsynced (where output.dir is another mount than the temp folder, a rename cannot reach it:
-the part is written inside output.dir instead, unnamed or under a staged name, see `Staging`); then its
+the part is written inside output.dir instead, unnamed or under a staged name, see staging.py); then its
 manifest object (size, sha256, row ids) is created and its folder fsynced. On an object store the part is PUT
 under its final name (atomic: the commit point), then its manifest object. Each commit costs a constant
 number of requests, however long the job.
@@ -16,11 +16,7 @@ checks every part against its manifest object and repairs what a crash left (bat
 from __future__ import annotations
 
 import contextlib
-import enum
-import errno
 import json
-import logging
-import uuid
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -50,30 +46,16 @@ from batchjob.io.layout import (
     nested_output_message,
     old_layout_message,
     part_seq,
-    staged_name,
 )
 from batchjob.io.lock import DEFAULT_TIMEOUT_S, ShardLock
 from batchjob.io.manifest import PartEntry, Rewrite
 from batchjob.io.record_guard import RecordChange, record_is_stored, settle_job_record, settling
 from batchjob.io.recovery import ShardFiles
+from batchjob.io.staging import PartStaging
 from batchjob.io.storage import Storage, full_disk_reported
 
 if TYPE_CHECKING:
     import pyarrow.dataset as pads
-
-log = logging.getLogger(__name__)
-
-
-class Staging(enum.Enum):
-    """Where a local part is written before the commit makes it visible. `BESIDE`: in the temp folder beside
-    output.dir, renamed in. Where that rename cannot reach output.dir (another mount: a mount point, a bind
-    mount, a container volume), inside output.dir, so the commit stays one atomic step: `UNNAMED`, a file
-    without a name (O_TMPFILE) linked under its final name, which no reader ever sees; or `NAMED`, where the
-    filesystem has no such files, under its staged name (which polars does not skip), renamed."""
-
-    BESIDE = "beside"
-    UNNAMED = "unnamed"
-    NAMED = "named"
 
 
 class OutputDataset:
@@ -90,7 +72,7 @@ class OutputDataset:
         self._parts: dict[str, PartEntry] = {}
         self._next_seq = 0
         self._is_open = False
-        self._staging = Staging.BESIDE
+        self._staging = PartStaging(self.storage, self.shard, self.path, self.tmp_dir, self.files)
 
     def _meta(self, name: str) -> str:
         return self.storage.join(self.meta, *name.split("/"))
@@ -114,7 +96,7 @@ class OutputDataset:
             for directory in (self.path, self.tmp_dir, self._meta(LOCKS_DIR_NAME), self.files.manifest_dir):
                 self.storage.makedirs(directory)
             if self.storage.is_local:
-                self._staging = self._choose_staging()
+                self._staging.choose()
         change = RecordChange(
             self.storage, self.path, self.meta, self.tmp_dir, self.shard, record, self._lock.timeout_s
         )
@@ -168,43 +150,6 @@ class OutputDataset:
             if not is_access_error(err):
                 raise
             return False
-
-    def _choose_staging(self) -> Staging:
-        """Try a rename from the temp folder into output.dir (an empty probe file): the one check that sees a
-        bind mount, whose two sides share a device number but refuse renames between them (EXDEV)."""
-        probe = f"{self.shard.part_prefix}probe-{uuid.uuid4().hex}"
-        src, inside = self.storage.join(self.tmp_dir, f"{self.shard.tag}.{probe}"), self.files.staged_path(probe)
-        self.storage.write_durable(src, b"")
-        try:
-            self.storage.rename(src, inside, sync=False)
-        except OSError as err:
-            self.storage.remove(src)
-            if err.errno != errno.EXDEV:
-                raise
-        else:
-            self.storage.remove(inside)
-            return Staging.BESIDE
-        if self.storage.links_unnamed(self.path, inside):
-            log.info(
-                "output.dir=%s is another mount than %s: parts are written inside it", self.shard.dir, self.tmp_dir
-            )
-            return Staging.UNNAMED
-        log.warning(
-            "output.dir=%s is another mount than %s, and its filesystem cannot write files without a name: a part "
-            "being written is there for a moment as %s (polars refuses to read the directory then)",
-            self.shard.dir,
-            self.tmp_dir,
-            staged_name(f"{self.shard.part_prefix}NNNNNN.parquet"),
-        )
-        return Staging.NAMED
-
-    def _staged(self, name: str) -> str:
-        """Where part `name` is written before it is moved in (named staging): under its staged name, which no
-        `*.parquet` glob matches, so a reader globbing the folder that holds output.dir and its bookkeeping folder
-        (`runs/**/*.parquet`) never reads a part that is not committed."""
-        if self._staging is Staging.BESIDE:
-            return self.storage.join(self.tmp_dir, staged_name(name))
-        return self.files.staged_path(name)
 
     def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:
         return {"shard_count": self.shard.shard_count, **job_record}
@@ -292,23 +237,10 @@ class OutputDataset:
         entry = PartEntry.of_table(name, table, data)
         final = self._part(name)
         with full_disk_reported(self.shard.dir):
-            if not self.storage.is_local:
-                self.storage.write_durable(final, data)
-            elif self._staging is Staging.UNNAMED:
-                fd = self.storage.write_unnamed(self.path, data)
-                if fd is None:
-                    raise RuntimeError(f"{self.shard.dir} took files without a name when opened, and now refuses them")
-                crash_point("part-written")
-                self.storage.link_unnamed(fd, final)
+            if self.storage.is_local:
+                self._staging.commit(name, data, final)
             else:
-                tmp = self._staged(name)
-                self.storage.write_durable(tmp, data)
-                crash_point("part-written")
-                try:
-                    self.storage.rename(tmp, final, sync=False)
-                except BaseException:
-                    self.storage.remove(tmp)
-                    raise
+                self.storage.write_durable(final, data)
             self._parts[name] = entry  # committed: visible under its final name
             self._next_seq += 1
             with self._writing():
@@ -355,7 +287,7 @@ class OutputDataset:
                 chunk = self._parts_dataset(sources).to_table(filter=in_range).sort_by("row_id")
                 name = self.shard.part_name(self._next_seq + len(new))
                 data = _parquet_bytes(chunk)
-                self.storage.write_durable(self._staged(name), data)
+                self.storage.write_durable(self._staging.staged(name), data)
                 new.append(PartEntry.of_table(name, chunk, data))
             rewrite = Rewrite(tuple(p.name for p in old), tuple(new))
             manifest.write_rewrite(self.storage, self.files.manifest_dir, rewrite, self.tmp_dir)
