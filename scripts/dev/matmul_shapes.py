@@ -9,7 +9,8 @@ matmul's as the engine runs it, and each variant asked for: `--serial-waves W` (
 within each program from W waves of programs), `--parts P` (K split into at most P parts) and `--group-m G` (G row
 tiles walked together down each column tile: program order, the same bits), `--serial-block-n` and
 `--serial-warps` (the serial launch's column tile and warps), `--tma 0` (tiles loaded by address rather than
-by the tensor memory accelerator), and `--serial-tiles MxNxKwWsS[@W]` (the serial
+by the tensor memory accelerator), `--narrow 0` (the serial launch in its own tiles even where they are fewer
+than a wave of programs), and `--serial-tiles MxNxKwWsS[@W]` (the serial
 launch's whole shape: tile, K step, warps, pipeline stages; with @W, from W waves). A variant marked ! computed
 16 of the step's rows otherwise than it computes them in a step of those rows alone. A time is a call's share of a
 CUDA graph of 24 calls (median of 20 replays), each call reading another copy of the weight than the call before,
@@ -62,6 +63,7 @@ KNOBS = (
     "SERIAL_BLOCK_K",
     "SERIAL_WARPS",
     "SERIAL_STAGES",
+    "NARROW_BELOW_WAVES",
     "ONE_PART_BLOCK_M",
     "ONE_PART_STAGES",
     "TMA_LOADS",
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serial-block-n", default="", help="comma-separated SERIAL_BLOCK_N to try")
     parser.add_argument("--serial-warps", default="", help="comma-separated SERIAL_WARPS to try")
     parser.add_argument("--serial-tiles", default="", help="comma-separated serial launch shapes, MxNxKwWsS")
+    parser.add_argument("--narrow", default="", help="comma-separated NARROW_BELOW_WAVES to try (0: never)")
     parser.add_argument("--tma", default="", help="comma-separated TMA_LOADS to try (0: tiles loaded by address)")
     parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
     args = parser.parse_args(argv)
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "sn": ("SERIAL_BLOCK_N", args.serial_block_n),
         "sw": ("SERIAL_WARPS", args.serial_warps),
         "tma": ("TMA_LOADS", args.tma),
+        "narrow": ("NARROW_BELOW_WAVES", args.narrow),
     }
     runs = {"engine": variant()}
     for label, (knob, values) in asked.items():

@@ -197,6 +197,9 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         "invariant matmul, serial, K in four parts (Llama-3.2-1B's down)": lambda: invariant_matmul.matmul(
             torch.randn(2304, 8192, dtype=bf16), torch.randn(2048, 8192, dtype=bf16)
         ),
+        "invariant matmul, serial in narrow tiles (512 rows of Llama-3.2-1B's qkv)": lambda: invariant_matmul.matmul(
+            torch.randn(512, 2048, dtype=bf16), torch.randn(3072, 2048, dtype=bf16)
+        ),
         "invariant matmul, serial, K in one part (Llama-3.2-1B's gate_up)": lambda: invariant_matmul.matmul(
             torch.randn(2304, 2048, dtype=bf16), torch.randn(16384, 2048, dtype=bf16)
         ),

@@ -71,6 +71,21 @@ def test_rows_that_fill_the_gpu_take_every_part_in_one_program_with_the_same_bit
     assert torch.allclose(whole, x @ weight.t() + bias, atol=1e-4)
 
 
+def test_a_serial_step_too_small_for_its_own_tiles_takes_narrow_ones_with_the_same_bits(monkeypatch):
+    """Rows that make a wave of the split launch's programs but not of the serial launch's wider tiles
+    (`NARROW_BELOW_WAVES`) run serial in the split launch's column tiles: the same bits either way."""
+    monkeypatch.setattr(invariant_matmul, "_sm_count", lambda device: 5)
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(192, 320, generator=generator)  # 3 column tiles of 64, 2 of 128; K in 2 parts
+    x = torch.randn(300, 320, generator=generator)
+    assert invariant_matmul.num_parts(weight) == 2 and invariant_matmul.serial(200, weight)
+    whole = invariant_matmul.matmul(x, weight)  # 3 row tiles x 2 wide column tiles: a wave, wide tiles
+    for rows in (100, 129, 200):  # split; then serial in narrow tiles (2 x 2 wide tiles would be 4 of 5)
+        assert torch.equal(invariant_matmul.matmul(x[:rows], weight), whole[:rows]), rows
+    monkeypatch.setattr(invariant_matmul, "NARROW_BELOW_WAVES", 0)
+    assert torch.equal(invariant_matmul.matmul(x[:200], weight), whole[:200])
+
+
 @pytest.mark.parametrize("group_m", [1, 2, 8])
 def test_every_tile_is_computed_once_in_any_program_order(group_m, monkeypatch):
     """Row tiles walk down each column tile in groups (`GROUP_M`): a last group of fewer row tiles, and groups

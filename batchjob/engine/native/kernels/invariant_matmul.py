@@ -50,6 +50,10 @@ SERIAL_BLOCK_N = 128
 SERIAL_BLOCK_K = BLOCK_K
 SERIAL_WARPS = 8
 SERIAL_STAGES = 4
+# Where the serial launch's own tiles would be fewer programs than this many waves (a decode step's few hundred rows:
+# 512 rows of the 1B's qkv make 96 tiles of 128 x 128 for 132 multiprocessors), it takes the split launch's narrower
+# column tiles and warps instead: twice the programs, each half the columns. 0: never.
+NARROW_BELOW_WAVES = 1
 # A weight whose K is one part keeps one float32 sum a thread, not two: its serial launch takes tiles of twice the
 # rows (fewer reads of each weight tile) where the step has rows for them.
 ONE_PART_BLOCK_M = 256
@@ -222,7 +226,8 @@ def _launch(
 ) -> torch.Tensor:
     """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`); with
     `serial_parts`, `out` [1, rows, N] gets that many parts added in order, then `bias`. `serial_tile`: in the
-    serial launch's tiles, warps and stages (`SERIAL_*`, and `ONE_PART_*` for K in one part)."""
+    serial launch's tiles, warps and stages (`SERIAL_*`, `ONE_PART_*` for K in one part, `NARROW_BELOW_WAVES` for
+    rows too few to fill the GPU with them)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     parts, m, n = out.shape
     k = x.shape[1]
@@ -234,6 +239,8 @@ def _launch(
         )  # fmt: skip
         if serial_parts == 1 and m >= ONE_PART_BLOCK_M:
             block_m, stages = ONE_PART_BLOCK_M, ONE_PART_STAGES
+        elif triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < NARROW_BELOW_WAVES * _sm_count(x.device):
+            block_n, warps = BLOCK_N, 4
     else:
         block_m, block_n, block_k, warps, stages = BLOCK_M, BLOCK_N, BLOCK_K, 4, 4
     stages = stages if x.element_size() <= 2 else 2
