@@ -70,7 +70,7 @@ KNOBS = (
 )
 
 
-def serial_tile(text: str) -> dict[str, int]:
+def serial_tile(text: str) -> dict[str, float]:
     """'128x256x64w8s3' -> the serial launch's knobs (tile M x N x K, warps, stages), for weights of one part and
     of several alike; '...@W' also sets SERIAL_WAVES to W."""
     text, _, waves = text.partition("@")
@@ -82,11 +82,11 @@ def serial_tile(text: str) -> dict[str, int]:
     return (
         knobs
         | {"ONE_PART_BLOCK_M": m, "ONE_PART_STAGES": int(stages)}
-        | ({"SERIAL_WAVES": int(waves)} if waves else {})
+        | ({"SERIAL_WAVES": float(waves)} if waves else {})
     )
 
 
-def variant(**knobs: int):
+def variant(**knobs: float):
     """The invariant matmul with some of the module's `KNOBS` set for one call (restored after)."""
     from batchjob.engine.native.kernels import invariant_matmul as im
 
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs = {"engine": variant()}
     for label, (knob, values) in asked.items():
-        runs |= {f"{label}={v}": variant(**{knob: int(v)}) for v in filter(None, values.split(","))}
+        number = float if knob == "SERIAL_WAVES" else int  # a fraction of a wave is a row count too
+        runs |= {f"{label}={v}": variant(**{knob: number(v)}) for v in filter(None, values.split(","))}
     runs |= {v: variant(**serial_tile(v)) for v in filter(None, args.serial_tiles.split(","))}
     shapes = projections(args.architecture)
     wanted = [s for s in args.only.split(",") if s] or list(shapes)
