@@ -395,6 +395,23 @@ def test_step_kinds_splits_a_recorded_w2_run_into_decode_and_prefill_steps_again
     assert overlapped == pytest.approx(2.31, abs=0.01) and 1.0 < serial / overlapped < 1.2
 
 
+def test_step_kinds_prices_a_model_of_fp8_projections_at_the_fp8_rate():
+    """W8 (the 70B with FP8 projections) on one H200, from docs/bench: with its FP8 matmul rate, its floor on the
+    run's own KV cache is within 1% of the bench's roofline (50.88 s, on the memory the bench budgets); without it
+    the script refuses rather than price those FLOPs at the bf16 rate."""
+    runs = SCRIPTS.parent / "docs" / "bench" / "w8-whole-h200.jsonl"
+    base = [sys.executable, str(SCRIPTS / "dev" / "step_kinds.py"), str(runs), "--workload", "W8"]
+    rates = ["--copy-tb-s", "4.2697", "--matmul-tflops", "782.23", "--bands-ms", "35,60,1000"]
+    run = subprocess.run([*base, *rates, "--fp8-tflops", "1393.48"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "decode         1520 steps" in run.stdout and "mixed 8192       16 steps" in run.stdout
+    assert "1000-inf   ms     16 steps" in run.stdout  # the 8,192-token prefill steps
+    floor = float(re.search(r"workload floor ([\d.]+) s", run.stdout)[1])
+    assert floor == pytest.approx(50.88, rel=0.01)
+    refused = subprocess.run([*base, *rates], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "FP8 projections: give --bench, or --fp8-tflops" in refused.stderr
+
+
 def test_a_run_whose_results_waited_for_the_config_check_says_so_beside_its_rate(bench_lib):
     """The engine's stats time its check of the config reading; a run whose results waited for it (its seconds
     include the wait) notes how long, beside any other note."""

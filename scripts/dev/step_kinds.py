@@ -36,11 +36,12 @@ from simulate_admission import replay  # noqa: E402
 from batchjob.engine.native.runtime.step_layout import mixed_buckets  # noqa: E402
 
 
-def step_floors(shape, requests, kv_blocks: int, max_num_seqs: int, max_tokens: int, copy: float, flops: float):
+def step_floors(
+    shape, requests, kv_blocks: int, max_num_seqs: int, max_tokens: int, copy: float, flops: float, fp8: float | None
+):
     """(kind, floor seconds) of each replayed step of `requests` on a model of `shape`: "decode", or "mixed N" for
-    the token bucket N it fills."""
+    the token bucket N it fills; FP8 projections at the `fp8` rate."""
     buckets = tuple(mixed_buckets(max_tokens, max_num_seqs))
-    params = 2.0 * shape.matmul_parameters_per_token
     for plan, _ in replay(
         requests.prompt_lengths, requests.output_lengths, kv_blocks, max_num_seqs, max_tokens, buckets
     ):
@@ -50,8 +51,8 @@ def step_floors(shape, requests, kv_blocks: int, max_num_seqs: int, max_tokens: 
         pairs = float((ends * counts - counts * (counts - 1) / 2).sum())
         rows = int(decode.sum())
         read = (shape.step_weight_bytes(max(rows, 1)) + kv_tokens * shape.kv_bytes_per_token) / copy
-        decode_s = max(read, (params * rows + shape.attention_flops(kv_tokens)) / flops) if rows else 0.0
-        prefill_s = (params * float(counts.sum()) + shape.attention_flops(pairs)) / flops
+        decode_s = max(read, shape.matmul_seconds(rows, rows, kv_tokens, flops, fp8)) if rows else 0.0
+        prefill_s = shape.matmul_seconds(float(counts.sum()), float(counts.sum()), pairs, flops, fp8)
         kind = "decode" if plan.is_decode else f"mixed {next(b for b in buckets if b >= plan.num_tokens)}"
         yield kind, decode_s + prefill_s
 
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--bench", type=Path, help="the same command's bench.json, for its measured rates")
     parser.add_argument("--copy-tb-s", type=float, help="else the copy rate it measured (TB/s)")
     parser.add_argument("--matmul-tflops", type=float, help="and its bf16 matmul rate (TFLOP/s)")
+    parser.add_argument("--fp8-tflops", type=float, help="and its FP8 matmul rate, for a model with FP8 projections")
     parser.add_argument("--workload", default="W5")
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -71,6 +73,8 @@ def main() -> None:
         hardware = json.loads(args.bench.read_text())["hardware"]
     elif args.copy_tb_s and args.matmul_tflops:
         hardware = {"copy_bytes_per_s": args.copy_tb_s * 1e12, "matmul_flops_per_s": args.matmul_tflops * 1e12}
+        if args.fp8_tflops:
+            hardware["fp8_matmul_flops_per_s"] = args.fp8_tflops * 1e12
     else:
         parser.error("give --bench, or --copy-tb-s and --matmul-tflops")
     rows = (json.loads(line) for line in args.runs.read_text().splitlines() if line.strip())
@@ -82,10 +86,13 @@ def main() -> None:
     spec = WORKLOADS[args.workload]
     shape = model_shape(ARCHITECTURES[spec.architecture])
     requests = draw_requests(spec, shape.vocab)
+    fp8 = hardware.get("fp8_matmul_flops_per_s") if shape.fp8_parameters else None
+    if shape.fp8_parameters and not fp8:
+        parser.error(f"{args.workload}'s model has FP8 projections: give --bench, or --fp8-tflops")
     floors = defaultdict(lambda: [0, 0.0])
     for kind, seconds in step_floors(
         shape, requests, int(stats["kv_blocks"]), args.max_num_seqs, args.max_num_batched_tokens,
-        hardware["copy_bytes_per_s"], hardware["matmul_flops_per_s"],
+        hardware["copy_bytes_per_s"], hardware["matmul_flops_per_s"], fp8,
     ):  # fmt: skip
         floors[kind][0] += 1
         floors[kind][1] += seconds
@@ -95,7 +102,7 @@ def main() -> None:
         print(f"  {kind:<12} {n:>6} steps {seconds:8.2f} s  ({seconds / n * 1e3:.1f} ms a step)")
     print(f"  {'total':<12} {sum(n for n, _ in floors.values()):>6} steps {sum(s for _, s in floors.values()):8.2f} s")
     kv_bytes = int(stats["kv_blocks"]) * int(stats.get("block_size", 16)) * shape.kv_bytes_per_token
-    rates = (hardware["copy_bytes_per_s"], hardware["matmul_flops_per_s"], kv_bytes)
+    rates = (hardware["copy_bytes_per_s"], hardware["matmul_flops_per_s"], kv_bytes, fp8)
     overlapped, serial = (roofline(shape, requests, *rates, serial=serial).total_s for serial in (False, True))
     print(f"workload floor {overlapped:.2f} s; its decode steps' kernels one after another {serial:.2f} s")
     edges = [0.0, *(float(b) / 1e3 for b in args.bands_ms.split(",")), float("inf")]
