@@ -26,7 +26,7 @@ import torch
 from batchjob.engine import Request, SamplingParams
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.runtime.io_slot import IOSlot, SlotLimits
-from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
+from batchjob.engine.native.runtime.step_handle import StepHandle, StepResult
 from batchjob.engine.native.runtime.step_layout import (
     GRAPH_MODES,
     GraphBuckets,

@@ -10,7 +10,7 @@ import numpy as np
 
 from batchjob.engine import Request, SamplingParams
 from batchjob.engine.native.output import OutputProcessor
-from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
+from batchjob.engine.native.runtime.step_handle import StepHandle, StepResult
 from batchjob.engine.native.scheduling.block_manager import KVBlockManager
 from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence

@@ -52,8 +52,8 @@ from batchjob.engine.native.models import spec_check
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
-from batchjob.engine.native.runtime.model_runner import PreparedStep, StepHandle
 from batchjob.engine.native.runtime.precompile import compiling_ahead
+from batchjob.engine.native.runtime.step_handle import PreparedStep, StepHandle
 from batchjob.engine.native.scheduling.admission import AdmissionQueue
 from batchjob.engine.native.scheduling.block_manager import KVBlockManager
 from batchjob.engine.native.scheduling.plan import StepPlan

@@ -17,7 +17,7 @@ from typing import Any
 from batchjob.engine.api import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion, Sample
 from batchjob.engine.grammar import GrammarCompiler
 from batchjob.engine.native.detokenizer import StopStringMatcher
-from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
+from batchjob.engine.native.runtime.step_handle import StepHandle, StepResult
 from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.scheduler import Scheduler
 from batchjob.engine.native.scheduling.sequence import NOT_PLAIN, Sequence, Status

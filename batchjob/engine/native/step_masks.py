@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from batchjob.engine.grammar import GrammarCompiler
-    from batchjob.engine.native.runtime.model_runner import StepHandle
+    from batchjob.engine.native.runtime.step_handle import StepHandle
     from batchjob.engine.native.scheduling.sequence import Sequence
 
 # Worker threads for chunked fills: enough for the chunks of one step to overlap each other's waits.

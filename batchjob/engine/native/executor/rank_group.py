@@ -39,8 +39,8 @@ import batchjob
 from batchjob.engine.api import EngineFailure
 from batchjob.engine.native.executor.messages import RankReady, RankSetup
 from batchjob.engine.native.runtime.io_slot import IOSlot
-from batchjob.engine.native.runtime.model_runner import StepHandle, StepResult
 from batchjob.engine.native.runtime.packed_step import PackedStep
+from batchjob.engine.native.runtime.step_handle import StepHandle, StepResult
 from batchjob.engine.native.runtime.step_layout import GraphBuckets, layout_step
 from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.processes import popen_for_life

@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from batchjob.engine.native.runtime import blas
 from batchjob.engine.native.runtime.busy_clock import BusyClock
 from batchjob.engine.native.runtime.graphs import StepGraphs
-from batchjob.engine.native.runtime.host_gate import Gate, HostGates
+from batchjob.engine.native.runtime.host_gate import HostGates
 from batchjob.engine.native.runtime.io_slot import IOSlot, SlotLimits, StepShape
 from batchjob.engine.native.runtime.split_steps import SplitStepSampling
+from batchjob.engine.native.runtime.step_handle import PreparedStep, StepHandle, StepResult
 from batchjob.engine.native.runtime.step_layout import GraphBuckets, StepLayout, layout_step
 from batchjob.engine.native.sampling.sampler import SamplerMode, sample
 from batchjob.engine.native.sampling.token_mask import TokenMask
@@ -40,45 +39,6 @@ from batchjob.engine.native.scheduling.plan import StepPlan
 
 if TYPE_CHECKING:
     from batchjob.engine.native.runtime.packed_step import PackedStep
-
-
-@dataclass
-class StepHandle:
-    """A launched step. `masked_rows` constrained rows need a bitmask; until `sampled`, only its forward is
-    enqueued (`ModelRunner.sample_masked` enqueues the rest)."""
-
-    plan: StepPlan | None  # None on the ranks of a tensor-parallel engine (the job process has it)
-    slot: IOSlot | None  # None in the job process of a tensor-parallel engine
-    shape: StepShape
-    rows: int
-    mode: SamplerMode
-    masked_rows: int = 0
-    graph_layout: StepLayout | None = None  # the layout of the graph its forward replayed (None: eager)
-    sampled: bool = True  # False until its bitmask is filled and its masked sampler enqueued or let through
-    gate: Gate | None = None  # its masked sampler was enqueued as its masks began filling, behind this gate
-
-    @property
-    def graphed(self) -> bool:
-        return self.graph_layout is not None
-
-
-@dataclass
-class PreparedStep:
-    """A step written into its slot's host buffers (`fill_s` seconds), not yet enqueued."""
-
-    plan: StepPlan
-    slot: IOSlot
-    layout: StepLayout
-    masked_rows: int
-    fill_s: float
-
-
-@dataclass
-class StepResult:
-    tokens: np.ndarray
-    logprobs: np.ndarray | None
-    top_ids: np.ndarray | None
-    top_logprobs: np.ndarray | None
 
 
 class _SlotEvents:

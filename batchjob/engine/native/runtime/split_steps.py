@@ -31,7 +31,7 @@ from batchjob.engine.native.runtime.host_gate import HostGates
 
 if TYPE_CHECKING:
     from batchjob.engine.native.runtime.io_slot import IOSlot, StepShape
-    from batchjob.engine.native.runtime.model_runner import StepHandle
+    from batchjob.engine.native.runtime.step_handle import StepHandle
     from batchjob.engine.native.sampling.sampler import SamplerMode
 
 
