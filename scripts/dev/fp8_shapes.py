@@ -8,9 +8,10 @@ For each projection (qkv, o, gate_up, down) of one layer and row count it prints
 input and the bf16 output at the copy rate measured here first, or the FLOPs at the FP8 matmul rate measured here if
 those take longer), cuBLASLt's time, the kernel's with the engine's tile and the best tile tried (BLOCK_N / warps /
 stages), and the share of the floor each reaches. Above the kernel's `MAX_ROWS` the engine takes cuBLASLt with its
-rows padded (`fp8_linear.blas_matmul`), and no tile is tried. A time is a call's share of a CUDA graph of 24 calls
-(median of 20 replays), each call reading another copy of the weight than the call before, so neither launch
-overhead nor the L2 cache counts. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
+rows padded (`fp8_linear.blas_matmul`), and no tile is tried; the product transposed (the weight as the GEMM's
+rows, another of torch's tile choices, then a copy back) is timed beside it. A time is a call's share of a CUDA
+graph of 24 calls (median of 20 replays), each call reading another copy of the weight than the call before, so
+neither launch overhead nor the L2 cache counts. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def cublaslt_call(a, a_scales, w_scales, weight):
 
     scale_b = w_scales.view(1, -1)
     return lambda: torch._scaled_mm(a, weight.t(), scale_a=a_scales, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def transposed_call(a, a_scales, w_scales, weight):
+    """C = (W @ A^T)^T: the weight as the GEMM's rows, the step's rows as its columns (another tile choice of
+    torch's FP8 GEMM), then the copy back to [rows, N] that the next layer reads."""
+    import torch
+
+    scale_a, scale_b = w_scales.view(-1, 1), a_scales.view(1, -1)
+    return lambda: (
+        torch._scaled_mm(weight, a.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16).t().contiguous()
+    )
 
 
 def engine_blas_call(a, a_scales, w_scales, weight):
@@ -93,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
                 few if few_rows else functools.partial(engine_blas_call, a, a_scales, w_scales), weights
             )
             timed = {} if few_rows else {("padded",): (engine, True)}
+            if not few_rows:
+                try:
+                    out = transposed_call(a, a_scales, w_scales, w)().float()
+                except RuntimeError as exc:  # a row count torch's FP8 GEMM takes only as its rows
+                    print(f"  transposed: {type(exc).__name__}")
+                else:
+                    good = ((out - blas_out).norm() / blas_out.norm()).item() < 1e-2
+                    timed[("transposed",)] = (
+                        per_call_us(functools.partial(transposed_call, a, a_scales, w_scales), weights),
+                        good,
+                    )
             for tile in tiles if few_rows else ():
                 try:
                     out = few(w, tile)().float()
