@@ -8,8 +8,9 @@ For each projection (qkv, o, gate_up, down) of one layer and row count it prints
 input and the bf16 output at the copy rate measured here first, or the FLOPs at the FP8 matmul rate measured here if
 those take longer), cuBLASLt's time, the kernel's with the engine's tile and the best tile tried (BLOCK_N / warps /
 stages), and the share of the floor each reaches. Above the kernel's `MAX_ROWS` the engine takes cuBLASLt with its
-rows padded (`fp8_linear.blas_matmul`), and no tile is tried; the product transposed (the weight as the GEMM's
-rows, another of torch's tile choices, then a copy back) is timed beside it. A time is a call's share of a CUDA
+rows padded (`fp8_linear.blas_matmul`), and no tile is tried unless `--tiles-up-to` asks (the kernel then takes every
+row, up to 256, as the MMA's columns); the product transposed (the weight as the GEMM's rows, another of torch's
+tile choices, then a copy back) is timed beside it. A time is a call's share of a CUDA
 graph of 24 calls (median of 20 replays), each call reading another copy of the weight than the call before, so
 neither launch overhead nor the L2 cache counts. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
 """
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", default="32,64,128", help="comma-separated BLOCK_N to try")
     parser.add_argument("--warps", default="4", help="comma-separated num_warps to try")
     parser.add_argument("--stages", default="3,4,5,6", help="comma-separated num_stages to try")
+    parser.add_argument(
+        "--tiles-up-to", type=int, default=0, help="also try the tiles above MAX_ROWS, up to this many rows"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                         per_call_us(functools.partial(transposed_call, a, a_scales, w_scales), weights),
                         good,
                     )
-            for tile in tiles if few_rows else ():
+            for tile in tiles if few_rows or rows <= min(args.tiles_up_to, 256) else ():
                 try:
                     out = few(w, tile)().float()
                 except Exception as exc:  # a tile that does not fit (shared memory): not a candidate
