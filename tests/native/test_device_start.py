@@ -28,7 +28,7 @@ def test_start_up_cuts_the_switch_interval_and_restores_it(model_dir, monkeypatc
         seen.append(sys.getswitchinterval())
         return start_runner(*args, **kwargs)
 
-    monkeypatch.setattr("batchjob.engine.native.engine.start_runner", spy)
+    monkeypatch.setattr("batchjob.engine.native.engine_start.start_runner", spy)
     before = sys.getswitchinterval()
     engine = create_engine("native", str(model_dir), {"dtype": "float32", "warmup": True})
     try:

@@ -3,8 +3,8 @@
 The loop reads like the design: pull requests while there is room -> schedule step N+1 -> launch it -> collect
 step N's tokens (the GPU is already busy with N+1) -> update sequences, emit finished requests. With
 `async_loop=False` each step is collected right after its launch, so the CPU and GPU take turns. Requests
-are admitted sorted by prompt within a bounded look-ahead window (admission.py), and the engine's start-up
-ends with a warm-up of every kind of step (warmup.py).
+are admitted sorted by prompt within a bounded look-ahead window (admission.py). The engine's start-up
+(engine_start.py) ends with a warm-up of every kind of step (warmup.py).
 
 Structured outputs: a step with constrained rows is launched as its forward only; once step N's tokens have advanced
 the matchers, step N+1's bitmasks are filled and its sampler enqueued (split_steps.py says why; step_masks.py fills
@@ -30,29 +30,24 @@ forward without a host call between.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchjob.engine.api import Completion, Request
 from batchjob.engine.devices import device_kind, torch_device
-from batchjob.engine.grammar import GrammarCompiler, GrammarError
+from batchjob.engine.grammar import GrammarError
+from batchjob.engine.native.engine_start import check_gpu_count, start_on_device, start_ranks
 from batchjob.engine.native.layers import parallel
 from batchjob.engine.native.models import spec_check
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
-from batchjob.engine.native.runtime.device_start import load_on_device, short_thread_switches, start_runner
-from batchjob.engine.native.runtime.precompile import compiling_ahead
 from batchjob.engine.native.runtime.step_handle import PreparedStep, StepHandle
 from batchjob.engine.native.scheduling.admission import AdmissionQueue
 from batchjob.engine.native.scheduling.block_manager import KVBlockManager
@@ -60,54 +55,11 @@ from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
 from batchjob.engine.native.scheduling.sequence import RequestGroup, Sequence
 from batchjob.engine.native.step_masks import StepMasks
-from batchjob.engine.transformers_import import load_tokenizer
 
 if TYPE_CHECKING:
     from batchjob.engine.native.executor.rank_group import RankGroup
 
 log = logging.getLogger("batchjob.engine.native")
-
-
-def _check_gpu_count(opts: NativeOptions) -> None:
-    """The job process's checks of a tensor-parallel engine's devices (its ranks are given cuda:r each)."""
-    if opts.tensor_parallel > 1 and opts.device.startswith("cuda:"):
-        raise ValueError(
-            f"engine.device={opts.device} with engine.tensor_parallel={opts.tensor_parallel}: use "
-            "engine.device=cuda or auto (rank r runs on the r-th visible GPU; CUDA_VISIBLE_DEVICES picks them)"
-        )
-    if opts.tensor_parallel > 1 and torch_device(opts.device).type == "cuda":
-        visible = torch.cuda.device_count()
-        if visible < opts.tensor_parallel:
-            raise ValueError(
-                f"engine.tensor_parallel={opts.tensor_parallel} needs {opts.tensor_parallel} GPUs, but {visible} "
-                f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); lower it or "
-                "request more GPUs"
-            )
-
-
-def _start_device(device: torch.device) -> float:
-    """Seconds to create `device`'s CUDA context (0 on CPU): apart from the weights' load, which it used to
-    inflate on a cold node."""
-    if device.type != "cuda":
-        return 0.0
-    started = time.perf_counter()
-    torch.empty(1, device=device)
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - started
-
-
-def _load_tokenizer_beside(model_path: str | Path) -> Future[Any]:
-    """The model's tokenizer, loading in a thread: about a second for a 128k vocabulary, spent while the weights
-    load and the engine sizes its KV cache, captures graphs and warms up (the output processor is its first user).
-    """
-    from batchjob.engine.native.loading.model_loader import resolve_model_dir
-
-    model_dir = resolve_model_dir(model_path, with_weights=False)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="batchjob-engine-tokenizer")
-    try:  # transformers itself is imported there too: seconds of imports beside the start-up
-        return pool.submit(load_tokenizer, model_dir)
-    finally:
-        pool.shutdown(wait=False)  # the thread ends with the load
 
 
 class NativeEngine:
@@ -133,7 +85,7 @@ class NativeEngine:
             check_tensor_parallel(spec, opts.tensor_parallel)
             if opts.deterministic:
                 check_batch_invariant(spec)
-            _check_gpu_count(opts)
+            check_gpu_count(opts)
             torch_device(opts.device)
         except BaseException:
             spec_check.discard()  # no engine will verify it (engine=auto may fall back to another backend)
@@ -159,61 +111,16 @@ class NativeEngine:
     def _start(self, model_path: str) -> None:
         opts = self.options
         if opts.tensor_parallel > 1 and not parallel.current().active:
-            _check_gpu_count(opts)
-            self._start_ranks(model_path)
-            return
-        self.device = torch_device(opts.device)
-        context_s = _start_device(self.device)
-        started = time.perf_counter()
-        with short_thread_switches(), compiling_ahead(model_path, opts, self.device) as kernels:
-            # Without detokenizing, token ids in and out are all the engine sees: no tokenizer needed (benchmarks).
-            tokenizer = _load_tokenizer_beside(model_path) if opts.detokenize else None
-            self.model, self.spec = load_on_device(model_path, opts, self.device)
-            self.max_model_len = self.spec.max_model_len
-            self._make_grammars(tokenizer)
-            loaded = time.perf_counter()
-            ready = start_runner(self.model, self.spec, opts, self.device, opts.sampler_gates, kernels)
-            self.kv_caches, self.runner = ready.kv_caches, ready.runner
-            self.tokenizer = None if tokenizer is None else tokenizer.result()
-        self._stats: dict[str, float] = {
-            **ready.stats,
-            "cuda_context_s": context_s,
-            "load_s": loaded - started,  # the weights
-            "startup_s": time.perf_counter() - started + context_s,
-        }
-        self._start_loop(ready.num_blocks)
-
-    def _start_ranks(self, model_path: str) -> None:
-        """The job process of a tensor-parallel engine: the ranks (`rank_group.py`) hold the model and run the
-        steps; this process runs the scheduler and turns tokens into completions, as a single-device engine."""
-        from batchjob.engine.native.executor.rank_group import RankGroup
-        from batchjob.engine.native.loading.model_loader import device_dtype, read_model_spec
-
-        opts = self.options
-        started = time.perf_counter()
-        self.device = torch.device("cpu")  # this process computes nothing; the ranks have the devices
-        device = torch_device(opts.device)
-        # the dtype the ranks run
-        spec = read_model_spec(model_path, opts.dtype, opts.max_model_len, opts.quantization, opts.kv_cache_dtype)
-        self.spec = device_dtype(spec, opts.dtype, device)
+            check_gpu_count(opts)
+            started = start_ranks(model_path, opts)
+        else:
+            started = start_on_device(model_path, opts)
+        self.device, self.spec, self.runner, self.ranks = started.device, started.spec, started.runner, started.ranks
+        self.model, self.kv_caches = started.model, started.kv_caches
+        self.grammars, self.tokenizer = started.grammars, started.tokenizer
         self.max_model_len = self.spec.max_model_len
-        tokenizer = _load_tokenizer_beside(self.spec.model_dir) if opts.detokenize else None
-        self._make_grammars(tokenizer)
-        rank_options = {**dataclasses.asdict(opts), "detokenize": False}
-        cuda = device.type == "cuda"
-        self.runner = self.ranks = RankGroup(self.spec.model_dir, rank_options, opts.tensor_parallel, cuda)
-        self.tokenizer = None if tokenizer is None else tokenizer.result()
-        self._stats = {**self.ranks.startup_stats, "startup_s": time.perf_counter() - started}
-        self._start_loop(self.ranks.num_blocks)
-
-    def _make_grammars(self, tokenizer: Future[Any] | None) -> None:
-        """The constraint compiler. An engine that may see constraints (`graph_constrained`, which a job turns off
-        when none of its rows can carry one) builds the grammar library's vocabulary index during start-up."""
-        self.grammars = GrammarCompiler(
-            None, self.spec.vocab_size, self.spec.eos_token_ids, self.spec.model_dir, self.options.mask_threads
-        )
-        if self.options.graph_constrained:
-            self.grammars.prepare_beside(tokenizer)
+        self._stats: dict[str, float] = started.stats
+        self._start_loop(started.num_blocks)
 
     def _start_loop(self, num_blocks: int) -> None:
         opts = self.options
