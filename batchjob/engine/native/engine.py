@@ -49,7 +49,7 @@ from batchjob.engine.native.models import spec_check
 from batchjob.engine.native.options import NativeOptions
 from batchjob.engine.native.output import OutputProcessor
 from batchjob.engine.native.runtime.step_handle import PreparedStep, StepHandle
-from batchjob.engine.native.scheduling.admission import AdmissionQueue
+from batchjob.engine.native.scheduling.admission import AdmissionQueue, refusal
 from batchjob.engine.native.scheduling.block_manager import KVBlockManager
 from batchjob.engine.native.scheduling.plan import StepPlan
 from batchjob.engine.native.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -244,30 +244,19 @@ class NativeEngine:
     def _admit(self, request: Request) -> Completion | None:
         prompt_len = len(request.prompt_ids)
         sampling = request.sampling
-        constraint = sampling.constraint
-        error = None
-        if prompt_len == 0:
-            error = "empty prompt: at least one token is needed"
-        elif prompt_len >= self.max_model_len:
-            error = (
-                f"prompt has {prompt_len} tokens but the context is {self.max_model_len} tokens "
-                f"(max_model_len); shorten the prompt"
-            )
-        elif min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.spec.vocab_size:
-            error = f"prompt token ids must be in [0, {self.spec.vocab_size})"
-        elif sampling.stop and not self.options.detokenize:
-            error = "stop strings need engine.detokenize=true"
-        elif constraint is not None and self.ranks is not None:
-            error = (
-                f"structured outputs are not supported with engine.tensor_parallel={self.options.tensor_parallel}; "
-                "set engine.tensor_parallel=1 (several engines: engine.data_parallel)"
-            )
+        error = refusal(
+            request,
+            self.max_model_len,
+            self.spec.vocab_size,
+            detokenize=self.options.detokenize,
+            tensor_parallel=self.options.tensor_parallel if self.ranks is not None else 1,
+        )
         if error is not None:
             return Completion.failed(request.id, prompt_len, error)
         matchers = []
-        if constraint is not None:
+        if sampling.constraint is not None:
             try:
-                matchers = [self.grammars.matcher(constraint) for _ in range(sampling.n)]
+                matchers = [self.grammars.matcher(sampling.constraint) for _ in range(sampling.n)]
             except GrammarError as err:
                 return Completion.failed(request.id, prompt_len, str(err))
         group = RequestGroup(request=request, prompt_len=prompt_len)

@@ -8,6 +8,9 @@ each other, so they are admitted one after another while the prefix's KV blocks 
 prefix is prefilled once per group instead of once per copy evicted in between. A sweep passes every prompt
 once, so none waits for ever; at most `window` requests are held, so memory stays bounded. `window=0` keeps
 arrival order.
+
+A request the engine cannot run at all (`refusal`: an empty or too long prompt, ids outside the vocabulary, an
+option it needs) is answered with a failed completion instead of being admitted; the job goes on.
 """
 
 from __future__ import annotations
@@ -55,3 +58,27 @@ class AdmissionQueue:
         if request is None:
             self.exhausted = True
         return request
+
+
+def refusal(
+    request: Request, max_model_len: int, vocab_size: int, *, detokenize: bool, tensor_parallel: int
+) -> str | None:
+    """Why the engine cannot run `request`, with the fix, or None where it can."""
+    prompt_len = len(request.prompt_ids)
+    if prompt_len == 0:
+        return "empty prompt: at least one token is needed"
+    if prompt_len >= max_model_len:
+        return (
+            f"prompt has {prompt_len} tokens but the context is {max_model_len} tokens "
+            f"(max_model_len); shorten the prompt"
+        )
+    if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
+        return f"prompt token ids must be in [0, {vocab_size})"
+    if request.sampling.stop and not detokenize:
+        return "stop strings need engine.detokenize=true"
+    if request.sampling.constraint is not None and tensor_parallel > 1:
+        return (
+            f"structured outputs are not supported with engine.tensor_parallel={tensor_parallel}; "
+            "set engine.tensor_parallel=1 (several engines: engine.data_parallel)"
+        )
+    return None
