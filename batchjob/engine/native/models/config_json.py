@@ -1,4 +1,4 @@
-"""A model's config.json read as transformers' config class presents it to the spec (`spec.common_spec` and the
+"""A model's config.json read as transformers' config class presents it to the spec (`config_spec.common_spec` and the
 families' `adapt`), without importing transformers.
 
 Importing transformers' config classes imports much of transformers and, with it, parts of torch's compiler and

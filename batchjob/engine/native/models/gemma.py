@@ -9,14 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from batchjob.engine.native.models.spec import (
-    Architecture,
-    LayerSpec,
-    ModelSpec,
-    UnsupportedModelError,
-    layer_windows,
-    rope_spec,
-)
+from batchjob.engine.native.models.config_spec import layer_windows, rope_spec
+from batchjob.engine.native.models.spec import Architecture, LayerSpec, ModelSpec, UnsupportedModelError
 
 
 def _gemma(config: Any, spec: ModelSpec) -> ModelSpec:

@@ -12,6 +12,7 @@ from typing import Any
 from batchjob.engine.config_files import read_json_file
 from batchjob.engine.native.models import spec_check
 from batchjob.engine.native.models.config_json import native_config
+from batchjob.engine.native.models.config_spec import common_spec
 from batchjob.engine.native.models.gemma import GEMMA2, GEMMA3
 from batchjob.engine.native.models.llama import LLAMA_FAMILY
 from batchjob.engine.native.models.mixtral import MIXTRAL
@@ -24,7 +25,6 @@ from batchjob.engine.native.models.spec import (
     ModelSpec,
     UnsupportedModelError,
     check_spec,
-    common_spec,
     requested_spec,
 )
 from batchjob.engine.native.models.spec_cache import load_spec, store_spec
