@@ -26,29 +26,19 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob.io import manifest, recovery
-from batchjob.io.access import is_access_error
 from batchjob.io.crash_points import crash_point
 from batchjob.io.layout import (
     BOOKKEEPING_SUFFIX,
-    JOB_RECORD_NAME,
     LOCKS_DIR_NAME,
-    OLD_LAYOUT_RE,
-    PART_RE,
     REPORT_NAME,
     TMP_DIR_NAME,
-    OutputDirError,
     ShardOutput,
     bookkeeping_dir,
-    bookkeeping_folder_message,
-    enclosing_folders,
-    foreign_content_message,
-    foreign_names,
-    nested_output_message,
-    old_layout_message,
     part_seq,
 )
 from batchjob.io.lock import DEFAULT_TIMEOUT_S, ShardLock
 from batchjob.io.manifest import PartEntry, Rewrite
+from batchjob.io.output_dir import check_output_dir
 from batchjob.io.record_guard import RecordChange, record_is_stored, settle_job_record, settling
 from batchjob.io.recovery import ShardFiles
 from batchjob.io.staging import PartStaging
@@ -118,38 +108,8 @@ class OutputDataset:
         self._is_open = True
 
     def check_dir(self) -> None:
-        """`OutputDirError` unless output.dir is absent, empty or holds only batchjob's parts (of any shard, any
-        job: the job record decides whose), and is not another job's folder (`_refuse_other_jobs_folders`),
-        since every reader reads the whole folder. Reads one listing, and a name or two for each folder above."""
-        self._refuse_other_jobs_folders()
-        names = self.storage.list_names(self.path)
-        if any(OLD_LAYOUT_RE.match(name) for name in names):
-            raise OutputDirError(old_layout_message(self.shard.dir))
-        foreign = foreign_names(names)
-        if foreign:
-            holds_parts = any(PART_RE.match(name) for name in names)
-            raise OutputDirError(foreign_content_message(self.shard.dir, foreign, holds_parts))
-
-    def _refuse_other_jobs_folders(self) -> None:
-        """`OutputDirError` where output.dir is or lies inside a job's bookkeeping folder (a job record in it), or
-        lies inside another job's output.dir (a job record beside it), whose readers would read this job's files."""
-        scheme = self.shard.dir.partition("://")[0] + "://" if "://" in self.shard.dir else ""
-        for folder in (self.path, *enclosing_folders(self.path)):
-            inside = folder != self.path
-            if folder.endswith(BOOKKEEPING_SUFFIX) and self._holds_job_record(folder):
-                raise OutputDirError(bookkeeping_folder_message(self.shard.dir, scheme + folder, inside))
-            if inside and self._holds_job_record(folder + BOOKKEEPING_SUFFIX):
-                raise OutputDirError(nested_output_message(self.shard.dir, scheme + folder))
-
-    def _holds_job_record(self, folder: str) -> bool:
-        """Whether `folder` holds a job record. One this process may not read holds none that matters here: a
-        bucket's policy may grant this job nothing but output.dir's prefix and the folder beside it."""
-        try:
-            return self.storage.exists(self.storage.join(folder, JOB_RECORD_NAME))
-        except Exception as err:
-            if not is_access_error(err):
-                raise
-            return False
+        """`OutputDirError` where output.dir may not take this job's parts (`output_dir.check_output_dir`)."""
+        check_output_dir(self.storage, self.path, self.shard.dir)
 
     def _stored_record(self, job_record: dict[str, Any]) -> dict[str, Any]:
         return {"shard_count": self.shard.shard_count, **job_record}
