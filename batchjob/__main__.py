@@ -103,7 +103,12 @@ def cli(app: Callable[[], None] = main) -> None:
 
 
 if __name__ == "__main__":
+    from batchjob.job.quick_exit import exit_now
     from batchjob.job.stderr import drop_stderr_when_unread
 
     drop_stderr_when_unread()
-    cli()
+    try:
+        cli()
+    except SystemExit as done:
+        exit_now(done.code)
+    exit_now(0)
