@@ -10,9 +10,9 @@ those take longer), cuBLASLt's time, the kernel's with the engine's tile and the
 stages), and the share of the floor each reaches. Above the kernel's `MAX_ROWS` the engine takes cuBLASLt with its
 rows padded (`fp8_linear.blas_matmul`), and no tile is tried unless `--tiles-up-to` asks (the kernel then takes every
 row, up to 256, as the MMA's columns); the product transposed (the weight as the GEMM's rows, another of torch's
-tile choices, then a copy back) is timed beside it. A time is a call's share of a CUDA
-graph of 24 calls (median of 20 replays), each call reading another copy of the weight than the call before, so
-neither launch overhead nor the L2 cache counts. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
+tile choices, then a copy back) is timed beside it. A time is a call's share of a CUDA graph of 24 calls (median of
+20 replays), each call reading another copy of the weight than the call before, so neither launch overhead nor the
+L2 cache counts. A tile whose output is not cuBLASLt's within FP8 tolerance is marked !.
 """
 
 from __future__ import annotations

@@ -94,7 +94,6 @@ class NativeEngine:
 
     def __init__(self, model_path: str, **options: Any) -> None:
         self.options = NativeOptions.from_mapping(options)
-        self.ranks: RankGroup | None = None
         self._spec_checks: list[spec_check.SpecCheck] = []
         self._verified: list[spec_check.SpecCheck] = []  # taken by `generate` or `settle`: their timings
         # A model spec missing from the cache is read without transformers, and checked against transformers'
@@ -115,7 +114,8 @@ class NativeEngine:
             started = start_ranks(model_path, opts)
         else:
             started = start_on_device(model_path, opts)
-        self.device, self.spec, self.runner, self.ranks = started.device, started.spec, started.runner, started.ranks
+        self.device, self.spec, self.runner = started.device, started.spec, started.runner
+        self.ranks: RankGroup | None = started.ranks
         self.model, self.kv_caches = started.model, started.kv_caches
         self.grammars, self.tokenizer = started.grammars, started.tokenizer
         self.max_model_len = self.spec.max_model_len
