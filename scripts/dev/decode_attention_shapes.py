@@ -3,6 +3,12 @@
 
     python scripts/dev/decode_attention_shapes.py --architecture llama-3.2-1b --rows 256,512 --context 64-1536
     python scripts/dev/decode_attention_shapes.py --architecture llama-3.1-8b --rows 32,256 --block-n 32,64 --warps 4,8
+    python scripts/dev/decode_attention_shapes.py --deterministic --block-m 16,32,64 --block-n 32,64 --stages 2,3,4
+
+With `--deterministic` the launches are those of `engine.deterministic=true`, where a decode goes through the varlen
+kernel with every key tile masked (`paged_prefill_attention(mask_every_tile=True)`) in each `PrefillConfig` asked for
+(`--block-m` packed query rows a program, `--block-n`, `--warps`, `--stages`), against the deterministic engine's
+own config; the default engine's decode launch is printed beside them.
 
 Contexts are drawn uniformly from the `--context` range (numpy's default_rng(1234)), as a mixed workload's decode
 steps hold them, and each sequence's cache blocks are scattered over the pool as a running engine leaves them. A
@@ -72,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         "--heads-first", default="0,1", help="comma-separated 0/1: the grid's first dimension the KV heads"
     )
     parser.add_argument("--splits", default="1", help="comma-separated splits a sequence to try")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="time the deterministic mode's launches (the varlen kernel)"
+    )
+    parser.add_argument("--block-m", default="64", help="with --deterministic: comma-separated packed rows a program")
     args = parser.parse_args(argv)
+    if args.deterministic:
+        return _deterministic(args)
 
     import torch
 
@@ -133,6 +145,78 @@ def main(argv: list[str] | None = None) -> int:
         )
         listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{'' if ok else '!'}" for t, (us, ok) in timed.items())
         print(f"   every launch (block_n/warps/stages/heads_first/splits us): {listed}")
+    return 0
+
+
+def _deterministic(args: argparse.Namespace) -> int:
+    """The deterministic mode's decode launches: the varlen kernel, every key tile masked, per `PrefillConfig`."""
+    import torch
+
+    from batchjob.engine.native.kernels.decode_attention import (
+        default_config,
+        default_num_splits,
+        paged_decode_attention,
+    )
+    from batchjob.engine.native.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+    from batchjob.engine.native.layers.triton_attention import DETERMINISTIC_PREFILL_CONFIG
+
+    cfg = ARCHITECTURES[args.architecture]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    low, high = (int(v) for v in args.context.split("-"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy = measure_copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, {sms} multiprocessors")
+    print(f"{args.architecture}: {heads} query heads, {kv_heads} KV heads of {head_dim}; contexts U({low}, {high})")
+    print(f"deterministic engine: {DETERMINISTIC_PREFILL_CONFIG}")
+    scale = head_dim**-0.5
+    knobs = [args.block_m, args.block_n, args.warps, args.stages]
+    tried = list(itertools.product(*(map(int, v.split(",")) for v in knobs)))
+    print(f"{'rows':>5} {'KV MB':>7} {'floor':>8} {'default':>8} {'engine':>8} {'best':>8}  best launch        of copy")
+    for rows in (int(r) for r in args.rows.split(",")):
+        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = decode_step(
+            rows, (low, high), heads, kv_heads, head_dim
+        )
+        out = torch.empty_like(q)
+        floor = (kv_bytes + 2 * q.numel() * q.element_size()) / copy * 1e6
+        paged = {"block_tables": tables, "seq_lens": seq_lens, "cu_query_lens": cu_query_lens}
+
+        def launch(config: PrefillConfig, paged=paged, q=q, out=out):
+            return lambda cache: functools.partial(
+                paged_prefill_attention, q, *cache, **paged, scale=scale, out=out, config=config, mask_every_tile=True
+            )
+
+        def default_launch(cache, paged=paged, q=q, out=out, order=order, rows=rows):
+            return functools.partial(
+                paged_decode_attention, q, *cache, **paged, scale=scale, out=out, order=order,
+                num_splits=default_num_splits(rows, kv_heads, sms), config=default_config(rows, kv_heads, sms),
+            )  # fmt: skip
+
+        calls = max(4, len(caches))
+        default = per_call_us(default_launch, caches, calls)
+        engine_launch = launch(DETERMINISTIC_PREFILL_CONFIG)
+        engine_launch(caches[0])()
+        reference = out.float().clone()
+        engine = per_call_us(engine_launch, caches, calls)
+        timed = {}
+        for block_m, block_n, warps, stages in tried:
+            config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+            call = launch(config)
+            try:
+                call(caches[0])()
+            except Exception as exc:  # a launch that does not fit (shared memory): not a candidate
+                print(f"  {block_m}/{block_n}/{warps}/{stages}: {type(exc).__name__}")
+                continue
+            good = ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
+            timed[(block_m, block_n, warps, stages)] = (per_call_us(call, caches, calls), good)
+        (best_launch, (best, good)) = min(timed.items(), key=lambda item: item[1][0])
+        text = "/".join(map(str, best_launch)) + ("" if good else "!")
+        print(
+            f"{rows:>5} {kv_bytes / 1e6:7.1f} {floor:8.1f} {default:8.1f} {engine:8.1f} {best:8.1f}  {text:<18} "
+            f"{floor / best:5.1%} (engine {floor / engine:5.1%}, default {floor / default:5.1%})"
+        )
+        listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{'' if ok else '!'}" for t, (us, ok) in timed.items())
+        print(f"   every launch (block_m/block_n/warps/stages us): {listed}")
     return 0
 
 

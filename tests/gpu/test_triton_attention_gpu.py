@@ -180,3 +180,24 @@ def test_the_decode_attention_profiler_times_the_engines_launch_beside_the_confi
         assert min(engine, best) >= 0.5 * floor, row
         assert not row[5].endswith("!"), row
     assert done.stdout.count("every launch") == 2 and "!" not in done.stdout.split("every launch")[-1]
+
+
+def test_the_decode_attention_profiler_times_the_deterministic_launches_beside_the_default_decode():
+    """The same profiler with --deterministic: the varlen kernel's launches at a decode step, each within bf16's
+    tolerance of the deterministic engine's, timed beside the default engine's decode launch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "decode_attention_shapes.py"
+    args = ["--deterministic", "--rows", "8,256", "--context", "64-1024", "--block-m", "16,64", "--block-n", "64"]
+    args += ["--warps", "4", "--stages", "2"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split() and line.split()[0] in ("8", "256")]
+    assert [r[0] for r in rows] == ["8", "256"]
+    for row in rows:
+        floor, default, engine, best = (float(cell) for cell in row[2:6])
+        assert min(default, engine, best) >= 0.5 * floor, row
+        assert not row[6].endswith("!"), row
+    assert done.stdout.count("every launch") == 2 and "!" not in done.stdout.split("every launch")[-1]

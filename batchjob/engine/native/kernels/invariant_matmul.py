@@ -66,24 +66,28 @@ TMA_LOADS = True
 
 @triton.jit
 def _part_product(
-    a, b, row0, col0, m, n, k_lo, k_hi, stride_am, stride_bn,
+    a, b, row0, col0, m, n, k, k_lo, k_per_part, stride_am, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
 ):  # fmt: skip
-    """The float32 product of the tile's rows from row0 and columns from col0 over K in [k_lo, k_hi), BLOCK_K at a
-    time from k_lo. With TMA, `a` and `b` are the input's and the weight's descriptors: a tile's rows or columns
-    beyond the tensor read as zeros, and no K step crosses k_hi (`_launch` takes descriptors only where K's parts
-    are whole K steps)."""
+    """The float32 product of the tile's rows from row0 and columns from col0 over K in [k_lo, k_lo + k_per_part),
+    BLOCK_K at a time from k_lo, columns at or beyond `k` read as zeros (a last part shorter than the others takes
+    as many steps, its last adding zeros: the sum's bits are the same). The loop's bounds do not depend on the
+    part, so the serial launch's loop over parts flattens into one pipelined loop (a loop per part drained and
+    refilled the pipeline at every part). With TMA, `a` and `b` are the input's and the weight's descriptors: a
+    tile's rows or columns beyond the tensor read as zeros (`_launch` takes descriptors only where K's parts are
+    whole K steps)."""
     rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for step in range(0, k_per_part, BLOCK_K):
+        k0 = k_lo + step
         if TMA:
             a_tile = a.load([row0, k0])
             b_tile = b.load([col0, k0]).T
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < k_hi
+            k_mask = ks < k
             a_tile = tl.load(
                 a + rows[:, None].to(tl.int64) * stride_am + ks[None, :], row_mask[:, None] & k_mask[None, :], other=0.0
             )
@@ -131,17 +135,12 @@ def _parts_kernel(
     pid_n = within // group_rows
     part = tl.program_id(1)
     row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
-    k_lo = part * k_per_part
-    acc = _part_product(
-        a, b, row0, col0, m, n, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am, stride_bn,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
-    )  # fmt: skip
-    # A loop, not unrolled: a copy of the K loop per part kept every copy's pipeline in registers, and at four parts
-    # the serial tile spilled its sums to local memory (tests/native/test_kernels_compile.py checks for spills).
-    for p in range(1, SERIAL_PARTS):
-        k_lo = p * k_per_part
+    # Part 0's sum starts from zero as the split launch's does (0 + x is x: a sum that starts at +0 is never -0).
+    # Flattened into one loop over every part's K steps, pipelined across the parts' boundaries.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for p in tl.range(0, SERIAL_PARTS, flatten=True):
         acc += _part_product(
-            a, b, row0, col0, m, n, k_lo, tl.minimum(k_lo + k_per_part, k), stride_am, stride_bn,
+            a, b, row0, col0, m, n, k, (part + p) * k_per_part, k_per_part, stride_am, stride_bn,
             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
         )  # fmt: skip
     rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)

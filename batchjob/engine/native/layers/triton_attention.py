@@ -38,6 +38,11 @@ from batchjob.engine.native.kernels.prefill_attention import (
 if TYPE_CHECKING:
     from batchjob.engine.native.layers.attention import AttentionMetadata
 
+# The varlen kernel's launch under `engine.deterministic`, where it takes every token, a decode step's included
+# (most of its work in a mixed workload). One config serves every step, so a token's sums are the same in any.
+# Pipeline stages change when a tile's loads are issued, not its arithmetic.
+DETERMINISTIC_PREFILL_CONFIG = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
 
 # Each step's slot mapping is a view at a step-dependent offset in a packed buffer: not specialising on its
 # alignment keeps one compiled variant.
@@ -155,14 +160,16 @@ class TritonPagedAttention:
         self,
         num_decode_splits: int | None = None,
         decode_config: DecodeConfig | None = None,
-        prefill_config: PrefillConfig = DEFAULT_PREFILL_CONFIG,
+        prefill_config: PrefillConfig | None = None,
         deterministic: bool = False,
     ) -> None:
         if num_decode_splits is not None and not 1 <= num_decode_splits <= MAX_SPLITS:
             raise ValueError(f"num_decode_splits must be in [1, {MAX_SPLITS}], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
         self.decode_config = decode_config
-        self.prefill_config = prefill_config
+        self.prefill_config = prefill_config or (
+            DETERMINISTIC_PREFILL_CONFIG if deterministic else DEFAULT_PREFILL_CONFIG
+        )
         self.deterministic = deterministic
 
     def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
