@@ -109,6 +109,7 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         seq_lens: list[int],
         splits: int | None = None,
         shape: tuple[int, int, int] = (32, 8, 128),
+        deterministic: bool = False,
     ) -> Callable[[], Any]:
         heads, kv_heads, dim = shape
 
@@ -119,7 +120,8 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
             meta = make_metadata(query_lens, seq_lens, tables, block)
             q = torch.randn(sum(query_lens), heads, dim, dtype=bf16)
             k, v = (torch.randn(sum(query_lens), kv_heads, dim, dtype=bf16) for _ in range(2))
-            return TritonPagedAttention(num_decode_splits=splits).forward(q, k, v, cache, cache, meta, dim**-0.5)
+            backend = TritonPagedAttention(num_decode_splits=splits, deterministic=deterministic)
+            return backend.forward(q, k, v, cache, cache, meta, dim**-0.5)
 
         return step
 
@@ -229,6 +231,9 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         "Llama-3.2-1B decode attention (head_dim 64)": attention([1] * 16, list(range(40, 56)), shape=(32, 8, 64)),
         "Llama-3.2-1B prefill attention (head_dim 64)": attention([300, 1, 700], [300, 90, 700], shape=(32, 8, 64)),
         "Qwen3-0.6B mixed attention (16 heads on 8)": attention([1, 1, 120], [64, 900, 120], shape=(16, 8, 128)),
+        "Llama-3.2-1B mixed attention, deterministic (every token through the varlen kernel)": attention(
+            [1, 1, 700], [300, 90, 700], shape=(32, 8, 64), deterministic=True
+        ),
         "Qwen 3 head norms before the rotary": head_norms_rotary,
         "Gemma's float32 norm weight with an offset": lambda: fused_ops.rms_norm(
             x, w, 1e-6, weight_fp32=True, offset=1.0
