@@ -39,9 +39,12 @@ if TYPE_CHECKING:
     from batchjob.engine.native.layers.attention import AttentionMetadata
 
 # The varlen kernel's launch under `engine.deterministic`, where it takes every token, a decode step's included
-# (most of its work in a mixed workload). One config serves every step, so a token's sums are the same in any.
-# Pipeline stages change when a tile's loads are issued, not its arithmetic.
-DETERMINISTIC_PREFILL_CONFIG = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+# (most of its work in a mixed workload). One config serves every step, so a token's sums are the same in any. A
+# decode's one token packs 4 of a program's rows where a 1B's 4 query heads share a KV head, so a program of 16
+# rows, not the default's 64, wastes less of each tile's dots: at 256 / 512 decodes of a 1B (contexts of 64-1,536
+# tokens) a layer took 170.9 / 318.9 us against 185.9 / 340.8 in 64 rows, on one H100
+# (`scripts/dev/decode_attention_shapes.py --deterministic`, docs/benchmarks.md).
+DETERMINISTIC_PREFILL_CONFIG = PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 
 
 # Each step's slot mapping is a view at a step-dependent offset in a packed buffer: not specialising on its
