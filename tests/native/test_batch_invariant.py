@@ -54,7 +54,8 @@ def test_the_gpu_matmul_splits_k_by_the_weight_alone_and_adds_its_parts_in_order
 
 def test_rows_that_fill_the_gpu_take_every_part_in_one_program_with_the_same_bits(monkeypatch):
     """Where a step's rows make a wave of programs (`serial`), each program adds its tile's parts itself, in the
-    order `reduce_parts` adds them: the same bits as the split launch, on either side of the threshold."""
+    order `reduce_parts` adds them: the same bits as the split launch, on either side of the threshold. K = 320 is
+    two parts of 192 and 128: the last part's loop takes a step past K, which adds zeros."""
     monkeypatch.setattr(invariant_matmul, "_sm_count", lambda device: 2)  # a GPU of two multiprocessors,
     monkeypatch.setattr(invariant_matmul, "SERIAL_WAVES", 1)  # serial from one wave of programs: 2 row tiles
     generator = torch.Generator().manual_seed(2)

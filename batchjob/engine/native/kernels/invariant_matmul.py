@@ -10,7 +10,11 @@ so an output element's arithmetic is fixed by the weight's shape.
 Where a step has rows enough for waves of programs without splitting (`serial`), each program computes every
 part of its tile itself, one after another, and adds them in the same order in registers: the same float32
 arithmetic, the same bits, without writing and reading back parts x rows x N float32 sums (at a prefill chunk's
-8,192 rows, more bytes than the weight).
+8,192 rows, more bytes than the weight). Its parts' K steps run as one pipelined loop (Triton flattens the loop
+over parts, whose inner loop has the same bounds for every part): with a loop per part, the pipeline drained and
+filled again at every part, and the 1B's projections of three and four parts (qkv, o, down) ran at 0.54-0.66x of
+cuBLAS's speed at 8,192 rows, flattened at 0.70-0.81x; its four projections at 2,048 and 8,192 rows 1.12x and 1.14x
+faster, on one H100 (docs/benchmarks.md).
 
 On Hopper and later GPUs a launch of more than one row tile loads its tiles by the tensor memory accelerator, from
 descriptors of the input and the weight (`_tma`); elsewhere (one row tile, an older GPU, a tensor whose rows are not
