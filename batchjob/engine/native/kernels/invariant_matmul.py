@@ -76,11 +76,10 @@ def _part_product(
 ):  # fmt: skip
     """The float32 product of the tile's rows from row0 and columns from col0 over K in [k_lo, k_lo + k_per_part),
     BLOCK_K at a time from k_lo, columns at or beyond `k` read as zeros (a last part shorter than the others takes
-    as many steps, its last adding zeros: the sum's bits are the same). The loop's bounds do not depend on the
-    part, so the serial launch's loop over parts flattens into one pipelined loop (a loop per part drained and
-    refilled the pipeline at every part). With TMA, `a` and `b` are the input's and the weight's descriptors: a
-    tile's rows or columns beyond the tensor read as zeros (`_launch` takes descriptors only where K's parts are
-    whole K steps)."""
+    as many steps, its last adding zeros: the sum's bits are the same), so that the loop's bounds are the same for
+    every part and the serial launch's loop over parts flattens (the module's docstring). With TMA, `a` and `b` are
+    the input's and the weight's descriptors: a tile's rows or columns beyond the tensor read as zeros (`_launch`
+    takes descriptors only where K's parts are whole K steps)."""
     rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
