@@ -103,8 +103,8 @@ def cli(app: Callable[[], None] = main) -> None:
 
 
 if __name__ == "__main__":
-    from batchjob.job.quick_exit import exit_now
     from batchjob.job.stderr import drop_stderr_when_unread
+    from batchjob.quick_exit import exit_now
 
     drop_stderr_when_unread()
     try:

@@ -21,7 +21,7 @@ def modules_a_job_imports(
     probe = (
         "import json, runpy, sys\n"
         # The command ends its process once the job is done (quick_exit.py): here it returns, to be asked.
-        "from batchjob.job import quick_exit\n"
+        "from batchjob import quick_exit\n"
         "quick_exit.exit_now = sys.exit\n"
         f"sys.argv = {['batchjob', *overrides]!r}\n"
         "try:\n    runpy.run_module('batchjob', run_name='__main__')\nexcept SystemExit as end:\n"

@@ -1,4 +1,4 @@
-"""batchjob/job/quick_exit.py in real processes: the command's exit does what `sys.exit` does before the
+"""batchjob/quick_exit.py in real processes: the command's exit does what `sys.exit` does before the
 interpreter's teardown (the status, the threads, the atexit handlers, the streams) and skips the teardown."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def _run(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
     code = textwrap.dedent(
         """
         import atexit, sys, threading, time
-        from batchjob.job.quick_exit import exit_now
+        from batchjob.quick_exit import exit_now
 
         class TornDown:
             def __del__(self):

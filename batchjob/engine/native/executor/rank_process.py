@@ -11,7 +11,7 @@ in order:
 - `("collect", None)`: wait for the oldest launched step; rank 0 sends its `StepResult` back (all ranks
   sampled the same tokens from the same gathered logits; the others' results are not needed);
 - `("finish", None)`: wait for the device, drop steps never collected, send this rank's statistics;
-- `("close", None)`, or the job process gone (end of file): exit.
+- `("close", None)`, or the job process gone (end of file): exit, without the interpreter's teardown (`quick_exit.py`).
 
 Signals that stop a job (SIGINT, SIGTERM, SIGUSR1) are ignored here: the job process gets them too, commits,
 and closes its ranks, so a rank never dies halfway through a collective its peers wait in.
@@ -31,6 +31,7 @@ from typing import Any
 
 from batchjob.engine.native.executor.messages import RankReady, RankSetup
 from batchjob.processes import on_parent_death
+from batchjob.quick_exit import exit_now
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -122,4 +123,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # The job process waits for its ranks in `close`: no teardown of torch, NCCL or the CUDA context to wait for.
+    exit_now(main(sys.argv[1:]))

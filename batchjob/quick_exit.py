@@ -1,9 +1,11 @@
-"""The command's exit without the interpreter's teardown.
+"""A process's exit without the interpreter's teardown: the command's, and a tensor-parallel rank's.
 
 After a job's last commit and report, a normal exit still destroys every module and object the process holds and
 unloads torch's libraries: 0.56 s with torch imported, 0.72 s with torch and transformers, on a 2-core machine
 (the job's own exit there, from its "done" line to the process's end: 0.93 s), plus the CUDA context's teardown
-on a GPU. Nothing of the job's depends on that teardown: its outputs are committed and synced by then.
+on a GPU. Nothing of the job's depends on that teardown: its outputs are committed and synced by then. A
+tensor-parallel rank's exit is waited for by the job process (`RankGroup.close`), after the last step; its
+teardown would add torch's, the process group's and the CUDA context's to the job's end.
 `exit_now` does what `sys.exit` does before the teardown, in the interpreter's own order: wait for the threads
 that are not daemons (and run the thread pools' exit hooks), run the `atexit` handlers (logging's flush,
 multiprocessing's children, weakref finalizers), flush stdout and stderr; then it ends the process with the status.
