@@ -95,21 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         paged_decode_attention,
     )
 
-    cfg = ARCHITECTURES[args.architecture]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    low, high = (int(v) for v in args.context.split("-"))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy = measure_copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, {sms} multiprocessors")
-    print(f"{args.architecture}: {heads} query heads, {kv_heads} KV heads of {head_dim}; contexts U({low}, {high})")
+    shape, context, sms, copy = _describe(args)
+    heads, kv_heads, head_dim = shape
     knobs = [args.block_n, args.warps, args.stages, args.heads_first, args.splits]
-    tried = list(itertools.product(*(map(int, v.split(",")) for v in knobs)))
     print(f"{'rows':>5} {'KV MB':>7} {'floor':>8} {'engine':>8} {'best':>8}  best launch            of copy")
     for rows in (int(r) for r in args.rows.split(",")):
-        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = decode_step(
-            rows, (low, high), heads, kv_heads, head_dim
-        )
+        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = decode_step(rows, context, *shape)
         out = torch.empty_like(q)
         floor = (kv_bytes + 2 * q.numel() * q.element_size()) / copy * 1e6
         attend = functools.partial(
@@ -121,29 +112,18 @@ def main(argv: list[str] | None = None) -> int:
             """A layer's call (its `(k_cache, v_cache)`) with this launch shape."""
             return lambda cache: functools.partial(attend, *cache, num_splits=splits, config=config)
 
-        engine_launch = launch(default_config(rows, kv_heads, sms), default_num_splits(rows, kv_heads, sms))
-        engine_launch(caches[0])()
-        reference = out.float().clone()
-        calls = max(4, len(caches))  # every layer's cache once at least; a big step's few calls are long enough
-        engine = per_call_us(engine_launch, caches, calls)
-        timed = {}
-        for block_n, warps, stages, heads_first, splits in tried:
+        def tried_launch(block_n, warps, stages, heads_first, splits, launch=launch):
             config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, heads_first=bool(heads_first))
-            call = launch(config, splits)
-            try:
-                call(caches[0])()
-            except Exception as exc:  # a launch that does not fit (shared memory): not a candidate
-                print(f"  {block_n}/{warps}/{stages}/{heads_first}/{splits}: {type(exc).__name__}")
-                continue
-            good = ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
-            timed[(block_n, warps, stages, heads_first, splits)] = (per_call_us(call, caches, calls), good)
-        (best_launch, (best, good)) = min(timed.items(), key=lambda item: item[1][0])
-        text = "/".join(map(str, best_launch)) + ("" if good else "!")
+            return launch(config, splits)
+
+        engine_launch = launch(default_config(rows, kv_heads, sms), default_num_splits(rows, kv_heads, sms))
+        calls = max(4, len(caches))  # every layer's cache once at least; a big step's few calls are long enough
+        engine, timed = _time_launches(engine_launch, tried_launch, knobs, caches, out, calls)
+        best, text, listed = _summary(timed)
         print(
             f"{rows:>5} {kv_bytes / 1e6:7.1f} {floor:8.1f} {engine:8.1f} {best:8.1f}  {text:<22} "
             f"{floor / best:5.1%} (engine {floor / engine:5.1%})"
         )
-        listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{'' if ok else '!'}" for t, (us, ok) in timed.items())
         print(f"   every launch (block_n/warps/stages/heads_first/splits us): {listed}")
     return 0
 
@@ -160,23 +140,14 @@ def _deterministic(args: argparse.Namespace) -> int:
     from batchjob.engine.native.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
     from batchjob.engine.native.layers.triton_attention import DETERMINISTIC_PREFILL_CONFIG
 
-    cfg = ARCHITECTURES[args.architecture]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    low, high = (int(v) for v in args.context.split("-"))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy = measure_copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, {sms} multiprocessors")
-    print(f"{args.architecture}: {heads} query heads, {kv_heads} KV heads of {head_dim}; contexts U({low}, {high})")
+    shape, context, sms, copy = _describe(args)
+    heads, kv_heads, head_dim = shape
     print(f"deterministic engine: {DETERMINISTIC_PREFILL_CONFIG}")
     scale = head_dim**-0.5
     knobs = [args.block_m, args.block_n, args.warps, args.stages]
-    tried = list(itertools.product(*(map(int, v.split(",")) for v in knobs)))
     print(f"{'rows':>5} {'KV MB':>7} {'floor':>8} {'default':>8} {'engine':>8} {'best':>8}  best launch        of copy")
     for rows in (int(r) for r in args.rows.split(",")):
-        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = decode_step(
-            rows, (low, high), heads, kv_heads, head_dim
-        )
+        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = decode_step(rows, context, *shape)
         out = torch.empty_like(q)
         floor = (kv_bytes + 2 * q.numel() * q.element_size()) / copy * 1e6
         paged = {"block_tables": tables, "seq_lens": seq_lens, "cu_query_lens": cu_query_lens}
@@ -186,6 +157,9 @@ def _deterministic(args: argparse.Namespace) -> int:
                 paged_prefill_attention, q, *cache, **paged, scale=scale, out=out, config=config, mask_every_tile=True
             )
 
+        def tried_launch(block_m, block_n, warps, stages, launch=launch):
+            return launch(PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages))
+
         def default_launch(cache, paged=paged, q=q, out=out, order=order, rows=rows):
             return functools.partial(
                 paged_decode_attention, q, *cache, **paged, scale=scale, out=out, order=order,
@@ -194,30 +168,57 @@ def _deterministic(args: argparse.Namespace) -> int:
 
         calls = max(4, len(caches))
         default = per_call_us(default_launch, caches, calls)
-        engine_launch = launch(DETERMINISTIC_PREFILL_CONFIG)
-        engine_launch(caches[0])()
-        reference = out.float().clone()
-        engine = per_call_us(engine_launch, caches, calls)
-        timed = {}
-        for block_m, block_n, warps, stages in tried:
-            config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-            call = launch(config)
-            try:
-                call(caches[0])()
-            except Exception as exc:  # a launch that does not fit (shared memory): not a candidate
-                print(f"  {block_m}/{block_n}/{warps}/{stages}: {type(exc).__name__}")
-                continue
-            good = ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
-            timed[(block_m, block_n, warps, stages)] = (per_call_us(call, caches, calls), good)
-        (best_launch, (best, good)) = min(timed.items(), key=lambda item: item[1][0])
-        text = "/".join(map(str, best_launch)) + ("" if good else "!")
+        engine, timed = _time_launches(launch(DETERMINISTIC_PREFILL_CONFIG), tried_launch, knobs, caches, out, calls)
+        best, text, listed = _summary(timed)
         print(
             f"{rows:>5} {kv_bytes / 1e6:7.1f} {floor:8.1f} {default:8.1f} {engine:8.1f} {best:8.1f}  {text:<18} "
             f"{floor / best:5.1%} (engine {floor / engine:5.1%}, default {floor / default:5.1%})"
         )
-        listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{'' if ok else '!'}" for t, (us, ok) in timed.items())
         print(f"   every launch (block_m/block_n/warps/stages us): {listed}")
     return 0
+
+
+def _describe(args: argparse.Namespace):
+    """The model's (query heads, KV heads, head_dim), the context range, the GPU's multiprocessors and copy rate,
+    printed as the run's header."""
+    import torch
+
+    cfg = ARCHITECTURES[args.architecture]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    low, high = (int(v) for v in args.context.split("-"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy = measure_copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, {sms} multiprocessors")
+    print(f"{args.architecture}: {heads} query heads, {kv_heads} KV heads of {head_dim}; contexts U({low}, {high})")
+    return (heads, kv_heads, head_dim), (low, high), sms, copy
+
+
+def _time_launches(engine_launch, tried_launch, knobs: list[str], caches, out, calls: int):
+    """The engine's launch timed, then every combination of `knobs` (comma-separated values) through
+    `tried_launch(*values)`: {values: (us, whether its output is the engine launch's within bf16's tolerance)}."""
+    engine_launch(caches[0])()
+    reference = out.float().clone()
+    engine = per_call_us(engine_launch, caches, calls)
+    timed = {}
+    for values in itertools.product(*(map(int, v.split(",")) for v in knobs)):
+        call = tried_launch(*values)
+        try:
+            call(caches[0])()
+        except Exception as exc:  # a launch that does not fit (shared memory): not a candidate
+            print(f"  {'/'.join(map(str, values))}: {type(exc).__name__}")
+            continue
+        good = ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
+        timed[values] = (per_call_us(call, caches, calls), good)
+    return engine, timed
+
+
+def _summary(timed) -> tuple[float, str, str]:
+    """The fastest launch's time and name (marked ! if its output differed), and every launch's time."""
+    best_launch, (best, good) = min(timed.items(), key=lambda item: item[1][0])
+    text = "/".join(map(str, best_launch)) + ("" if good else "!")
+    listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{'' if ok else '!'}" for t, (us, ok) in timed.items())
+    return best, text, listed
 
 
 if __name__ == "__main__":
