@@ -127,7 +127,16 @@ def foreign_content_message(output_dir: str, foreign: list[str], holds_parts: bo
     )
 
 
-def nested_output_message(output_dir: str, enclosing: str) -> str:
+def nested_output_message(output_dir: str, enclosing: str, lost_its_parts: bool = False) -> str:
+    """`lost_its_parts`: the job whose output is `enclosing` committed parts and none is left there (its output
+    deleted by hand): what still claims the folder is the bookkeeping folder beside it."""
+    if lost_its_parts:
+        record = enclosing + BOOKKEEPING_SUFFIX
+        return (
+            f"output.dir={output_dir} is inside {enclosing}, the output.dir of the job recorded in {record}, whose "
+            f"committed parts are no longer in {enclosing}: if that output was deleted, delete {record} as well (it "
+            f"holds only that job's record, manifests and locks); else set output.dir to a folder outside {enclosing}"
+        )
     return (
         f"output.dir={output_dir} is inside {enclosing}, another job's output.dir; every reader of that folder reads "
         "all of it, so this job's files would show up there as extra or duplicate rows: set output.dir to a folder "

@@ -10,6 +10,7 @@ from batchjob.io.access import is_access_error
 from batchjob.io.layout import (
     BOOKKEEPING_SUFFIX,
     JOB_RECORD_NAME,
+    MANIFESTS_DIR_NAME,
     OLD_LAYOUT_RE,
     PART_RE,
     OutputDirError,
@@ -45,7 +46,7 @@ def _refuse_other_jobs_folders(storage: Storage, path: str, shown: str) -> None:
         if folder.endswith(BOOKKEEPING_SUFFIX) and _holds_job_record(storage, folder):
             raise OutputDirError(bookkeeping_folder_message(shown, scheme + folder, inside))
         if inside and _holds_job_record(storage, folder + BOOKKEEPING_SUFFIX):
-            raise OutputDirError(nested_output_message(shown, scheme + folder))
+            raise OutputDirError(nested_output_message(shown, scheme + folder, _lost_its_parts(storage, folder)))
 
 
 def _holds_job_record(storage: Storage, folder: str) -> bool:
@@ -53,6 +54,21 @@ def _holds_job_record(storage: Storage, folder: str) -> bool:
     policy may grant this job nothing but output.dir's prefix and the folder beside it."""
     try:
         return storage.exists(storage.join(folder, JOB_RECORD_NAME))
+    except Exception as err:
+        if not is_access_error(err):
+            raise
+        return False
+
+
+def _lost_its_parts(storage: Storage, folder: str) -> bool:
+    """Whether the job whose output is `folder` committed parts that are all gone from it (its output deleted by
+    hand, its bookkeeping folder left behind). False where either may not be listed."""
+    manifests = storage.join(folder + BOOKKEEPING_SUFFIX, MANIFESTS_DIR_NAME)
+    try:
+        if any(PART_RE.match(name) for name in storage.list_names(folder)):
+            return False
+        shards = [name for name in storage.list_names(manifests) if name.endswith("/")]
+        return any(storage.list_names(storage.join(manifests, shard.rstrip("/"))) for shard in shards)
     except Exception as err:
         if not is_access_error(err):
             raise

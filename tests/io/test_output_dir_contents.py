@@ -4,6 +4,7 @@ anything is written, while a job's own output (parts of any shard, what a crash 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -191,4 +192,39 @@ def test_a_prefix_inside_another_jobs_output_is_refused_on_an_s3_server(s3_outpu
     with OutputDataset(s3_output_dir) as dataset:
         dataset.open(JOB)
     with pytest.raises(OutputDirError, match=rf"is inside {s3_output_dir}, another job's output.dir"):
+        OutputDataset(f"{s3_output_dir}/retry").open(JOB)
+
+
+def test_an_output_dir_inside_a_deleted_jobs_output_names_the_record_left_behind(tmp_path: Path) -> None:
+    first = tmp_path / "run1"
+    with OutputDataset(str(first)) as dataset:
+        dataset.open(JOB)
+        dataset.commit(rows([0, 1]))
+    shutil.rmtree(first)  # the user deleted the output by hand, not its bookkeeping folder beside it
+    inside = first / "retry"
+    with pytest.raises(OutputDirError) as refused:
+        OutputDataset(str(inside)).open(JOB)
+    record = bookkeeping(first)
+    assert str(refused.value) == (
+        f"output.dir={inside} is inside {first}, the output.dir of the job recorded in {record}, whose committed parts "
+        f"are no longer in {first}: if that output was deleted, delete {record} as well (it holds only that job's "
+        f"record, manifests and locks); else set output.dir to a folder outside {first}"
+    )
+    assert not first.exists()
+    shutil.rmtree(record)  # as the message says
+    with OutputDataset(str(inside)) as dataset:
+        dataset.open(JOB)
+        dataset.commit(rows([0]))
+    assert os.listdir(inside) == ["part-s00000-000000.parquet"]
+
+
+def test_a_prefix_inside_a_deleted_jobs_output_names_the_record_left_behind_on_an_s3_server(
+    s3_output_dir: str,
+) -> None:
+    fs, path = fsspec.core.url_to_fs(s3_output_dir, use_listings_cache=False)
+    with OutputDataset(s3_output_dir) as dataset:
+        dataset.open(JOB)
+        dataset.commit(rows([0, 1]))
+    fs.rm(path, recursive=True)
+    with pytest.raises(OutputDirError, match=rf"whose committed parts are no longer in {s3_output_dir}: if that "):
         OutputDataset(f"{s3_output_dir}/retry").open(JOB)
