@@ -44,6 +44,7 @@ from batchjob.engine.api import Completion, Request
 from batchjob.engine.devices import device_kind, torch_device
 from batchjob.engine.grammar import GrammarError
 from batchjob.engine.native.engine_start import check_gpu_count, start_on_device, start_ranks
+from batchjob.engine.native.engine_stats import constrained_stats, step_stats
 from batchjob.engine.native.layers import parallel
 from batchjob.engine.native.models import spec_check
 from batchjob.engine.native.options import NativeOptions
@@ -311,44 +312,11 @@ class NativeEngine:
         )
 
     def stats(self) -> dict[str, float]:
-        stats = dict(self._stats)
         runner = self.runner
-        stats.update(
-            steps=runner.steps,
-            tokens_fed=runner.tokens_fed,
-            admit_ms_per_step=1000 * self.admit_s / max(runner.steps, 1),
-            schedule_ms_per_step=1000 * self.schedule_s / max(runner.steps, 1),
-            process_ms_per_step=1000 * self.process_s / max(runner.steps, 1),
-            collect_wait_ms_per_step=1000 * runner.collect_wait_s / max(runner.steps, 1),
-            prep_ms_per_step=1000 * runner.prep_s / max(runner.steps, 1),
-            fill_ms_per_step=1000 * runner.fill_s / max(runner.steps, 1),
-            graph_steps=runner.graph_steps,
-            mixed_graph_steps=runner.mixed_graph_steps,
-            eager_steps=runner.steps - runner.graph_steps,
-            graph_launch_ms_per_step=1000 * runner.launch_s[0] / max(runner.graph_steps, 1),
-            eager_launch_ms_per_step=1000 * runner.launch_s[1] / max(runner.steps - runner.graph_steps, 1),
-            output_tokens=self.outputs.tokens_out + self.outputs.forced_tokens,
-            wasted_tokens=self.outputs.wasted,
-            preemptions=self.scheduler.num_preemptions,
-            decodes_sat_out=self.scheduler.sat_out,
-            max_num_seqs=self.options.max_num_seqs,
-            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
-        )
+        loop_s = (self.admit_s, self.schedule_s, self.process_s)
+        stats = {**self._stats, **step_stats(runner, self.scheduler, self.outputs, loop_s, self.options.max_num_seqs)}
         if runner.masked_steps:
-            stats.update(
-                constrained_steps=runner.masked_steps,
-                mask_ms_per_constrained_step=1000 * self.masks.fill_s / runner.masked_steps,
-                mask_wait_ms_per_constrained_step=1000 * self.masks.wait_s / runner.masked_steps,
-                mask_calls_per_constrained_step=self.masks.fill_calls / runner.masked_steps,
-                constrained_steps_masked_at_launch=self.masks.started_at_launch,
-                constrained_steps_masked_early=self.masks.started_early,
-                constrained_steps_sampled_at_poll=self.masks.sampled_at_poll,
-                constrained_steps_gated=runner.gated_steps,
-                sampler_launch_ms_per_constrained_step=1000 * runner.sampler_launch_s / runner.masked_steps,
-                jump_forward_tokens=self.outputs.forced_tokens,
-                grammars_compiled=self.grammars.compiled,
-                grammar_cache_hits=self.grammars.cache_hits,
-            )
+            stats.update(constrained_stats(runner, self.masks, self.outputs, self.grammars))
         stats.update(spec_check.timings(self._verified))
         if runner.clock is not None and runner.clock.fraction() is not None:
             stats["gpu_busy_fraction"] = runner.clock.fraction()
