@@ -22,10 +22,14 @@ import threading
 
 def exit_now(code: object) -> None:
     """End the process as `sys.exit(code)` would, skipping the interpreter's teardown. Falls back to `sys.exit`
-    where this Python lacks the steps it runs (`threading._shutdown`, `atexit._run_exitfuncs`)."""
+    where this Python lacks the steps it runs (`threading._shutdown`, `atexit._run_exitfuncs`), off the main thread,
+    and under a profiler or debugger (`python -m cProfile -m batchjob` writes its output after the command
+    returns)."""
     shutdown = getattr(threading, "_shutdown", None)
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-    if shutdown is None or run_exitfuncs is None or threading.current_thread() is not threading.main_thread():
+    watched = sys.getprofile() is not None or sys.gettrace() is not None  # a profiler writes its results at exit
+    off_main = threading.current_thread() is not threading.main_thread()
+    if shutdown is None or run_exitfuncs is None or watched or off_main:
         sys.exit(code)
     status = _status(code)
     shutdown()

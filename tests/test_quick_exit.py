@@ -67,3 +67,20 @@ def test_threads_atexit_handlers_and_unflushed_output_all_finish_first(tmp_path)
 def test_the_interpreters_teardown_is_skipped(tmp_path):
     assert "torn down" in _run("sys.exit(0)", tmp_path).stdout, "sys.exit tears the module's objects down"
     assert "torn down" not in _run("exit_now(0)", tmp_path).stdout
+
+
+def test_the_command_under_a_profiler_exits_through_sys_exit_so_the_profile_is_written(tmp_path):
+    module = tmp_path / "job.py"
+    module.write_text(
+        "import sys\nfrom batchjob.quick_exit import exit_now\n"
+        "def work():\n    return sum(range(1000))\n"
+        "if __name__ == '__main__':\n    work()\n    exit_now(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", "profile.out", "job.py"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr  # cProfile takes the SystemExit and returns
+    import pstats
+
+    assert any(name == "work" for _, _, name in pstats.Stats(str(tmp_path / "profile.out")).stats)
