@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.io.access import StorageAccessError, access_reported
-from batchjob.io.layout import JOB_RECORD_NAME, OutputDirError, bookkeeping_dir
+from batchjob.io.layout import JOB_RECORD_NAME, OutputDirError, bookkeeping_dir, no_job_message
 from batchjob.io.status import committed_parts, shard_status
 from batchjob.io.storage import Storage
 from batchjob.pipelines.openai_output import EXPORT_COLUMNS, batch_output_line
@@ -63,9 +63,7 @@ def export(output_dir: str, format: str, path: str, model: str | None = None) ->
         storage, meta = Storage.for_uri(bookkeeping_dir(output_dir))
         record_path = storage.join(meta, JOB_RECORD_NAME)
         if not storage.exists(record_path):
-            raise ExportError(
-                f"{output_dir} holds no batchjob output (no {JOB_RECORD_NAME} in {meta}): set output.dir to a job's"
-            )
+            raise ExportError(no_job_message(output_dir))
         parts = committed_parts(output_dir)
     except OutputDirError as err:
         raise ExportError(str(err)) from None

@@ -1,4 +1,5 @@
-"""`python -m batchjob.status output.dir=DIR [--verify] [data.path=PATH data.id_column=COL ...]`: how far a job is.
+"""`python -m batchjob.status output.dir=DIR [--verify] [data.path=PATH data.id_column=COL ...]`: how far a job is
+(`python -m batchjob.status DIR` is the same).
 
 Prints one line per shard (rows done/total, output tokens, tokens/s, and its state: complete, running with
 the lock holder's pid and host, stale when that process is gone (rerun the shard), or incomplete) and checks
@@ -27,7 +28,7 @@ import pyarrow.dataset as pads
 from batchjob.io import manifest
 from batchjob.io.access import access_reported
 from batchjob.io.inputs import InputError, InputSpec
-from batchjob.io.layout import BOOKKEEPING_SUFFIX, JOB_RECORD_NAME, TMP_DIR_NAME, ShardOutput, bookkeeping_dir
+from batchjob.io.layout import BOOKKEEPING_SUFFIX, JOB_RECORD_NAME, TMP_DIR_NAME, ShardOutput, no_job_message
 from batchjob.io.lock import DEFAULT_TIMEOUT_S, LockError, ShardLock
 from batchjob.io.readers import open_input
 from batchjob.io.recovery import ShardFiles, check_parts
@@ -37,8 +38,8 @@ from batchjob.io.storage import Storage
 from batchjob.io.unique_ids import PARTITION_ROWS, find_duplicates
 
 USAGE = (
-    "usage: python -m batchjob.status output.dir=DIR [--verify] [data.path=PATH data.id_column=COL data.limit=N "
-    "data.format=FMT data.split=SPLIT] (the data.* keys the job ran with)"
+    "usage: python -m batchjob.status output.dir=DIR (or DIR) [--verify] [data.path=PATH data.id_column=COL "
+    "data.limit=N data.format=FMT data.split=SPLIT] (the data.* keys the job ran with)"
 )
 _DATA_KEYS = {"data.path": "path", "data.format": "format", "data.split": "split", "data.id_column": "id_column"}
 _LISTED = 20  # ids shown per problem; the counts are always complete
@@ -107,10 +108,7 @@ def _record(storage: Storage, path: str, output_dir: str) -> dict:
     record_path = storage.join(path.rstrip("/") + BOOKKEEPING_SUFFIX, JOB_RECORD_NAME)
     if not storage.exists(record_path):
         # Every shard writes the record before anything else, so without it there is no job to report.
-        raise ValueError(
-            f"{output_dir} holds no batchjob output (no {JOB_RECORD_NAME} in {bookkeeping_dir(output_dir)}): "
-            "set output.dir to a job's"
-        )
+        raise ValueError(no_job_message(output_dir))
     return json.loads(storage.read_bytes(record_path))
 
 
@@ -304,6 +302,9 @@ def format_status(status: JobStatus) -> str:
 def _parse(argv: list[str]) -> tuple[str, InputSpec | None, bool]:
     verify = "--verify" in argv
     argv = [a for a in argv if a != "--verify"]
+    bare = [a for a in argv if "=" not in a and not a.startswith("-")]
+    if len(bare) == 1 and not any(a.startswith("output.dir=") for a in argv):  # `batchjob.status DIR`
+        argv = [f"output.dir={a}" if a == bare[0] else a for a in argv]
     values = dict(arg.split("=", 1) for arg in argv if "=" in arg)
     unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in {"output.dir", "data.limit", *_DATA_KEYS}]
     if unknown or "output.dir" not in values:
@@ -312,7 +313,11 @@ def _parse(argv: list[str]) -> tuple[str, InputSpec | None, bool]:
         return values["output.dir"], None, verify
     kwargs = {_DATA_KEYS[k]: v for k, v in values.items() if k in _DATA_KEYS and v not in ("null", "")}
     if values.get("data.limit") not in (None, "null", ""):
-        kwargs["limit"] = int(values["data.limit"])
+        try:
+            kwargs["limit"] = int(values["data.limit"])
+        except ValueError:
+            limit = values["data.limit"]
+            raise ValueError(f"data.limit={limit!r}: must be an integer (the job's data.limit)") from None
     return values["output.dir"], InputSpec(**kwargs), verify
 
 

@@ -153,6 +153,20 @@ def bookkeeping_folder_message(output_dir: str, folder: str, inside: bool) -> st
     )
 
 
+def no_job_message(output_dir: str) -> str:
+    """For a tool reading a job's output (status, export) pointed at a folder no job wrote."""
+    stripped = output_dir.rstrip("/")
+    if stripped.endswith(BOOKKEEPING_SUFFIX):
+        return (
+            f"{output_dir} is the folder where batchjob keeps a job's record, manifests and locks: set output.dir to "
+            f"the job's output itself, {stripped[: -len(BOOKKEEPING_SUFFIX)]}"
+        )
+    return (
+        f"{output_dir} holds no batchjob output (no {JOB_RECORD_NAME} in {bookkeeping_dir(output_dir)}): set "
+        "output.dir to the one the job ran with"
+    )
+
+
 def old_layout_message(output_dir: str) -> str:
     return (
         f"{output_dir} was written by an older batchjob that kept its bookkeeping (_job.json, manifests) "

@@ -20,6 +20,7 @@ from batchjob.io.layout import (
     SHARD_SUCCESS_RE,
     OutputDirError,
     ShardOutput,
+    no_job_message,
     old_layout_message,
 )
 from batchjob.io.storage import Storage
@@ -34,8 +35,7 @@ def shard_status(output_dir: str) -> list[dict[str, Any]]:
     """
     storage, path = Storage.for_uri(output_dir)
     parts = storage.list_files(path)
-    if any(OLD_LAYOUT_RE.match(name) for name in parts):
-        raise OutputDirError(old_layout_message(output_dir))
+    _check_layout(output_dir, parts)
     meta = path.rstrip("/") + BOOKKEEPING_SUFFIX
     names = storage.list_files(meta)
     locks = {int(m.group(1)) for n in storage.list_files(storage.join(meta, LOCKS_DIR_NAME)) if (m := LOCK_RE.match(n))}
@@ -77,9 +77,17 @@ def committed_parts(output_dir: str) -> list[str]:
     committed parts only (a part is committed when it appears there under its final name)."""
     storage, path = Storage.for_uri(output_dir)
     names = storage.list_files(path)
+    _check_layout(output_dir, names)
+    return [storage.join(path, name) for name in sorted(names) if PART_RE.match(name)]
+
+
+def _check_layout(output_dir: str, names: list[str]) -> None:
+    """`OutputDirError` for a folder holding a job record: a job's bookkeeping folder given for its output, or an
+    output of the older layout (its record inside)."""
+    if JOB_RECORD_NAME in names and output_dir.rstrip("/").endswith(BOOKKEEPING_SUFFIX):
+        raise OutputDirError(no_job_message(output_dir))
     if any(OLD_LAYOUT_RE.match(name) for name in names):
         raise OutputDirError(old_layout_message(output_dir))
-    return [storage.join(path, name) for name in sorted(names) if PART_RE.match(name)]
 
 
 def _recorded_shard_count(storage: Storage, record_path: str) -> int | None:

@@ -180,6 +180,16 @@ def test_exporting_as_parquet_is_refused_pointing_at_the_output_itself(finished:
     assert "choose openai_batch or jsonl (the output is Parquet already: read output.dir itself)" in refused.stderr
 
 
+def test_exporting_a_jobs_bookkeeping_folder_points_at_its_output(finished: Path, tmp_path: Path) -> None:
+    refused = export(Path(f"{finished}.batchjob"), "jsonl", tmp_path / "x.jsonl")
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        f"error: {finished}.batchjob is the folder where batchjob keeps a job's record, manifests and locks: set "
+        f"output.dir to the job's output itself, {finished}"
+    )
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def test_a_prompt_template_with_an_openai_batch_input_is_refused(tmp_path: Path) -> None:
     batch = write_batch(tmp_path / "in.jsonl", LINES[:1])
     refused = run_cli(f"data.path={batch}", f"output.dir={tmp_path / 'out'}", "pipeline.system_prompt=Be brief.")

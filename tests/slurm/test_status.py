@@ -99,7 +99,32 @@ def test_bad_arguments_print_usage(capsys: pytest.CaptureFixture) -> None:
 
 def test_a_directory_without_a_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([f"output.dir={tmp_path / 'typo'}"]) == 2
-    assert "holds no batchjob output (no _job.json in" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'typo'} holds no batchjob output (no _job.json in {tmp_path / 'typo.batchjob'}): set "
+        "output.dir to the one the job ran with\n"
+    )
+
+
+def test_the_bookkeeping_folder_given_as_output_dir_is_pointed_at_the_output(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    commit(out, 0, [0, 1, 2, 3], success=True)
+    assert main([f"output.dir={out}.batchjob"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {out}.batchjob is the folder where batchjob keeps a job's record, manifests and locks: set output.dir "
+        f"to the job's output itself, {out}\n"
+    )
+
+
+def test_a_bare_directory_is_read_as_output_dir(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    commit(tmp_path, 0, [0, 1, 2, 3], success=True)
+    commit(tmp_path, 1, [4, 5, 6, 7], success=True)
+    assert main([str(tmp_path), "--verify"]) == 0
+    assert "every row exactly once" in capsys.readouterr().out
+
+
+def test_a_data_limit_that_is_not_a_number_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([f"output.dir={tmp_path}", f"data.path={tmp_path}/in.parquet", "data.limit=ten"]) == 2
+    assert capsys.readouterr().err == "error: data.limit='ten': must be an integer (the job's data.limit)\n"
 
 
 def test_verify_checks_every_committed_part(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
