@@ -61,10 +61,11 @@ def warm(cfg: DictConfig, startup: StartupClock | None = None) -> int:
     try:
         settings = load_settings(cfg)
         model_path = resolve_model_path(settings.model_path)
+        startup.lap("config_s")
+        import_libraries()  # torch, before the engine's choice imports it: the phases read as the job's do
+        startup.lap("imports_s")
         settings = choose_engine(settings, model_path)
         startup.lap("config_s")
-        import_libraries()
-        startup.lap("imports_s")
         with startup.timed("tokenizer_s"):
             load_tokenizer(model_path)  # the tokenizer class transformers picks is kept too
         engine = create_engine(settings.engine_name, model_path, settings.engine_options, settings.engine_asked)
