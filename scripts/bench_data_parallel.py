@@ -117,8 +117,8 @@ def run_one(
     gpus = data_parallel * tensor_parallel
     name = f"dp{data_parallel}" + (f"tp{tensor_parallel}" if tensor_parallel > 1 else "")
     from batchjob.io.inputs import InputSpec
+    from batchjob.io.job_status import job_status
     from batchjob.io.layout import bookkeeping_dir
-    from batchjob.status import job_status
 
     out_dir = args.out / "runs" / name
     # A leftover output (and its bookkeeping beside it) would be resumed, not measured.

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from jobtools import HUNG_S, REPO, SAMPLE_PROMPTS, cli_command, cli_env, read_output, running, wait_for, wait_for_line
 
+from batchjob.io.job_status import job_status
 from batchjob.processes import descendants
-from batchjob.status import job_status
 
 COPIES = 4  # of the bundled prompts: a job that runs far longer than its children take to stop
 ARGS = (

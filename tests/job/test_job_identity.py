@@ -19,8 +19,8 @@ from jobtools import (
 )
 
 from batchjob.io import InputSpec
+from batchjob.io.job_status import job_status
 from batchjob.job.tiny_model import default_tiny_model
-from batchjob.status import job_status
 
 
 def snapshot(out: Path) -> dict[str, bytes]:

@@ -17,8 +17,8 @@ from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
 from batchjob.engine import SamplingParams
+from batchjob.io.job_status import job_status
 from batchjob.job.tiny_model import default_tiny_model
-from batchjob.status import job_status
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

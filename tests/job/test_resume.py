@@ -20,8 +20,8 @@ from jobtools import (
     write_prompts,
 )
 
+from batchjob.io.job_status import job_status
 from batchjob.io.output import OutputDataset
-from batchjob.status import job_status
 
 ROWS = 100
 # One row at a time makes every generation bit-identical however rows are grouped across restarts

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jobtools import REPO, bookkeeping, cli_command, cli_env, read_output, write_prompts
 
-from batchjob.status import job_status
+from batchjob.io.job_status import job_status
 
 
 def run_with_env(*overrides: str, env: dict[str, str]) -> subprocess.CompletedProcess:

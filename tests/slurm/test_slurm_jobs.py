@@ -22,7 +22,7 @@ from slurm_cluster import (
     wait_until,
 )
 
-from batchjob.status import job_status
+from batchjob.io.job_status import job_status
 
 pytestmark = pytest.mark.slurm
 # The requeue is tested on both engines, the default (native) one and the transformers one; the other

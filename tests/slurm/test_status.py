@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.io.inputs import InputSpec
+from batchjob.io.job_status import job_status
 from batchjob.io.lock import DEFAULT_TIMEOUT_S, LockHolder
 from batchjob.io.output import OutputDataset
-from batchjob.status import job_status, main
+from batchjob.status import main
 
 RECORD = {"rows": {"count": 8, "id_column": None}}
 REPO = Path(__file__).resolve().parents[2]
