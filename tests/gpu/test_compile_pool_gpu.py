@@ -2,7 +2,7 @@
 workers as the listing finds it, and the process's own launches then compile nothing, not even a kernel's launcher
 (a C module the system's compiler builds per kernel signature, on Triton versions that have one).
 
-Run on the GPU machine:  python -m pytest tests/gpu/test_compile_pool_gpu.py -q
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu/test_compile_pool_gpu.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Host gates: GPU work enqueued behind a gate waits until a host thread opens it with a store into pinned memory,
 and what that thread wrote to pinned memory before opening is what the GPU reads behind it.
 
-Run on the GPU machine:  python -m pytest tests/gpu -q
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A job's start-up on a GPU, by phase: the engine's graph capture and warm-up are in the report, and the critical
 path adds up to the time from process start to "ready to generate".
 
-Run on the GPU machine:  python -m pytest tests/gpu/test_startup_gpu.py -q -s   (-s prints the phases)
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu/test_startup_gpu.py -q -s   (-s prints the phases)
 
 Also: a cold start-up's kernels compiled by worker processes (runtime/precompile.py).
 """

@@ -3,7 +3,7 @@ masked greedy argmax of bf16 logits (and is faster than masking a float32 copy),
 graphs (split decode and mixed steps: forward graph, then masked-sampler graph) gives the same tokens as eager and
 as the synchronous loop, every `stop` row valid, in float32 and in bf16.
 
-Run on the GPU machine:  python -m pytest tests/gpu -q
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 nothing more, whatever the steps vary: batch size, lengths, decode splits, block-table width, buffer offsets
 (metadata as views into packed buffers, as the engine's IO slots hold it), window and soft-cap values.
 
-Run on the GPU machine:  python -m pytest tests/gpu -q
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sliding windows and soft-capping in the compiled Triton attention kernels: bf16 and fp32 against a float64
 reference at real sizes, and a windowed decode at long context costing what its window reads, not its length.
 
-Run on the GPU machine:  python -m pytest tests/gpu -q -s   (-s shows the measured decode times)
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q -s   (-s shows the measured decode times)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """After the engine's start-up (KV sizing, graph capture, warm-up), a mixed run compiles no Triton kernel and
 makes no new device allocation: every kernel variant and every cached block it needs exists already.
 
-Run on the GPU machine:  python -m pytest tests/gpu -q
+Run on a machine with a CUDA GPU:  python -m pytest tests/gpu -q
 """
 
 from __future__ import annotations
