@@ -70,7 +70,7 @@ def test_a_ranks_error_read_first_is_not_replaced_by_its_own_exit(links):
 
 def test_a_rank_that_dies_while_a_peer_reports_the_failed_collective_is_the_cause(links):
     links.starting = False
-    add_rank(links, SAYS_WHY_AND_EXITS)
+    add_rank(links, SAYS_WHY_AND_EXITS).wait()  # its error is read first
     add_rank(links, EXITS).wait()
     with pytest.raises(EngineFailure, match=r"^tensor-parallel rank 1 \(pid \d+\) exited with status 3$"):
         links.receive(0, "stats")
