@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, Pipe
 from typing import Any, NoReturn
 
 from batchjob.engine.api import EngineFailure
+from batchjob.engine.native.executor.messages import RankSetup
 from batchjob.processes import popen_for_life
 
 log = logging.getLogger("batchjob.engine.native")
@@ -46,7 +47,7 @@ class RankLinks:
         # A signal raised while a message was half written or half read: the streams can no longer be trusted.
         self.torn = False
 
-    def start(self, rank: int, env: dict[str, str], setup: Any) -> None:
+    def start(self, rank: int, env: dict[str, str], setup: RankSetup) -> None:
         """Start rank `rank`'s process and send it `setup`."""
         ours, theirs = Pipe(duplex=True)
         command = [sys.executable, "-m", RANK_MODULE, str(theirs.fileno()), str(rank)]
