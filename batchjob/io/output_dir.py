@@ -6,6 +6,7 @@ up as extra or duplicate rows. One listing, and a name or two for each folder ab
 
 from __future__ import annotations
 
+from batchjob.io import manifest
 from batchjob.io.access import is_access_error
 from batchjob.io.layout import (
     BOOKKEEPING_SUFFIX,
@@ -13,6 +14,7 @@ from batchjob.io.layout import (
     MANIFESTS_DIR_NAME,
     OLD_LAYOUT_RE,
     PART_RE,
+    SHARD_DIR_RE,
     OutputDirError,
     bookkeeping_folder_message,
     enclosing_folders,
@@ -67,8 +69,8 @@ def _lost_its_parts(storage: Storage, folder: str) -> bool:
     try:
         if any(PART_RE.match(name) for name in storage.list_names(folder)):
             return False
-        shards = [name for name in storage.list_names(manifests) if name.endswith("/")]
-        return any(storage.list_names(storage.join(manifests, shard.rstrip("/"))) for shard in shards)
+        shards = [name for name in storage.list_dirs(manifests) if SHARD_DIR_RE.match(name)]
+        return any(manifest.recorded_names(storage, storage.join(manifests, shard)) for shard in shards)
     except Exception as err:
         if not is_access_error(err):
             raise
