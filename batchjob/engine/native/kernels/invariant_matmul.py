@@ -43,7 +43,7 @@ MAX_PARTS = 4
 GROUP_M = 8
 # A step serializes K's parts within each program from this many waves of programs of the split launch's tile: below
 # it (a decode step's few rows), splitting K is what fills the GPU. From one wave rather than four, W2 and W1 in
-# this mode ran 1.018x and 1.007x (docs/benchmarks.md).
+# this mode ran 1.018x and 1.007x; from half a wave rather than one, 1.012x and 0.980x (docs/benchmarks.md).
 SERIAL_WAVES = 1
 # The serial launch's tile, warps and pipeline stages. A larger tile reads each input and weight tile for more
 # outputs; an element's arithmetic (K's parts in order, each summed from its start) is meant not to change with it,

@@ -86,7 +86,8 @@ def fastest_buckets(seconds: dict[int, float]) -> tuple[int, ...]:
 
 
 # A decode step runs fewer of its rows only where that gives this share more tokens a second than running them all:
-# replay timings are noisy, and a row that sits a step out waits.
+# replay timings are noisy, and a row that sits a step out waits. At 25% W8 ran 0.934x; with no row sitting out W2
+# ran 1.01-1.03x and W4 1.000x (docs/benchmarks.md).
 SIT_OUT_GAIN = 0.05
 
 
