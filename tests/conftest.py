@@ -18,6 +18,13 @@ if not torch.cuda.is_available():
     # Triton kernels can only run interpreted here. Triton 3.6 reads this when it is first imported, and
     # transformers imports it early (through torch._dynamo), so it has to be set before any test module loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Its tl.dot without the machine's BLAS: a row's bits independent of the tile, as on a GPU (interpreted_dot.py).
+    from interpreted_dot import install
+
+    if not install():
+        import warnings
+
+        warnings.warn("interpreted_dot: no interpreter builder to patch; tl.dot runs on the BLAS", stacklevel=1)
 
 
 def pytest_configure(config: pytest.Config) -> None:
