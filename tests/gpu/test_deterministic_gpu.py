@@ -32,7 +32,7 @@ def test_every_row_of_the_invariant_matmul_is_the_same_bits_at_every_row_count(s
     x = torch.randn(2304, k, device="cuda", dtype=torch.bfloat16, generator=generator)
     whole = invariant_matmul.matmul(x, weight)  # a prefill chunk's rows: each program adds its tile's parts itself
     assert invariant_matmul.num_parts(weight) == 1 or invariant_matmul.serial(len(x), weight)
-    for rows in (1, 7, 32, 64, 129, 300, 513, 1025, 2049):  # split across programs below `serial`'s rows
+    for rows in (1, 7, 32, 64, 129, 256, 300, 384, 513, 1025, 2049):  # split across programs below `serial`'s rows
         assert torch.equal(invariant_matmul.matmul(x[:rows], weight), whole[:rows]), rows
     parts = invariant_matmul.partial_products(x[:33], weight)
     assert torch.equal(parts, invariant_matmul.partial_products(x, weight)[:, :33])

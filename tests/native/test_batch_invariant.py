@@ -87,6 +87,24 @@ def test_a_serial_step_too_small_for_its_own_tiles_takes_narrow_ones_with_the_sa
     assert torch.equal(invariant_matmul.matmul(x[:200], weight), whole[:200])
 
 
+def test_a_weight_of_one_part_takes_the_row_tile_that_pads_least_with_the_same_bits(monkeypatch):
+    """A one-part weight's serial launch takes 256-row tiles where they pad the rows no further than 128-row ones
+    (129-256, 385-512, ...) and 128-row tiles otherwise (257-384: three of 128, not two of 256): a row's bits are
+    the same in either."""
+    rows = (100, 128, 129, 256, 257, 300, 384, 385, 512, 513, 640, 768, 8192)
+    tiles = [invariant_matmul.one_part_block_m(r) for r in rows]
+    assert tiles == [128, 128, 256, 256, 128, 128, 128, 256, 256, 128, 128, 256, 256]
+    monkeypatch.setattr(invariant_matmul, "_sm_count", lambda device: 1)  # one part, serial at every row count
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 128, generator=generator)
+    x = torch.randn(520, 128, generator=generator)
+    assert invariant_matmul.num_parts(weight) == 1 and invariant_matmul.serial(1, weight)
+    whole = invariant_matmul.matmul(x, weight)  # 520 rows: five tiles of 128
+    for count in (129, 256, 300, 384, 385, 512):
+        assert torch.equal(invariant_matmul.matmul(x[:count], weight), whole[:count]), count
+    assert torch.allclose(whole, x @ weight.t(), atol=1e-4)
+
+
 @pytest.mark.parametrize("group_m", [1, 2, 8])
 def test_every_tile_is_computed_once_in_any_program_order(group_m, monkeypatch):
     """Row tiles walk down each column tile in groups (`GROUP_M`): a last group of fewer row tiles, and groups

@@ -59,7 +59,9 @@ SERIAL_STAGES = 4
 # column tiles and warps instead: twice the programs, each half the columns. 0: never.
 NARROW_BELOW_WAVES = 1
 # A weight whose K is one part keeps one float32 sum a thread, not two: its serial launch takes tiles of twice the
-# rows (fewer reads of each weight tile) where the step has rows for them.
+# rows (fewer reads of each weight tile) where they pad the step's rows no further than `SERIAL_BLOCK_M`'s do: 129
+# to 256 rows and 385 to 512 in one and two such tiles, but 257 to 384 in three of 128 rows, not two of 256 (272 rows
+# in 512 rows' products made the 1B's decode step at 272 rows take 1.8x the time of 256).
 ONE_PART_BLOCK_M = 256
 ONE_PART_STAGES = 3
 # Tiles loaded by the GPU's tensor memory accelerator (Hopper and later) rather than by each thread's addresses, where
@@ -199,6 +201,15 @@ def num_parts(weight: torch.Tensor) -> int:
     return triton.cdiv(k, _k_per_part(k, max(parts, 1)))
 
 
+def one_part_block_m(rows: int) -> int:
+    """The serial launch's row tile for a weight whose K is one part: `ONE_PART_BLOCK_M` where its tiles pad `rows`
+    no further than `SERIAL_BLOCK_M`'s, else `SERIAL_BLOCK_M`. Either tile gives a row the same bits."""
+    wide, narrow = ONE_PART_BLOCK_M, SERIAL_BLOCK_M
+    if rows > narrow and triton.cdiv(rows, wide) * wide <= triton.cdiv(rows, narrow) * narrow:
+        return wide
+    return narrow
+
+
 def _k_per_part(k: int, parts: int) -> int:
     return triton.cdiv(triton.cdiv(k, parts), BLOCK_K) * BLOCK_K
 
@@ -239,7 +250,7 @@ def _launch(
         block_m, block_n, block_k, warps, stages = (
             SERIAL_BLOCK_M, SERIAL_BLOCK_N, SERIAL_BLOCK_K, SERIAL_WARPS, SERIAL_STAGES
         )  # fmt: skip
-        if serial_parts == 1 and m >= ONE_PART_BLOCK_M:
+        if serial_parts == 1 and one_part_block_m(m) == ONE_PART_BLOCK_M:
             block_m, stages = ONE_PART_BLOCK_M, ONE_PART_STAGES
         elif triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < NARROW_BELOW_WAVES * _sm_count(x.device):
             block_n, warps = BLOCK_N, 4
