@@ -6,7 +6,8 @@
 
 For each projection (qkv, o, gate_up, down, lm_head) and row count it prints cuBLAS's time, the invariant
 matmul's as the engine runs it, and each variant asked for: `--serial-waves W` (a step computes K's parts
-within each program from W waves of programs), `--parts P` (K split into at most P parts) and `--group-m G` (G row
+within each program from W waves of programs; `--multi-tile-waves W` the same for steps of more than one row
+tile), `--parts P` (K split into at most P parts) and `--group-m G` (G row
 tiles walked together down each column tile: program order, the same bits), `--serial-block-n` and
 `--serial-warps` (the serial launch's column tile and warps), `--tma 0` (tiles loaded by address rather than
 by the tensor memory accelerator), `--narrow 0` (the serial launch in its own tiles even where they are fewer
@@ -56,6 +57,7 @@ def call_ms(run, x, weights: list) -> float:
 
 KNOBS = (
     "SERIAL_WAVES",
+    "MULTI_TILE_SERIAL_WAVES",
     "MAX_PARTS",
     "GROUP_M",
     "SERIAL_BLOCK_M",
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--architecture", default="llama-3.2-1b", choices=sorted(ARCHITECTURES))
     parser.add_argument("--rows", default="32,128,256,512,1024,2048,8192")
     parser.add_argument("--serial-waves", default="", help="comma-separated SERIAL_WAVES to try besides the engine's")
+    parser.add_argument("--multi-tile-waves", default="", help="comma-separated MULTI_TILE_SERIAL_WAVES to try")
     parser.add_argument("--parts", default="", help="comma-separated MAX_PARTS to try besides the engine's")
     parser.add_argument("--group-m", default="", help="comma-separated GROUP_M to try besides the engine's")
     parser.add_argument("--serial-block-n", default="", help="comma-separated SERIAL_BLOCK_N to try")
@@ -134,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     block = f"{im.BLOCK_M}x{im.BLOCK_N}x{im.BLOCK_K}"
     print(
-        f"engine: SERIAL_WAVES={im.SERIAL_WAVES}, MAX_PARTS={im.MAX_PARTS}, GROUP_M={im.GROUP_M}, tiles {block}, "
+        f"engine: SERIAL_WAVES={im.SERIAL_WAVES} ({im.MULTI_TILE_SERIAL_WAVES} from two row tiles), "
+        f"MAX_PARTS={im.MAX_PARTS}, GROUP_M={im.GROUP_M}, tiles {block}, "
         f"TMA_LOADS={im.TMA_LOADS}"
     )
     asked = {
         "waves": ("SERIAL_WAVES", args.serial_waves),
+        "tile_waves": ("MULTI_TILE_SERIAL_WAVES", args.multi_tile_waves),
         "parts": ("MAX_PARTS", args.parts),
         "group": ("GROUP_M", args.group_m),
         "sn": ("SERIAL_BLOCK_N", args.serial_block_n),
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs = {"engine": variant()}
     for label, (knob, values) in asked.items():
-        number = float if knob == "SERIAL_WAVES" else int  # a fraction of a wave is a row count too
+        number = float if "WAVES" in knob else int  # a fraction of a wave is a row count too
         runs |= {f"{label}={v}": variant(**{knob: number(v)}) for v in filter(None, values.split(","))}
     runs |= {v: variant(**serial_tile(v)) for v in filter(None, args.serial_tiles.split(","))}
     shapes = projections(args.architecture)

@@ -72,6 +72,25 @@ def test_rows_that_fill_the_gpu_take_every_part_in_one_program_with_the_same_bit
     assert torch.allclose(whole, x @ weight.t() + bias, atol=1e-4)
 
 
+def test_a_step_of_more_than_one_row_tile_serializes_from_half_a_wave_with_the_same_bits(monkeypatch):
+    """One row tile splits K across programs until a whole wave (`SERIAL_WAVES`); from two row tiles, half a
+    wave of programs serializes (`MULTI_TILE_SERIAL_WAVES`): the same bits on either side."""
+    monkeypatch.setattr(invariant_matmul, "_sm_count", lambda device: 4)
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(64, 320, generator=generator)  # one column tile: a program a row tile
+    x = torch.randn(300, 320, generator=generator)
+    assert invariant_matmul.num_parts(weight) > 1
+    assert not invariant_matmul.serial(128, weight)  # 1 program of 4 multiprocessors
+    assert invariant_matmul.serial(129, weight)  # 2 programs: half a wave
+    whole = invariant_matmul.matmul(x, weight)
+    split = invariant_matmul.reduce_parts(invariant_matmul.partial_products(x, weight), None, x.dtype)
+    assert torch.equal(whole, split)
+    for rows in (1, 128, 129, 256, 257):
+        assert torch.equal(invariant_matmul.matmul(x[:rows], weight), whole[:rows]), rows
+    monkeypatch.setattr(invariant_matmul, "MULTI_TILE_SERIAL_WAVES", 1)
+    assert not invariant_matmul.serial(384, weight) and invariant_matmul.serial(385, weight)
+
+
 def test_a_serial_step_too_small_for_its_own_tiles_takes_narrow_ones_with_the_same_bits(monkeypatch):
     """Rows that make a wave of the split launch's programs but not of the serial launch's wider tiles
     (`NARROW_BELOW_WAVES`) run serial in the split launch's column tiles: the same bits either way."""

@@ -45,6 +45,12 @@ GROUP_M = 8
 # it (a decode step's few rows), splitting K is what fills the GPU. From one wave rather than four, W2 and W1 in
 # this mode ran 1.018x and 1.007x; from half a wave rather than one, 1.012x and 0.980x (docs/benchmarks.md).
 SERIAL_WAVES = 1
+# From two row tiles on, from half a wave. Over the multi-part projections of the 1B and the 8B at 16-512 rows on
+# one H100, each call timed in a CUDA graph: at one row tile split was faster at every count; at more, serial where
+# its programs made half a wave was faster or within 0.005 ms (the 1B's qkv at 256 rows 0.012 against 0.017 ms, o at
+# 512 0.013 against 0.020; the 8B's down at 160 0.130 against 0.125), and split below half a wave (the 1B's down at
+# 256 rows 0.025 against 0.040). scripts/dev/matmul_shapes.py --multi-tile-waves; docs/benchmarks.md.
+MULTI_TILE_SERIAL_WAVES = 0.5
 # The serial launch's tile, warps and pipeline stages. A larger tile reads each input and weight tile for more
 # outputs; an element's arithmetic (K's parts in order, each summed from its start) is meant not to change with it,
 # but whether the GPU's MMA instructions of another shape and K step round alike is measured
@@ -217,10 +223,11 @@ def _k_per_part(k: int, parts: int) -> int:
 def serial(rows: int, weight: torch.Tensor) -> bool:
     """Whether `rows` rows of `weight`'s product fill `SERIAL_WAVES` waves of programs of the split launch's tile
     without splitting K, so that each program computes its tile's parts itself (the same bits as split, without the
-    parts' float32 round trip). Counted in the split launch's tiles, so the serial launch's own tile changes how
-    fast a step runs, never which launch it takes."""
-    programs = triton.cdiv(rows, BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N)
-    return programs >= SERIAL_WAVES * _sm_count(weight.device)
+    parts' float32 round trip); from two row tiles, `MULTI_TILE_SERIAL_WAVES`. Counted in the split launch's tiles, so
+    the serial launch's own tile changes how fast a step runs, never which launch it takes."""
+    row_tiles = triton.cdiv(rows, BLOCK_M)
+    waves = SERIAL_WAVES if row_tiles == 1 else MULTI_TILE_SERIAL_WAVES
+    return row_tiles * triton.cdiv(weight.shape[0], BLOCK_N) >= waves * _sm_count(weight.device)
 
 
 def partial_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
