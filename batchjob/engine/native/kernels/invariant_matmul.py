@@ -67,7 +67,7 @@ NARROW_BELOW_WAVES = 1
 # A weight whose K is one part keeps one float32 sum a thread, not two: its serial launch takes tiles of twice the
 # rows (fewer reads of each weight tile) where they pad the step's rows no further than `SERIAL_BLOCK_M`'s do: 129
 # to 256 rows and 385 to 512 in one and two such tiles, but 257 to 384 in three of 128 rows, not two of 256, which
-# computed 272 rows in as many products as 512 (the 1B's decode graph at 384 rows 2.97 ms against 3.32 in two).
+# computed 272 rows in as many products as 512 (the 1B's decode graph at 384 rows 2.88 ms against 3.30 in two).
 ONE_PART_BLOCK_M = 256
 ONE_PART_STAGES = 3
 # Tiles loaded by the GPU's tensor memory accelerator (Hopper and later) rather than by each thread's addresses, where
