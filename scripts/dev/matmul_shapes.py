@@ -10,7 +10,8 @@ within each program from W waves of programs; `--multi-tile-waves W` the same fo
 tile), `--parts P` (K split into at most P parts) and `--group-m G` (G row
 tiles walked together down each column tile: program order, the same bits), `--serial-block-n` and
 `--serial-warps` (the serial launch's column tile and warps), `--tma 0` (tiles loaded by address rather than
-by the tensor memory accelerator), `--narrow 0` (the serial launch in its own tiles even where they are fewer
+by the tensor memory accelerator), `--shift 0` (a last row tile of fewer rows read past the input's end rather
+than from the step's last rows), `--narrow 0` (the serial launch in its own tiles even where they are fewer
 than a wave of programs), and `--serial-tiles MxNxKwWsS[@W]` (the serial
 launch's whole shape: tile, K step, warps, pipeline stages; with @W, from W waves). A variant marked ! computed
 16 of the step's rows otherwise than it computes them in a step of those rows alone. A time is a call's share of a
@@ -69,6 +70,7 @@ KNOBS = (
     "ONE_PART_BLOCK_M",
     "ONE_PART_STAGES",
     "TMA_LOADS",
+    "SHIFT_LAST_ROW_TILE",
 )
 
 
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serial-tiles", default="", help="comma-separated serial launch shapes, MxNxKwWsS")
     parser.add_argument("--narrow", default="", help="comma-separated NARROW_BELOW_WAVES to try (0: never)")
     parser.add_argument("--tma", default="", help="comma-separated TMA_LOADS to try (0: tiles loaded by address)")
+    parser.add_argument("--shift", default="", help="comma-separated SHIFT_LAST_ROW_TILE to try (0: past the end)")
     parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
     args = parser.parse_args(argv)
 
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "sn": ("SERIAL_BLOCK_N", args.serial_block_n),
         "sw": ("SERIAL_WARPS", args.serial_warps),
         "tma": ("TMA_LOADS", args.tma),
+        "shift": ("SHIFT_LAST_ROW_TILE", args.shift),
         "narrow": ("NARROW_BELOW_WAVES", args.narrow),
     }
     runs = {"engine": variant()}

@@ -124,6 +124,25 @@ def test_a_weight_of_one_part_takes_the_row_tile_that_pads_least_with_the_same_b
     assert torch.allclose(whole, x @ weight.t(), atol=1e-4)
 
 
+@pytest.mark.parametrize("sms", [1, 64], ids=["serial", "split"])
+def test_a_last_row_tile_from_the_steps_last_rows_stores_each_row_once_with_the_same_bits(sms, monkeypatch):
+    """A step whose rows end inside a row tile computes that tile from its last `BLOCK_M` rows, some of which the
+    tile before also computes, and stores only its own (`SHIFT_LAST_ROW_TILE`): every row is written, with the bits
+    of a launch whose last tile reads past the input's end, in a serial launch and in a split one."""
+    monkeypatch.setattr(invariant_matmul, "_sm_count", lambda device: sms)
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(64, 320, generator=generator)
+    x = torch.randn(300, 320, generator=generator)
+    assert invariant_matmul.serial(300, weight) == (sms == 1)
+    reference = x @ weight.t()
+    for rows in (129, 200, 300):
+        monkeypatch.setattr(invariant_matmul, "SHIFT_LAST_ROW_TILE", True)
+        shifted = invariant_matmul.matmul(x[:rows], weight)
+        monkeypatch.setattr(invariant_matmul, "SHIFT_LAST_ROW_TILE", False)
+        assert torch.equal(shifted, invariant_matmul.matmul(x[:rows], weight)), rows
+        assert torch.allclose(shifted, reference[:rows], atol=1e-4), rows
+
+
 @pytest.mark.parametrize("group_m", [1, 2, 8])
 def test_every_tile_is_computed_once_in_any_program_order(group_m, monkeypatch):
     """Row tiles walk down each column tile in groups (`GROUP_M`): a last group of fewer row tiles, and groups

@@ -74,6 +74,12 @@ ONE_PART_STAGES = 3
 # the step has more than one row tile and the tensors allow (`_tma`): the same tiles, the same products. With one row
 # tile a launch streams the weight, and loads by address measured faster there.
 TMA_LOADS = True
+# A step whose rows are not a whole number of row tiles computes its last tile from the step's last `BLOCK_M` rows
+# (some of them the tile before's too, stored once), so no tile reads past the input's end; a row's bits do not
+# depend on where in a tile it sits. A TMA load of a tile partly past the end took longer than a whole one: the 1B's
+# lm_head at 272 rows 0.512 ms, shifted 0.419 (384 rows: 0.391), down 0.049 / 0.040, its decode graph at 272 rows
+# 3.34 / 2.76 ms, on one H100 (scripts/dev/matmul_shapes.py; docs/benchmarks.md).
+SHIFT_LAST_ROW_TILE = True
 
 
 @triton.jit
@@ -131,6 +137,7 @@ def _parts_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    SHIFT_LAST: tl.constexpr,
 ):
     """Grid (tiles, parts): program (t, p) writes part p of tile t, the tiles ordered in groups of GROUP_M row
     tiles down each column tile. With SERIAL_PARTS > 1 the grid has one part and each program computes all of them
@@ -146,16 +153,20 @@ def _parts_kernel(
     pid_n = within // group_rows
     part = tl.program_id(1)
     row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    # The last row tile computes the step's last BLOCK_M rows and stores those past the tile before it (`SHIFT_LAST`).
+    load_row0 = row0
+    if SHIFT_LAST:
+        load_row0 = tl.maximum(tl.minimum(row0, m - BLOCK_M), 0)
     # Part 0's sum starts from zero as the split launch's does (0 + x is x: a sum that starts at +0 is never -0).
     # Flattened into one loop over every part's K steps, pipelined across the parts' boundaries.
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for p in tl.range(0, SERIAL_PARTS, flatten=True):
         acc += _part_product(
-            a, b, row0, col0, m, n, k, (part + p) * k_per_part, k_per_part, stride_am, stride_bn,
+            a, b, load_row0, col0, m, n, k, (part + p) * k_per_part, k_per_part, stride_am, stride_bn,
             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
         )  # fmt: skip
-    rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < m, cols < n
+    rows, cols = load_row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = (rows >= row0) & (rows < m), cols < n
     if HAS_BIAS:  # one part only, or all of them
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + part * stride_cp + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
@@ -274,7 +285,7 @@ def _launch(
         a, b, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(1), k_per_part, HAS_BIAS=bias is not None, SERIAL_PARTS=serial_parts, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, DOT_PRECISION=dot_precision(x.dtype), TMA=tma,
-        num_warps=warps, num_stages=stages,
+        SHIFT_LAST=SHIFT_LAST_ROW_TILE, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
