@@ -13,9 +13,7 @@ tiles walked together down each column tile: program order, the same bits), `--s
 by the tensor memory accelerator), `--shift 0` (a last row tile of fewer rows read past the input's end rather
 than from the step's last rows), `--narrow 0` (the serial launch in its own tiles even where they are fewer
 than a wave of programs), and `--serial-tiles MxNxKwWsS[@W]` (the serial
-launch's whole shape: tile, K step, warps, pipeline stages; with @W, from W waves). `--swiglu` adds the gate/up
-projection followed by its SwiGLU: cuBLAS then the SwiGLU kernel, the invariant matmul then that kernel, and the
-invariant matmul with SwiGLU in its own launch (`matmul_silu`, as the engine runs it). A variant marked ! computed
+launch's whole shape: tile, K step, warps, pipeline stages; with @W, from W waves). A variant marked ! computed
 16 of the step's rows otherwise than it computes them in a step of those rows alone. A time is a call's share of a
 CUDA graph of 24 calls (median of 20 replays), each call reading another copy of the weight than the call before,
 so neither the launch from Python nor the L2 cache counts (a decode step's graph replays its launches alike); the
@@ -132,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tma", default="", help="comma-separated TMA_LOADS to try (0: tiles loaded by address)")
     parser.add_argument("--shift", default="", help="comma-separated SHIFT_LAST_ROW_TILE to try (0: past the end)")
     parser.add_argument("--only", default="", help="comma-separated projections (default: all)")
-    parser.add_argument("--swiglu", action="store_true", help="also gate/up with its SwiGLU, fused and not")
     args = parser.parse_args(argv)
 
     import torch
@@ -188,32 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:8} {n:>6} x {k:<6} {rows:>5} {floor:7.3f} {blas:7.3f} {cells}  ({mode} as the engine)")
     print("sum ms: " + ", ".join(f"{label} {ms:.2f}" for label, ms in total.items()))
     print("cuBLAS / each: " + ", ".join(f"{label} {total['cuBLAS'] / total[label]:.3f}" for label in runs))
-    if args.swiglu:
-        swiglu(shapes["gate_up"], [int(r) for r in args.rows.split(",")])
     return 0
-
-
-def swiglu(shape: tuple[int, int], rows: list[int]) -> None:
-    """gate/up then SwiGLU, ms a call: after cuBLAS, after the invariant matmul, and in its launch (`matmul_silu`)."""
-    import torch
-
-    from batchjob.engine.native.kernels import fused_ops
-    from batchjob.engine.native.kernels import invariant_matmul as im
-
-    n, k = shape
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    weights = copies_beyond_l2(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator) / k**0.5)
-    calls = {
-        "cuBLAS+swiglu": lambda x, w: fused_ops.silu_and_mul(x @ w.T),
-        "engine+swiglu": lambda x, w: fused_ops.silu_and_mul(im.matmul(x, w)),
-        "in-launch": im.matmul_silu,
-    }
-    print(f"gate_up {n} x {k} with SwiGLU: " + " ".join(f"{label:>14}" for label in calls))
-    for count in rows:
-        x = torch.randn(count, k, device="cuda", dtype=torch.bfloat16, generator=generator)
-        same = torch.equal(calls["engine+swiglu"](x, weights[0]), im.matmul_silu(x, weights[0]))
-        times = " ".join(f"{call_ms(call, x, weights):14.3f}" for call in calls.values())
-        print(f"  {count:>5} rows {times}{'' if same else '  (in-launch bits differ!)'}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from batchjob.engine import Request, SamplingParams, create_engine  # noqa: E402
-from batchjob.engine.native.kernels import fused_ops, invariant_matmul  # noqa: E402
+from batchjob.engine.native.kernels import invariant_matmul  # noqa: E402
 from batchjob.job.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -47,30 +47,12 @@ def test_every_row_of_the_invariant_matmul_is_the_same_bits_at_every_row_count(s
     assert ((whole.float() - expected).norm() / expected.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("shape", [(16384, 2048), (28672, 4096), (2048, 4096)], ids=["1b", "8b", "parts"])
-def test_a_gate_up_projection_with_swiglu_in_its_launch_is_the_product_then_swiglu_at_every_row_count(shape):
-    """`matmul_silu`: the 1B's and the 8B's gate/up (K in one part; 128- and 256-row tiles, TMA from two row tiles)
-    and a weight whose K is split (split below `serial`'s rows, serial in narrow tiles above): the bits of the
-    product, with its bias, then the SwiGLU kernel."""
-    n, k = shape
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator) / k**0.5
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=generator)
-    x = torch.randn(2304, k, device="cuda", dtype=torch.bfloat16, generator=generator)
-    whole = invariant_matmul.matmul_silu(x, weight, bias)
-    assert torch.equal(whole, fused_ops.silu_and_mul(invariant_matmul.matmul(x, weight, bias)))
-    for rows in (1, 7, 64, 129, 256, 272, 300, 384, 513, 1025):
-        assert torch.equal(invariant_matmul.matmul_silu(x[:rows], weight, bias), whole[:rows]), rows
-        assert torch.equal(whole[:rows], fused_ops.silu_and_mul(invariant_matmul.matmul(x[:rows], weight, bias))), rows
-
-
 def test_the_matmul_profiler_times_the_engine_beside_cublas_and_the_variants_asked_for():
     import subprocess
     import sys
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "matmul_shapes.py"
     args = ["--only", "o,down", "--rows", "32,8192", "--serial-waves", "1", "--parts", "2", "--group-m", "1"]
-    args.append("--swiglu")
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("o ", "down "))]
@@ -81,9 +63,6 @@ def test_the_matmul_profiler_times_the_engine_beside_cublas_and_the_variants_ask
         assert all(t >= 0.5 * floor for t in times), row  # nothing beats the roofline by 2x
         assert not any(cell.endswith("!") for cell in row[7:11]), row  # each keeps a row's bits
     assert "cuBLAS / each: engine " in done.stdout
-    swiglu = [line.split() for line in done.stdout.splitlines() if line.split()[1:2] == ["rows"]]
-    assert [row[0] for row in swiglu] == ["32", "8192"], done.stdout  # gate/up then SwiGLU, three ways
-    assert all(len(row) == 5 for row in swiglu), swiglu  # and no "in-launch bits differ"
 
 
 def _requests(vocab: int, count: int = 24) -> list[Request]:

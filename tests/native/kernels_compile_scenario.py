@@ -205,15 +205,6 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         "invariant matmul, serial, K in one part (Llama-3.2-1B's gate_up)": lambda: invariant_matmul.matmul(
             torch.randn(2304, 2048, dtype=bf16), torch.randn(16384, 2048, dtype=bf16)
         ),
-        "invariant matmul with SwiGLU, K in one part, one row tile (a decode step of Llama-3.2-1B's gate_up)": lambda: (
-            invariant_matmul.matmul_silu(torch.randn(100, 2048, dtype=bf16), torch.randn(16384, 2048, dtype=bf16))
-        ),
-        "invariant matmul with SwiGLU, K in one part, 256-row tiles": lambda: invariant_matmul.matmul_silu(
-            torch.randn(2304, 2048, dtype=bf16), torch.randn(16384, 2048, dtype=bf16)
-        ),
-        "invariant matmul with SwiGLU, serial in narrow tiles, K in four parts": lambda: invariant_matmul.matmul_silu(
-            torch.randn(300, 4096, dtype=bf16), torch.randn(2048, 4096, dtype=bf16)
-        ),
         "invariant matmul, K split, two row tiles loaded by address": pointer_loads(
             lambda: invariant_matmul.matmul(torch.randn(200, 2048, dtype=bf16), torch.randn(3072, 2048, dtype=bf16))
         ),

@@ -17,15 +17,12 @@ import importlib  # noqa: E402
 from attention_cases import random_paged_step  # noqa: E402
 from interpreted_attention import TritonPagedAttention  # noqa: E402
 
-from batchjob.engine.native.kernels import fused_ops, invariant_matmul  # noqa: E402
+from batchjob.engine.native.kernels import invariant_matmul  # noqa: E402
 from batchjob.engine.native.layers import batch_invariant  # noqa: E402
 from batchjob.engine.native.layers.attention import TorchPagedAttention, make_metadata  # noqa: E402
 
-_interpreted = importlib.import_module("triton.runtime.interpreter").InterpretedFunction
-if not isinstance(fused_ops._silu_and_mul_kernel, _interpreted):
-    fused_ops = importlib.reload(fused_ops)  # first: the matmul's gate/up launch takes its SwiGLU from it
-if not isinstance(invariant_matmul._parts_kernel, _interpreted) or invariant_matmul.silu_and_mul is not (
-    fused_ops.silu_and_mul
+if not isinstance(
+    invariant_matmul._parts_kernel, importlib.import_module("triton.runtime.interpreter").InterpretedFunction
 ):
     invariant_matmul = importlib.reload(invariant_matmul)
 
@@ -144,37 +141,6 @@ def test_a_last_row_tile_from_the_steps_last_rows_stores_each_row_once_with_the_
         monkeypatch.setattr(invariant_matmul, "SHIFT_LAST_ROW_TILE", False)
         assert torch.equal(shifted, invariant_matmul.matmul(x[:rows], weight)), rows
         assert torch.allclose(shifted, reference[:rows], atol=1e-4), rows
-
-
-@pytest.mark.parametrize(
-    ("sms", "n", "k", "parts", "serial_from"),
-    [(1, 144, 320, 1, 1), (1, 640, 128, 1, 1), (4, 144, 320, 2, 129), (64, 144, 320, 3, None)],
-    ids=["one-part", "one-part-wide", "parts-split-then-serial", "parts-split"],
-)
-def test_a_gate_up_projection_takes_swiglu_in_its_launch_with_the_bits_of_the_product_then_swiglu(
-    sms, n, k, parts, serial_from, monkeypatch
-):
-    """`matmul_silu` writes SiLU(gate) * up from the matmul's own programs (a tile of both halves' columns each, here
-    72 or 320 wide, so the last tile is partly past the half's end) where one launch computes the product, and after
-    `reduce_parts` where K is split: at every row count the bits of the product, in fp16 with its bias, followed by
-    the SwiGLU kernel (fp16: the interpreter's bf16 products are not bf16's)."""
-    monkeypatch.setattr(invariant_matmul, "_sm_count", lambda device: sms)
-    generator = torch.Generator().manual_seed(8)
-    weight = (torch.randn(n, k, generator=generator) / 8).half()
-    bias = torch.randn(n, generator=generator).half()
-    x = torch.randn(300, k, generator=generator).half()
-    assert invariant_matmul.num_parts(weight) == parts
-    assert [invariant_matmul.serial(rows, weight) for rows in (1, 128, 129)] == [
-        serial_from is not None and rows >= serial_from for rows in (1, 128, 129)
-    ]
-    whole = invariant_matmul.matmul_silu(x, weight, bias)
-    assert whole.shape == (300, n // 2) and whole.dtype == torch.float16
-    for rows in (1, 100, 128, 129, 200, 300):
-        product = invariant_matmul.matmul(x[:rows], weight, bias)
-        assert torch.equal(invariant_matmul.matmul_silu(x[:rows], weight, bias), fused_ops.silu_and_mul(product)), rows
-        assert torch.equal(whole[:rows], fused_ops.silu_and_mul(product)), rows
-    gate, up = (x.float() @ weight.float().t() + bias.float()).chunk(2, dim=-1)
-    assert torch.allclose(whole.float(), torch.nn.functional.silu(gate) * up, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("group_m", [1, 2, 8])

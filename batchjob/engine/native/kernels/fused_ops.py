@@ -255,20 +255,14 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> No
 
 
 @triton.jit
-def silu_times(gate, up):
-    """SiLU(gate) * up of tiles in the model dtype, in it: the SiLU rounded to it, then the product (as torch's
-    ops on such tensors round). `invariant_matmul`'s gate/up launch ends with it too."""
-    dtype = gate.dtype
-    gate = gate.to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def _silu_mul(x_ptr, n_cols, cols, mask):
     """SiLU(gate) * up of one row's `cols`, in the model dtype (gate and up: the row's two halves at `x_ptr`)."""
     gate = tl.load(x_ptr + cols, mask=mask, other=0.0)
-    return silu_times(gate, tl.load(x_ptr + n_cols + cols, mask=mask, other=0.0))
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    up = tl.load(x_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
 
 
 @triton.jit

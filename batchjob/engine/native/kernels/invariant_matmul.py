@@ -32,7 +32,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from batchjob.engine.native.kernels.attention_tile import dot_precision
-from batchjob.engine.native.kernels.fused_ops import silu_and_mul, silu_times
 
 BLOCK_M = 128
 BLOCK_N = 64
@@ -85,28 +84,24 @@ SHIFT_LAST_ROW_TILE = True
 
 @triton.jit
 def _part_product(
-    a, b, row0, col0, up0, m, n, k, k_lo, k_per_part, stride_am, stride_bn,
+    a, b, row0, col0, m, n, k, k_lo, k_per_part, stride_am, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, GATED: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """The float32 product of the tile's rows from row0 and columns from col0 over K in [k_lo, k_lo + k_per_part),
     BLOCK_K at a time from k_lo, columns at or beyond `k` read as zeros (a last part shorter than the others takes
     as many steps, its last adding zeros: the sum's bits are the same), so that the loop's bounds are the same for
     every part and the serial launch's loop over parts flattens (the module's docstring). With TMA, `a` and `b` are
     the input's and the weight's descriptors: a tile's rows or columns beyond the tensor read as zeros (`_launch`
-    takes descriptors only where K's parts are whole K steps). `GATED`: also the product of the columns from up0
-    (a gate/up projection's up half), from the same input tiles; returned second (zeros otherwise)."""
-    rows, cols, up_cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N), up0 + tl.arange(0, BLOCK_N)
-    row_mask, col_mask, up_mask = rows < m, cols < n, up_cols < n
+    takes descriptors only where K's parts are whole K steps)."""
+    rows, cols = row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, k_per_part, BLOCK_K):
         k0 = k_lo + step
         if TMA:
             a_tile = a.load([row0, k0])
             b_tile = b.load([col0, k0]).T
-            if GATED:
-                up_tile = b.load([up0, k0]).T
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < k
@@ -116,16 +111,8 @@ def _part_product(
             b_tile = tl.load(
                 b + cols[None, :].to(tl.int64) * stride_bn + ks[:, None], col_mask[None, :] & k_mask[:, None], other=0.0
             )
-            if GATED:
-                up_tile = tl.load(
-                    b + up_cols[None, :].to(tl.int64) * stride_bn + ks[:, None],
-                    up_mask[None, :] & k_mask[:, None],
-                    other=0.0,
-                )
         acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            acc_up = tl.dot(a_tile, up_tile, acc_up, input_precision=DOT_PRECISION)
-    return acc, acc_up
+    return acc
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -142,7 +129,6 @@ def _parts_kernel(
     stride_cp,
     stride_cm,
     k_per_part,
-    half,
     HAS_BIAS: tl.constexpr,
     SERIAL_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -152,16 +138,12 @@ def _parts_kernel(
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     SHIFT_LAST: tl.constexpr,
-    GATED: tl.constexpr,
 ):
     """Grid (tiles, parts): program (t, p) writes part p of tile t, the tiles ordered in groups of GROUP_M row
     tiles down each column tile. With SERIAL_PARTS > 1 the grid has one part and each program computes all of them
     and adds them in order, as `_reduce_kernel` would. `a` and `b` are the input and the weight: pointers, or with
-    TMA descriptors of their tiles. `GATED` (one part, or all of them): the weight is a gate/up projection whose up
-    half starts at row `half`; a program computes a tile of both halves' columns and stores SiLU(gate) * up, rounded
-    as `fused_ops.silu_and_mul` rounds the product's halves (the same bits as the product, then that kernel)."""
-    n_out = half if GATED else n
-    row_tiles, col_tiles = tl.cdiv(m, BLOCK_M), tl.cdiv(n_out, BLOCK_N)
+    TMA descriptors of their tiles."""
+    row_tiles, col_tiles = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
     tile = tl.program_id(0)
     group = tile // (GROUP_M * col_tiles)
     first_row_tile = group * GROUP_M
@@ -178,26 +160,17 @@ def _parts_kernel(
     # Part 0's sum starts from zero as the split launch's does (0 + x is x: a sum that starts at +0 is never -0).
     # Flattened into one loop over every part's K steps, pipelined across the parts' boundaries.
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for p in tl.range(0, SERIAL_PARTS, flatten=True):
-        gate, up = _part_product(
-            a, b, load_row0, col0, half + col0, m, n, k, (part + p) * k_per_part, k_per_part, stride_am, stride_bn,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, GATED,
+        acc += _part_product(
+            a, b, load_row0, col0, m, n, k, (part + p) * k_per_part, k_per_part, stride_am, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
         )  # fmt: skip
-        acc += gate
-        if GATED:
-            acc_up += up
     rows, cols = load_row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = (rows >= row0) & (rows < m), cols < n_out
+    row_mask, col_mask = (rows >= row0) & (rows < m), cols < n
     if HAS_BIAS:  # one part only, or all of them
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(bias_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(c_ptr.dtype.element_ty)
-    if GATED:
-        out = silu_times(out, acc_up.to(c_ptr.dtype.element_ty))
     c = c_ptr + part * stride_cp + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-    tl.store(c, out, row_mask[:, None] & col_mask[None, :])
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -281,16 +254,14 @@ def _launch(
     out: torch.Tensor,
     serial_parts: int = 1,
     serial_tile: bool = False,
-    gated: bool = False,
 ) -> torch.Tensor:
     """Fill `out` [parts, rows, N] (float32, or x's dtype for one part, which then adds `bias`); with
     `serial_parts`, `out` [1, rows, N] gets that many parts added in order, then `bias`. `serial_tile`: in the
     serial launch's tiles, warps and stages (`SERIAL_*`, `ONE_PART_*` for K in one part, `NARROW_BELOW_WAVES` for
-    rows too few to fill the GPU with them). `gated`: `out` [1, rows, N / 2] gets SiLU(gate) * up of the product's
-    halves, each program a tile of half the columns of both (the same programs, registers and loads as without)."""
+    rows too few to fill the GPU with them)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    parts, m, _ = out.shape
-    n, k = weight.shape
+    parts, m, n = out.shape
+    k = x.shape[1]
     if m == 0:
         return out
     if serial_tile:
@@ -304,9 +275,7 @@ def _launch(
     else:
         block_m, block_n, block_k, warps, stages = BLOCK_M, BLOCK_N, BLOCK_K, 4, 4
     stages = stages if x.element_size() <= 2 else 2
-    if gated:
-        block_n //= 2
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(out.shape[2], block_n), parts)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), parts)
     k_per_part = _k_per_part(k, max(parts, serial_parts))
     a, b, tma = x, weight, _tma(x, weight, block_m, block_k, k_per_part)
     if tma:
@@ -314,9 +283,9 @@ def _launch(
         b = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
     _parts_kernel[grid](
         a, b, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        out.stride(1), k_per_part, n // 2 if gated else 0, HAS_BIAS=bias is not None, SERIAL_PARTS=serial_parts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, DOT_PRECISION=dot_precision(x.dtype),
-        TMA=tma, SHIFT_LAST=SHIFT_LAST_ROW_TILE, GATED=gated, num_warps=warps, num_stages=stages,
+        out.stride(1), k_per_part, HAS_BIAS=bias is not None, SERIAL_PARTS=serial_parts, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, DOT_PRECISION=dot_precision(x.dtype), TMA=tma,
+        SHIFT_LAST=SHIFT_LAST_ROW_TILE, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -341,14 +310,3 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.empty((1, x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         return _launch(x, weight, bias, out, serial_parts=parts, serial_tile=wide)[0]
     return reduce_parts(partial_products(x, weight), bias, x.dtype)
-
-
-def matmul_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU(gate) * up of a gate/up projection's product `matmul(x, weight, bias)` (gate the first half of its
-    columns), with the bits of that product then `fused_ops.silu_and_mul`: where one launch computes the product
-    (K in one part, or serial), in it, without writing the product; where K is split, after `reduce_parts`."""
-    parts, wide = num_parts(weight), serial(x.shape[0], weight)
-    if parts > 1 and not wide:
-        return silu_and_mul(matmul(x, weight, bias))
-    out = torch.empty((1, x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, serial_parts=parts, serial_tile=wide, gated=True)[0]

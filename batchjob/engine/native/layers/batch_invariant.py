@@ -29,15 +29,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
-def matmul_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU of a gate/up projection on a GPU (gate the first half of the product's columns), in the matmul's own
-    launch, so the product is never written: the bits of `matmul` then `elementwise.act_and_mul`."""
-    from batchjob.engine.native.kernels import invariant_matmul
-
-    out = invariant_matmul.matmul_silu(x.reshape(-1, x.shape[-1]), weight, bias)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def _cpu_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = x.new_empty((x.shape[0], weight.shape[0]))
     step = max(1, _CPU_ELEMENTS // weight.numel())

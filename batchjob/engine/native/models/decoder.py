@@ -141,11 +141,7 @@ class MLP(nn.Module):
         self.fp8_out: RowQuantizer | None = None  # set where down_proj is FP8 (`quantize_at_source`)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if isinstance(gate_up, InvariantLinear) and self.activation == "silu" and x.is_cuda and self.fp8_out is None:
-            h = batch_invariant.matmul_silu(x, gate_up.weight, gate_up.bias)  # the product never written
-        else:
-            h = act_and_mul(gate_up(x), self.activation, self.fp8_out)
+        h = act_and_mul(self.gate_up_proj(x), self.activation, self.fp8_out)
         return split_k.linear(h, self.down_proj, residual if self.fused_add else None)
 
 
