@@ -323,8 +323,9 @@ def test_held_items_wait_for_a_slow_check_only_so_long_then_for_the_check_itself
 
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
     spec = transformers_spec(model_dir)
-    (tmp_path / "theirs.json").write_text(json.dumps(comparable(spec)))
-    reading = f"import time; time.sleep(1.5); print(open({str(tmp_path / 'theirs.json')!r}).read())"
+    worker = [sys.executable, "-m", "batchjob.engine.native.models.spec_check_worker", str(model_dir)]
+    (tmp_path / "theirs.json").write_text(subprocess.run(worker, capture_output=True, text=True, check=True).stdout)
+    reading = f"import time; time.sleep(1.5); print(open({str(tmp_path / 'theirs.json')!r}).read())"  # a slow worker
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     process = subprocess.Popen([sys.executable, "-c", reading], **pipes)
     check = spec_check.SpecCheck(model_dir, spec, process)
@@ -341,27 +342,79 @@ def test_held_items_wait_for_a_slow_check_only_so_long_then_for_the_check_itself
     assert timings["spec_check_s"] >= 1.5 and 0.5 < timings["spec_check_wait_s"] <= timings["spec_check_s"]
 
 
-def test_the_checks_worker_reads_the_config_without_the_packages_transformers_need_not_import(tmp_path):
-    """Vision and scikit-learn packages that transformers imports where installed (seconds on a GPU host) are
-    hidden from the worker: installed here as packages that fail on import, the worker still reads the config."""
+def test_a_transformers_reading_the_engine_cannot_run_is_a_setup_error_where_the_native_one_ran(tmp_path):
+    """What transformers' config object presents builds the spec in the engine's process: where that spec is refused
+    (here an activation other than SiLU) but the native one was not, the check fails as a difference does."""
     import subprocess
 
-    from batchjob.engine.native.models.spec_check_worker import UNUSED
     from batchjob.job.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
-    for name in UNUSED:
+    spec = transformers_spec(model_dir)
+    worker = [sys.executable, "-m", "batchjob.engine.native.models.spec_check_worker", str(model_dir)]
+    fields = json.loads(subprocess.run(worker, capture_output=True, text=True, check=True).stdout)
+    (tmp_path / "theirs.json").write_text(json.dumps({**fields, "hidden_act": "relu"}))
+    reading = f"print(open({str(tmp_path / 'theirs.json')!r}).read())"
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    process = subprocess.Popen([sys.executable, "-c", reading], **pipes)
+    with pytest.raises(spec_check.SpecCheckError, match="not one batchjob runs natively.*hidden_act 'relu'"):
+        spec_check.SpecCheck(model_dir, spec, process).result()
+
+
+def test_the_checks_worker_reads_the_config_without_torch_or_the_packages_transformers_need_not_import(tmp_path):
+    """torch, and the vision and scikit-learn packages that transformers imports where installed (seconds on a GPU
+    host), are hidden from the worker: installed here as packages that fail on import, the worker still reads the
+    config, and the spec built from what it printed is the one transformers' config object gives with torch."""
+    import subprocess
+
+    from batchjob.engine.native.models.spec_check_worker import HIDDEN
+    from batchjob.job.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", arch="llama")
+    for name in HIDDEN:
         (tmp_path / "site" / name).mkdir(parents=True)
         (tmp_path / "site" / name / "__init__.py").write_text(f"raise RuntimeError('{name} was imported')\n")
     probe = (
         "import importlib.util, sys\n"
         "from batchjob.engine.native.models import spec_check_worker as worker\n"
-        f"assert importlib.util.find_spec({UNUSED[0]!r}) is not None  # installed, as on a GPU host\n"
-        "worker.main(sys.argv[1])\n"
-        "assert all(importlib.util.find_spec(name) is None for name in worker.UNUSED)\n"
+        "assert all(importlib.util.find_spec(name) is not None for name in worker.HIDDEN)  # installed\n"
+        "worker.main(sys.argv[1:])\n"
+        "assert all(importlib.util.find_spec(name) is None for name in worker.HIDDEN)\n"
     )
     env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / "cache")}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", probe, str(model_dir)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == comparable(transformers_spec(model_dir))
+    fields = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fields["dtype"] == "float32"  # read without torch: a name, not a torch.dtype
+    assert comparable(transformers_spec(model_dir, fields)) == comparable(transformers_spec(model_dir))
+
+
+def test_the_workers_reading_without_torch_gives_every_configs_spec_as_transformers_reading_with_it(tmp_path):
+    """Every config of this file (the tiny ones, the variants, the published and benchmark models', FP8 ones), read
+    by one worker without torch: the spec built from what it printed equals transformers' reading with torch, in
+    this process."""
+    import subprocess
+
+    dirs = []
+    for arch in sorted(TINY_CONFIGS):
+        config_class, family = TINY_CONFIGS[arch]
+        dirs.append(_saved(tmp_path / f"tiny-{arch}", config_class, **{**SMALL, **family}))
+    for i, name in enumerate(sorted(VARIANTS)):
+        config_class, fields = VARIANTS[name]
+        dirs.append(_saved(tmp_path / f"variant-{i}", config_class, **{**SMALL, **fields}))
+    published = [LLAMA31_8B, QWEN25_7B, QWEN3_8B, MISTRAL_7B_V03, GEMMA2_2B, GEMMA3_1B, SMOLLM3_3B, PHI35_MINI]
+    dirs += [_written(tmp_path / f"published-{i}", config) for i, config in enumerate(published)]
+    for name in sorted(BENCH_ARCHITECTURES):
+        model_config(name).save_pretrained(tmp_path / f"bench-{name}")
+        dirs.append(tmp_path / f"bench-{name}")
+    for name in sorted(QUANTIZATION):
+        dirs.append(_written(tmp_path / f"fp8-{name}", {**LLAMA31_8B, "quantization_config": QUANTIZATION[name]}))
+    command = [sys.executable, "-m", "batchjob.engine.native.models.spec_check_worker", *map(str, dirs)]
+    env = {**os.environ, "BATCHJOB_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == len(dirs)
+    for model_dir, line in zip(dirs, lines, strict=True):
+        assert comparable(transformers_spec(model_dir, json.loads(line))) == _transformers(model_dir), model_dir

@@ -7,6 +7,7 @@ how its checkpoint names differ) and list it here; docs/engine.md walks through 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from batchjob.engine.config_files import read_json_file
@@ -102,11 +103,27 @@ def _native_spec(key: str, model_dir: Path, architecture: Architecture) -> Model
     return spec
 
 
-def transformers_spec(model_dir: Path) -> ModelSpec:
-    """The spec as transformers reads the config, kept in the spec cache (`spec_check`'s worker)."""
-    spec = _read_config(model_dir, architecture_of(model_dir))
+def transformers_spec(model_dir: Path, fields: dict[str, Any] | None = None) -> ModelSpec:
+    """The spec as transformers reads the config, kept in the spec cache: from `fields`, what the spec check's worker
+    read of transformers' config object (`spec_check_worker.config_fields`), else read here."""
+    architecture = architecture_of(model_dir)
+    if fields is None:
+        spec = _read_config(model_dir, architecture)
+    else:
+        config = config_namespace(fields)
+        spec = spec_from_config(config, architecture, str(model_dir), _generation(model_dir), "auto", None)
     store_spec(spec_key(model_dir), spec)
     return spec
+
+
+def config_namespace(fields: dict[str, Any]) -> SimpleNamespace:
+    """An object whose attributes are `fields` (`spec_check_worker.config_fields`), nested configs' too."""
+    from batchjob.engine.native.models.spec_check_worker import NESTED
+
+    def value(v: Any) -> Any:
+        return config_namespace(v[NESTED]) if isinstance(v, dict) and set(v) == {NESTED} else v
+
+    return SimpleNamespace(**{name: value(v) for name, v in fields.items()})
 
 
 def _generation(model_dir: Path) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 the same files in a process beside the start-up.
 
 Within `checking()` (the engine's start-up), a model whose spec is not in the spec cache is read natively, and a
-worker process (`spec_check_worker.py`) reads it through transformers, keeps that spec in the cache (so later
-start-ups read it from there) and prints it. The worker is started before the engine's imports where it can be
+worker process (`spec_check_worker.py`, without torch) reads it through transformers and prints what transformers'
+config object presents; from that the engine builds transformers' spec and keeps it in the cache (so later
+start-ups read it from there). The worker is started before the engine's imports where it can be
 (`begin_early`: this module imports no torch), and the native reading joins it. The engine takes the checks once
 started and generates at once; `held_until_verified` hands on no completion before the worker has ended and its
 reading equals the native one: a difference is a fault of the native reading, reported as a setup error that
@@ -76,7 +77,15 @@ class SpecCheck:
                 f"transformers could not read {self.model_dir}/config.json, which batchjob read without it "
                 f"({err.strip().splitlines()[-1] if err.strip() else f'exit {self.process.returncode}'})"
             )
-        theirs, ours = json.loads(out.strip().splitlines()[-1]), comparable(self.native)
+        from batchjob.engine.native.models.registry import transformers_spec
+        from batchjob.engine.native.models.spec import UnsupportedModelError
+
+        try:  # transformers' spec, from what its config object presents, kept in the spec cache
+            theirs = comparable(transformers_spec(self.model_dir, json.loads(out.strip().splitlines()[-1])))
+        except UnsupportedModelError as err:
+            reason = f"transformers' reading of {self.model_dir}/config.json is not one batchjob runs natively"
+            raise SpecCheckError(f"{reason} ({err})") from err
+        ours = comparable(self.native)
         differ = sorted(key for key in set(theirs) | set(ours) if theirs.get(key) != ours.get(key))
         if differ:
             details = "; ".join(f"{key}: {ours.get(key)!r} against {theirs.get(key)!r}" for key in differ)
