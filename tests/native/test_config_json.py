@@ -328,7 +328,7 @@ def test_held_items_wait_for_a_slow_check_only_so_long_then_for_the_check_itself
     reading = f"import time; time.sleep(1.5); print(open({str(tmp_path / 'theirs.json')!r}).read())"  # a slow worker
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     process = subprocess.Popen([sys.executable, "-c", reading], **pipes)
-    check = spec_check.SpecCheck(model_dir, spec, process)
+    check = spec_check.SpecCheck(model_dir, spec, process, transformers_spec)
     produced = []
 
     def items():
@@ -358,7 +358,7 @@ def test_a_transformers_reading_the_engine_cannot_run_is_a_setup_error_where_the
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     process = subprocess.Popen([sys.executable, "-c", reading], **pipes)
     with pytest.raises(spec_check.SpecCheckError, match="not one batchjob runs natively.*hidden_act 'relu'"):
-        spec_check.SpecCheck(model_dir, spec, process).result()
+        spec_check.SpecCheck(model_dir, spec, process, transformers_spec).result()
 
 
 def test_the_checks_worker_reads_the_config_without_torch_or_the_packages_transformers_need_not_import(tmp_path):

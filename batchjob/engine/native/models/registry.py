@@ -99,7 +99,7 @@ def _native_spec(key: str, model_dir: Path, architecture: Architecture) -> Model
         spec = spec_from_config(config, architecture, str(model_dir), _generation(model_dir), "auto", None)
     except Exception:  # a refusal, or a value of a type it does not expect: transformers' reading says which
         return None
-    spec_check.begin(key, model_dir, spec)
+    spec_check.begin(key, model_dir, spec, transformers_spec)
     return spec
 
 

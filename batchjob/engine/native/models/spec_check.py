@@ -25,10 +25,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchjob.caches import cache_root
 from batchjob.engine.api import EngineSetupError
@@ -51,11 +51,17 @@ class SpecCheckError(EngineSetupError):
     error, whose message says to run again (the spec cache then holds transformers' reading)."""
 
 
+# Transformers' spec from what the worker printed, kept in the spec cache (`registry.transformers_spec`, handed over
+# by the native reading: the registry imports this module).
+SpecFromFields = Callable[[Path, dict[str, Any]], "ModelSpec"]
+
+
 @dataclasses.dataclass
 class SpecCheck:
     model_dir: Path
     native: ModelSpec | None  # None while begun early, before the native reading it checks (`begin_early`)
     process: subprocess.Popen
+    theirs: SpecFromFields | None = None  # set with `native`
     began: float = dataclasses.field(default_factory=time.perf_counter)
     ended: float | None = None  # when the worker was first seen to have ended
     waited_s: float = 0.0  # how long the engine waited for it
@@ -77,11 +83,10 @@ class SpecCheck:
                 f"transformers could not read {self.model_dir}/config.json, which batchjob read without it "
                 f"({err.strip().splitlines()[-1] if err.strip() else f'exit {self.process.returncode}'})"
             )
-        from batchjob.engine.native.models.registry import transformers_spec
         from batchjob.engine.native.models.spec import UnsupportedModelError
 
         try:  # transformers' spec, from what its config object presents, kept in the spec cache
-            theirs = comparable(transformers_spec(self.model_dir, json.loads(out.strip().splitlines()[-1])))
+            theirs = comparable(self.theirs(self.model_dir, json.loads(out.strip().splitlines()[-1])))
         except UnsupportedModelError as err:
             reason = f"transformers' reading of {self.model_dir}/config.json is not one batchjob runs natively"
             raise SpecCheckError(f"{reason} ({err})") from err
@@ -125,14 +130,14 @@ def enabled() -> bool:
     return _native_reading.get()
 
 
-def begin(key: str, model_dir: Path, native: ModelSpec) -> None:
-    """Check `native`, read from `model_dir`, against transformers' reading in a process beside: the one
-    `begin_early` started for `key`, else a new one."""
+def begin(key: str, model_dir: Path, native: ModelSpec, theirs: SpecFromFields) -> None:
+    """Check `native`, read from `model_dir`, against transformers' reading in a process beside (the one
+    `begin_early` started for `key`, else a new one), whose output `theirs` turns into a spec."""
     pending = _pending.get(_slot(key))
     if pending is None:
-        _pending[_slot(key)] = SpecCheck(model_dir, native, _worker(model_dir))
+        _pending[_slot(key)] = SpecCheck(model_dir, native, _worker(model_dir), theirs)
     elif pending.native is None:
-        pending.native = native
+        pending.native, pending.theirs = native, theirs
 
 
 def begin_early(model_path: str, device: str) -> None:
