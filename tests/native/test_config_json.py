@@ -104,11 +104,13 @@ def test_windows_ropes_and_experts_read_as_transformers_reads_them(name, tmp_pat
     assert _native(model_dir) == _transformers(model_dir)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [LLAMA31_8B, QWEN25_7B, QWEN3_8B, MISTRAL_7B_V03, GEMMA2_2B, GEMMA3_1B, SMOLLM3_3B, PHI35_MINI],
-    ids=["llama-3.1", "qwen2.5", "qwen3", "mistral-v0.3", "gemma-2", "gemma-3", "smollm3", "phi-3.5"],
-)
+PUBLISHED = {
+    "llama-3.1": LLAMA31_8B, "qwen2.5": QWEN25_7B, "qwen3": QWEN3_8B, "mistral-v0.3": MISTRAL_7B_V03,
+    "gemma-2": GEMMA2_2B, "gemma-3": GEMMA3_1B, "smollm3": SMOLLM3_3B, "phi-3.5": PHI35_MINI,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", list(PUBLISHED.values()), ids=list(PUBLISHED))
 def test_published_configs_read_as_transformers_reads_them(config, tmp_path):
     model_dir = _written(tmp_path, config)
     assert _native(model_dir) == _transformers(model_dir)
@@ -403,8 +405,7 @@ def test_the_workers_reading_without_torch_gives_every_configs_spec_as_transform
     for i, name in enumerate(sorted(VARIANTS)):
         config_class, fields = VARIANTS[name]
         dirs.append(_saved(tmp_path / f"variant-{i}", config_class, **{**SMALL, **fields}))
-    published = [LLAMA31_8B, QWEN25_7B, QWEN3_8B, MISTRAL_7B_V03, GEMMA2_2B, GEMMA3_1B, SMOLLM3_3B, PHI35_MINI]
-    dirs += [_written(tmp_path / f"published-{i}", config) for i, config in enumerate(published)]
+    dirs += [_written(tmp_path / f"published-{name}", config) for name, config in PUBLISHED.items()]
     for name in sorted(BENCH_ARCHITECTURES):
         model_config(name).save_pretrained(tmp_path / f"bench-{name}")
         dirs.append(tmp_path / f"bench-{name}")
