@@ -4,11 +4,15 @@
     python scripts/dev/decode_attention_shapes.py --architecture llama-3.2-1b --rows 256,512 --context 64-1536
     python scripts/dev/decode_attention_shapes.py --architecture llama-3.1-8b --rows 32,256 --block-n 32,64 --warps 4,8
     python scripts/dev/decode_attention_shapes.py --deterministic --block-m 16,32,64 --block-n 32,64 --stages 2,3,4
+    python scripts/dev/decode_attention_shapes.py --deterministic --prefill 8192 --context 64-1024 --block-m 16,64
 
 With `--deterministic` the launches are those of `engine.deterministic=true`, where a decode goes through the varlen
 kernel with every key tile masked (`paged_prefill_attention(mask_every_tile=True)`) in each `PrefillConfig` asked for
 (`--block-m` packed query rows a program, `--block-n`, `--warps`, `--stages`), against the deterministic engine's
-own config; the default engine's decode launch is printed beside them.
+own config; the default engine's decode launch is printed beside them. With `--prefill N` the step is a prefill
+chunk instead: whole prompts of `--context` lengths, N tokens in all, every token a query (the default engine's
+prefill launch beside). There a launch marked = computed every output bit for bit as the deterministic engine's
+launch did: a launch that may serve some of the steps in that mode must.
 
 Contexts are drawn uniformly from the `--context` range (numpy's default_rng(1234)), as a mixed workload's decode
 steps hold them, and each sequence's cache blocks are scattered over the pool as a running engine leaves them. A
@@ -29,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
 
-from bench_lib.hardware import L2_BYTES, measure_copy_bandwidth, per_call_us  # noqa: E402
+from bench_lib.hardware import L2_BYTES, measure_copy_bandwidth, measure_matmul_rate, per_call_us  # noqa: E402
 from bench_lib.workloads import ARCHITECTURES  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's default `engine.block_size`
@@ -39,9 +43,30 @@ def decode_step(rows: int, context: tuple[int, int], heads: int, kv_heads: int, 
     """One decode step's inputs and `layers` caches: (q, caches, block_tables, seq_lens, cu_query_lens, order,
     KV bytes a layer reads)."""
     import numpy as np
-    import torch
 
     lengths = np.random.default_rng(1234).integers(context[0], context[1] + 1, size=rows)
+    return _paged_step(lengths, np.ones_like(lengths), heads, kv_heads, head_dim)
+
+
+def prefill_step(tokens: int, context: tuple[int, int], heads: int, kv_heads: int, head_dim: int):
+    """A prefill chunk of whole prompts (lengths drawn from `context`, the last cut so the chunk holds `tokens`),
+    every token a query, in `decode_step`'s form."""
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(int(rng.integers(context[0], context[1] + 1)), tokens - sum(lengths)))
+    return _paged_step(np.array(lengths), np.array(lengths), heads, kv_heads, head_dim)
+
+
+def _paged_step(lengths, query_lens, heads: int, kv_heads: int, head_dim: int):
+    """Sequences of `lengths` tokens whose last `query_lens` are the step's queries, their cache blocks scattered
+    over the pool, and as many layers' caches as outgrow the L2 cache."""
+    import numpy as np
+    import torch
+
+    rows = len(lengths)
     blocks = -(-lengths // BLOCK_SIZE)
     pool = int(blocks.sum())
     scattered = torch.randperm(pool, generator=torch.Generator().manual_seed(0)).to(torch.int32)
@@ -59,9 +84,10 @@ def decode_step(rows: int, context: tuple[int, int], heads: int, kv_heads: int, 
         return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
 
     caches = [(cache(), cache()) for _ in range(layers)]
-    q = torch.randn(rows, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q = torch.randn(int(query_lens.sum()), heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    cu_query_lens = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
+    cu = np.concatenate([[0], np.cumsum(query_lens)])
+    cu_query_lens = torch.tensor(cu, dtype=torch.int32, device="cuda")
     order = torch.tensor(np.argsort(-lengths, kind="stable"), dtype=torch.int32, device="cuda")
     return q, caches, tables.cuda(), seq_lens, cu_query_lens, order, kv_bytes
 
@@ -82,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "--deterministic", action="store_true", help="time the deterministic mode's launches (the varlen kernel)"
     )
     parser.add_argument("--block-m", default="64", help="with --deterministic: comma-separated packed rows a program")
+    parser.add_argument("--prefill", type=int, default=0, help="with --deterministic: a prefill chunk of N tokens")
     args = parser.parse_args(argv)
     if args.deterministic:
         return _deterministic(args)
@@ -129,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _deterministic(args: argparse.Namespace) -> int:
-    """The deterministic mode's decode launches: the varlen kernel, every key tile masked, per `PrefillConfig`."""
+    """The deterministic mode's launches (the varlen kernel, every key tile masked) per `PrefillConfig`, at decode
+    steps or (`--prefill`) a prefill chunk, beside the default engine's launch for that step."""
     import torch
 
     from batchjob.engine.native.kernels.decode_attention import (
@@ -137,7 +165,11 @@ def _deterministic(args: argparse.Namespace) -> int:
         default_num_splits,
         paged_decode_attention,
     )
-    from batchjob.engine.native.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+    from batchjob.engine.native.kernels.prefill_attention import (
+        DEFAULT_PREFILL_CONFIG,
+        PrefillConfig,
+        paged_prefill_attention,
+    )
     from batchjob.engine.native.layers.triton_attention import DETERMINISTIC_PREFILL_CONFIG
 
     shape, context, sms, copy = _describe(args)
@@ -145,36 +177,45 @@ def _deterministic(args: argparse.Namespace) -> int:
     print(f"deterministic engine: {DETERMINISTIC_PREFILL_CONFIG}")
     scale = head_dim**-0.5
     knobs = [args.block_m, args.block_n, args.warps, args.stages]
-    print(f"{'rows':>5} {'KV MB':>7} {'floor':>8} {'default':>8} {'engine':>8} {'best':>8}  best launch        of copy")
-    for rows in (int(r) for r in args.rows.split(",")):
-        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = decode_step(rows, context, *shape)
+    steps = [args.prefill] if args.prefill else [int(r) for r in args.rows.split(",")]
+    label = "tokens" if args.prefill else "rows"
+    print(f"{label:>6} {'KV MB':>7} {'floor':>8} {'default':>8} {'engine':>8} {'best':>8}  best launch        of floor")
+    for size in steps:
+        step = prefill_step if args.prefill else decode_step
+        q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = step(size, context, *shape)
         out = torch.empty_like(q)
         floor = (kv_bytes + 2 * q.numel() * q.element_size()) / copy * 1e6
+        if args.prefill:  # causal QK and PV over every query's keys, at the matmul rate
+            lengths = seq_lens.double()
+            flops = float((lengths * (lengths + 1) / 2).sum()) * heads * head_dim * 4
+            floor = max(floor, flops / measure_matmul_rate() * 1e6)
         paged = {"block_tables": tables, "seq_lens": seq_lens, "cu_query_lens": cu_query_lens}
 
-        def launch(config: PrefillConfig, paged=paged, q=q, out=out):
+        def launch(config: PrefillConfig, paged=paged, q=q, out=out, masked=True):
             return lambda cache: functools.partial(
-                paged_prefill_attention, q, *cache, **paged, scale=scale, out=out, config=config, mask_every_tile=True
-            )
+                paged_prefill_attention, q, *cache, **paged, scale=scale, out=out, config=config,
+                mask_every_tile=masked,
+            )  # fmt: skip
 
         def tried_launch(block_m, block_n, warps, stages, launch=launch):
             return launch(PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages))
 
-        def default_launch(cache, paged=paged, q=q, out=out, order=order, rows=rows):
+        def decode_launch(cache, paged=paged, q=q, out=out, order=order, rows=size):
             return functools.partial(
                 paged_decode_attention, q, *cache, **paged, scale=scale, out=out, order=order,
                 num_splits=default_num_splits(rows, kv_heads, sms), config=default_config(rows, kv_heads, sms),
             )  # fmt: skip
 
         calls = max(4, len(caches))
+        default_launch = launch(DEFAULT_PREFILL_CONFIG, masked=False) if args.prefill else decode_launch
         default = per_call_us(default_launch, caches, calls)
         engine, timed = _time_launches(launch(DETERMINISTIC_PREFILL_CONFIG), tried_launch, knobs, caches, out, calls)
         best, text, listed = _summary(timed)
         print(
-            f"{rows:>5} {kv_bytes / 1e6:7.1f} {floor:8.1f} {default:8.1f} {engine:8.1f} {best:8.1f}  {text:<18} "
+            f"{size:>6} {kv_bytes / 1e6:7.1f} {floor:8.1f} {default:8.1f} {engine:8.1f} {best:8.1f}  {text:<18} "
             f"{floor / best:5.1%} (engine {floor / engine:5.1%}, default {floor / default:5.1%})"
         )
-        print(f"   every launch (block_m/block_n/warps/stages us): {listed}")
+        print(f"   every launch (block_m/block_n/warps/stages us; = every bit the engine's): {listed}")
     return 0
 
 
@@ -196,9 +237,12 @@ def _describe(args: argparse.Namespace):
 
 def _time_launches(engine_launch, tried_launch, knobs: list[str], caches, out, calls: int):
     """The engine's launch timed, then every combination of `knobs` (comma-separated values) through
-    `tried_launch(*values)`: {values: (us, whether its output is the engine launch's within bf16's tolerance)}."""
+    `tried_launch(*values)`: {values: (us, mark)}, the mark "=" where its output is the engine launch's bit for bit,
+    "" where within bf16's tolerance, "!" where not."""
+    import torch
+
     engine_launch(caches[0])()
-    reference = out.float().clone()
+    reference, exact_reference = out.float().clone(), out.clone()
     engine = per_call_us(engine_launch, caches, calls)
     timed = {}
     for values in itertools.product(*(map(int, v.split(",")) for v in knobs)):
@@ -209,15 +253,16 @@ def _time_launches(engine_launch, tried_launch, knobs: list[str], caches, out, c
             print(f"  {'/'.join(map(str, values))}: {type(exc).__name__}")
             continue
         good = ((out.float() - reference).norm() / reference.norm()).item() < 1e-2
-        timed[values] = (per_call_us(call, caches, calls), good)
+        mark = "=" if torch.equal(out, exact_reference) else "" if good else "!"
+        timed[values] = (per_call_us(call, caches, calls), mark)
     return engine, timed
 
 
 def _summary(timed) -> tuple[float, str, str]:
-    """The fastest launch's time and name (marked ! if its output differed), and every launch's time."""
-    best_launch, (best, good) = min(timed.items(), key=lambda item: item[1][0])
-    text = "/".join(map(str, best_launch)) + ("" if good else "!")
-    listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{'' if ok else '!'}" for t, (us, ok) in timed.items())
+    """The fastest launch's time and name, and every launch's time, each with its mark (`_time_launches`)."""
+    best_launch, (best, mark) = min(timed.items(), key=lambda item: item[1][0])
+    text = "/".join(map(str, best_launch)) + mark
+    listed = ", ".join(f"{'/'.join(map(str, t))} {us:.1f}{m}" for t, (us, m) in timed.items())
     return best, text, listed
 
 
