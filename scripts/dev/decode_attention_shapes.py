@@ -177,11 +177,10 @@ def _deterministic(args: argparse.Namespace) -> int:
     print(f"deterministic engine: {DETERMINISTIC_PREFILL_CONFIG}")
     scale = head_dim**-0.5
     knobs = [args.block_m, args.block_n, args.warps, args.stages]
-    steps = [args.prefill] if args.prefill else [int(r) for r in args.rows.split(",")]
+    step, sizes = (prefill_step, [args.prefill]) if args.prefill else (decode_step, map(int, args.rows.split(",")))
     label = "tokens" if args.prefill else "rows"
     print(f"{label:>6} {'KV MB':>7} {'floor':>8} {'default':>8} {'engine':>8} {'best':>8}  best launch        of floor")
-    for size in steps:
-        step = prefill_step if args.prefill else decode_step
+    for size in sizes:
         q, caches, tables, seq_lens, cu_query_lens, order, kv_bytes = step(size, context, *shape)
         out = torch.empty_like(q)
         floor = (kv_bytes + 2 * q.numel() * q.element_size()) / copy * 1e6

@@ -6,7 +6,8 @@ keeps that in the spec cache and compares it with the native reading.
 torch is hidden from it: transformers reads a config without torch (the dtype then stays a name, which the spec reads
 as it reads a torch dtype), and with torch installed its imports take torch's distributed tensors and compiler parts
 along, most of the worker's time: 6.8-7.3 s on a 2-core machine against 1.9-2.2 s without. On a 16-core GPU host,
-under a start-up's load, it took 17-20 s and held a cold W2's first results 0.56 s (docs/benchmarks.md). Hidden too
+under a cold start-up's load, it took 17-20 s with torch and held a cold W2's first results 0.56 s; without, 11.9 s,
+holding none (docs/benchmarks.md). Hidden too
 are packages transformers imports whenever they are installed and a config never uses: torchvision took 4.2 s of
 12.5 s on such a host, and scikit-learn (which transformers 5.17 imports with its generation utilities) 1.4 s.
 """
