@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-m", default="64", help="with --deterministic: comma-separated packed rows a program")
     parser.add_argument("--prefill", type=int, default=0, help="with --deterministic: a prefill chunk of N tokens")
     args = parser.parse_args(argv)
+    if args.prefill and not args.deterministic:
+        parser.error("--prefill times the deterministic mode's launches: add --deterministic")
     if args.deterministic:
         return _deterministic(args)
 
