@@ -203,10 +203,12 @@ def test_the_decode_attention_profiler_times_the_deterministic_launches_beside_t
     assert done.stdout.count("every launch") == 2 and "!" not in done.stdout.split("every launch")[-1]
 
 
-def test_the_decode_attention_profiler_times_a_deterministic_prefill_chunk_and_checks_its_bits():
+@pytest.mark.parametrize("row_sums", [[], ["--row-sum-dot"]], ids=["row sums across threads", "row sums by a dot"])
+def test_the_decode_attention_profiler_times_a_deterministic_prefill_chunk_and_checks_its_bits(row_sums):
     """The profiler with --deterministic --prefill: a chunk of whole prompts through the varlen kernel's launches,
     the default engine's prefill launch beside; the deterministic engine's own launch, tried again, is marked as
-    computing every bit alike (the mark a launch needs before it may serve some steps in that mode)."""
+    computing every bit alike (the mark a launch needs before it may serve some steps in that mode), with the
+    softmax's row sums added across threads or on the tensor cores."""
     import subprocess
     import sys
     from pathlib import Path
@@ -216,8 +218,9 @@ def test_the_decode_attention_profiler_times_a_deterministic_prefill_chunk_and_c
     script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "decode_attention_shapes.py"
     args = ["--deterministic", "--prefill", "2048", "--context", "64-1024", "--block-m", f"{ENGINE.block_m},64"]
     args += ["--block-n", str(ENGINE.block_n), "--warps", str(ENGINE.num_warps), "--stages", str(ENGINE.num_stages)]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), *args, *row_sums], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert f"row_sum_dot={bool(row_sums)}" in done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if line.split() and line.split()[0] == "2048"]
     assert len(rows) == 1
     floor, default, engine, best = (float(cell) for cell in rows[0][2:6])

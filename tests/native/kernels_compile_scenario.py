@@ -73,6 +73,7 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         sampling_race,
         token_mask,
     )
+    from batchjob.engine.native.kernels.prefill_attention import PrefillConfig
     from batchjob.engine.native.layers.attention import make_metadata
     from batchjob.engine.native.layers.triton_attention import TritonPagedAttention
 
@@ -110,6 +111,7 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         splits: int | None = None,
         shape: tuple[int, int, int] = (32, 8, 128),
         deterministic: bool = False,
+        prefill_config: Any = None,
     ) -> Callable[[], Any]:
         heads, kv_heads, dim = shape
 
@@ -120,7 +122,9 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
             meta = make_metadata(query_lens, seq_lens, tables, block)
             q = torch.randn(sum(query_lens), heads, dim, dtype=bf16)
             k, v = (torch.randn(sum(query_lens), kv_heads, dim, dtype=bf16) for _ in range(2))
-            backend = TritonPagedAttention(num_decode_splits=splits, deterministic=deterministic)
+            backend = TritonPagedAttention(
+                num_decode_splits=splits, prefill_config=prefill_config, deterministic=deterministic
+            )
             return backend.forward(q, k, v, cache, cache, meta, dim**-0.5)
 
         return step
@@ -234,6 +238,16 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         "Llama-3.2-1B mixed attention, deterministic (every token through the varlen kernel)": attention(
             [1, 1, 700], [300, 90, 700], shape=(32, 8, 64), deterministic=True
         ),
+        **{
+            f"Llama-3.2-1B mixed attention, deterministic, row sums by a dot in {rows}-row programs": attention(
+                [1, 1, 700],
+                [300, 90, 700],
+                shape=(32, 8, 64),
+                deterministic=True,
+                prefill_config=PrefillConfig(block_m=rows, row_sum_dot=True),
+            )
+            for rows in (16, 64)
+        },
         "Qwen 3 head norms before the rotary": head_norms_rotary,
         "Gemma's float32 norm weight with an offset": lambda: fused_ops.rms_norm(
             x, w, 1e-6, weight_fp32=True, offset=1.0

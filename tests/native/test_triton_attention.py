@@ -33,6 +33,16 @@ def test_prefill_mixed_batch_matches_dense_reference(group, block_size):
     check_against_reference(step, TritonPagedAttention())
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("group", [1, 4])
+def test_row_sums_on_the_tensor_cores_match_dense_reference(group, block_m):
+    # PrefillConfig.row_sum_dot: the softmax's row sums by a dot with ones, in a mixed step and a decode step.
+    config = prefill_attention.PrefillConfig(block_m=block_m, row_sum_dot=True)
+    backend = TritonPagedAttention(prefill_config=config, deterministic=True)
+    check_against_reference(random_step([5, 7, 1, 70, 1], [5, 37, 19, 70, 2], 16, group), backend)
+    check_against_reference(random_step([1, 1, 1], [5, 70, 19], 16, group), backend)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("block_size", [16, 1])
 @pytest.mark.parametrize("group", [1, 2, 4])

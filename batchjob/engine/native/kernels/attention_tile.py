@@ -71,6 +71,7 @@ def attend_kv_tile(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr = True,
+    ROW_SUM_DOT: tl.constexpr = False,
 ):
     """Fold keys [n0, n0 + BLOCK_N) below `kv_end` into the running softmax of the query rows `q`
     [M, HEAD_DIM]: max `m_i` and sum `l_i` [M] (log2 domain) and unnormalised output `acc` [M, HEAD_DIM].
@@ -79,14 +80,14 @@ def attend_kv_tile(
     (blocks that far back may already be freed and hold anything, NaN included), and with CAUSAL also masks,
     per row, keys at or before `q_pos - window`. Without SLIDING, `kv_start` and `window` are ignored.
     Without EDGE the caller knows every row sees every key of the tile: nothing is masked (a causal prefill's
-    tiles before its first query, most of its work).
+    tiles before its first query, most of its work). ROW_SUM_DOT: see `attend_kv_blocks`.
     """
     block = tile_blocks(table_row, n0, kv_start, kv_end, BLOCK_SIZE, BLOCK_N, SLIDING, EDGE)
     return attend_kv_blocks(
         q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, kv_head,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION, EDGE,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION, EDGE, ROW_SUM_DOT,
     )  # fmt: skip
 
 
@@ -153,9 +154,14 @@ def attend_kv_blocks(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr = True,
+    ROW_SUM_DOT: tl.constexpr = False,
 ):
     """`attend_kv_tile` with the tile's cache blocks already read (`tile_blocks`): a kernel can then read the
-    next tile's blocks while this one's keys load."""
+    next tile's blocks while this one's keys load.
+
+    ROW_SUM_DOT adds each row's probabilities on the tensor cores (a dot with ones, the probabilities rounded as
+    the value dot takes them) rather than with `tl.sum`, whose order of additions follows the tile's layout across
+    threads and warps: a 16-row and a 64-row program then add a row's sum alike."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < kv_end
@@ -187,7 +193,13 @@ def attend_kv_blocks(
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if ROW_SUM_DOT:
+        # Every column of the dot is the row's sum (the probabilities in the dtype the value dot takes them in);
+        # the max picks one of them exactly.
+        ones = tl.full([BLOCK_N, 16], 1.0, dtype=q.dtype)
+        l_i = l_i * alpha + tl.max(tl.dot(p.to(q.dtype), ones, input_precision=DOT_PRECISION), 1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
     v = (tl.load(v_rows, mask=mask_n[:, None], other=0.0) if EDGE else tl.load(v_rows)).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

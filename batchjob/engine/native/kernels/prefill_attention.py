@@ -73,6 +73,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr,
+    ROW_SUM_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,7 +129,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION, True, ROW_SUM_DOT,
             )  # fmt: skip
     full_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, full_start)
     if MASK_EVERY_TILE:
@@ -138,14 +139,14 @@ def _prefill_kernel(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION, False,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION, False, ROW_SUM_DOT,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             n0, kv_start, kv_end, q_pos, window, score_scale, softcap_log2,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION, True, ROW_SUM_DOT,
         )  # fmt: skip
 
     if SLIDING:
@@ -162,12 +163,14 @@ def _prefill_kernel(
 @dataclass(frozen=True)
 class PrefillConfig:
     """Launch shape: `block_m` packed (token, head) rows per program, `block_n` KV tokens per tile
-    (docs/history/benchmarks-2026.md compares them)."""
+    (docs/history/benchmarks-2026.md compares them); `row_sum_dot`: the softmax's row sums on the tensor cores
+    (`attend_kv_blocks`), so that launches of other `block_m` add them alike."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    row_sum_dot: bool = False
 
     def __post_init__(self) -> None:
         check_tile("block_m", self.block_m)
@@ -247,6 +250,7 @@ def paged_prefill_attention(
         SOFTCAP=softcap > 0,
         DOT_PRECISION=dot_precision(q.dtype),
         MASK_EVERY_TILE=mask_every_tile,
+        ROW_SUM_DOT=config.row_sum_dot,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
