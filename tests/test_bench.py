@@ -426,11 +426,19 @@ def test_a_run_whose_results_waited_for_the_config_check_says_so_beside_its_rate
     assert held_for_check(run()) == ""
 
 
-@pytest.mark.parametrize("option", [["--prefill", "2048"], ["--row-sum-dot"]])
+@pytest.mark.parametrize("option", [["--prefill", "2048"], ["--row-sum-dot"], ["--longest-first", "0,1"]])
 def test_the_attention_profiler_refuses_a_deterministic_option_without_deterministic_before_touching_a_gpu(option):
-    """scripts/dev/decode_attention_shapes.py: --prefill and --row-sum-dot only shape the deterministic mode's
-    launches; without --deterministic the profiler stops at once with exit 2, naming the option to add."""
+    """scripts/dev/decode_attention_shapes.py: --prefill, --row-sum-dot and --longest-first only shape the
+    deterministic mode's launches; without --deterministic the profiler stops at once with exit 2, naming the option
+    to add."""
     script = SCRIPTS / "dev" / "decode_attention_shapes.py"
     refused = subprocess.run([sys.executable, str(script), *option], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "add --deterministic" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_the_attention_profiler_refuses_longest_first_at_a_prefill_chunk():
+    script = SCRIPTS / "dev" / "decode_attention_shapes.py"
+    command = [sys.executable, str(script), "--deterministic", "--prefill", "2048", "--longest-first", "0,1"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "leave it out with --prefill" in refused.stderr, refused.stderr[-3000:]

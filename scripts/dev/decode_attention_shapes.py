@@ -6,6 +6,7 @@
     python scripts/dev/decode_attention_shapes.py --deterministic --block-m 16,32,64 --block-n 32,64 --stages 2,3,4
     python scripts/dev/decode_attention_shapes.py --deterministic --prefill 8192 --context 64-1024 --block-m 16,64
     python scripts/dev/decode_attention_shapes.py --deterministic --row-sum-dot --rows 256,512 --block-m 16,64
+    python scripts/dev/decode_attention_shapes.py --deterministic --rows 256,512 --block-m 16 --longest-first 0,1
 
 With `--deterministic` the launches are those of `engine.deterministic=true`, where a decode goes through the varlen
 kernel with every key tile masked (`paged_prefill_attention(mask_every_tile=True)`) in each `PrefillConfig` asked for
@@ -16,7 +17,8 @@ prefill launch beside). A launch marked = computed every output bit as the deter
 (compared as float32 results): a launch that may serve some of the steps in that mode must, since there a token's
 bits must not depend on the step that took it. With `--row-sum-dot` every launch, the engine's own included, adds
 the softmax's row sums on the tensor cores (`PrefillConfig.row_sum_dot`) rather than across threads in an order
-that follows the tile's layout.
+that follows the tile's layout. `--longest-first 1` tries a decode step's launch with the programs taking the
+sequences longest context first (`paged_prefill_attention(order=...)`), as the default engine's decode launch does.
 
 Contexts are drawn uniformly from the `--context` range (numpy's default_rng(1234)), as a mixed workload's decode
 steps hold them, and each sequence's cache blocks are scattered over the pool as a running engine leaves them. A
@@ -115,13 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-m", default="64", help="with --deterministic: comma-separated packed rows a program")
     parser.add_argument("--prefill", type=int, default=0, help="with --deterministic: a prefill chunk of N tokens")
     parser.add_argument(
+        "--longest-first",
+        default="0",
+        help="with --deterministic at decode steps: comma-separated 0/1, programs taking sequences longest first",
+    )
+    parser.add_argument(
         "--row-sum-dot",
         action="store_true",
         help="with --deterministic: every launch adds the softmax's row sums on the tensor cores (PrefillConfig)",
     )
     args = parser.parse_args(argv)
-    if (args.prefill or args.row_sum_dot) and not args.deterministic:
-        parser.error("--prefill and --row-sum-dot time the deterministic mode's launches: add --deterministic")
+    if (args.prefill or args.row_sum_dot or args.longest_first != "0") and not args.deterministic:
+        parser.error(
+            "--prefill, --row-sum-dot and --longest-first time the deterministic mode's launches: add --deterministic"
+        )
+    if args.prefill and args.longest_first != "0":
+        parser.error("--longest-first orders a decode step's sequences: leave it out with --prefill")
     if args.deterministic:
         return _deterministic(args)
 
@@ -189,7 +200,7 @@ def _deterministic(args: argparse.Namespace) -> int:
     engine_config = dataclasses.replace(DETERMINISTIC_PREFILL_CONFIG, row_sum_dot=args.row_sum_dot)
     print(f"deterministic engine: {engine_config}")
     scale = head_dim**-0.5
-    knobs = [args.block_m, args.block_n, args.warps, args.stages]
+    knobs = [args.block_m, args.block_n, args.warps, args.stages] + ([] if args.prefill else [args.longest_first])
     step, sizes = (prefill_step, [args.prefill]) if args.prefill else (decode_step, map(int, args.rows.split(",")))
     label = "tokens" if args.prefill else "rows"
     print(f"{label:>6} {'KV MB':>7} {'floor':>8} {'default':>8} {'engine':>8} {'best':>8}  best launch        of floor")
@@ -203,15 +214,15 @@ def _deterministic(args: argparse.Namespace) -> int:
             floor = max(floor, flops / measure_matmul_rate() * 1e6)
         paged = {"block_tables": tables, "seq_lens": seq_lens, "cu_query_lens": cu_query_lens}
 
-        def launch(config: PrefillConfig, paged=paged, q=q, out=out, masked=True):
+        def launch(config: PrefillConfig, paged=paged, q=q, out=out, masked=True, order=None):
             return lambda cache, out=out: functools.partial(
                 paged_prefill_attention, q, *cache, **paged, scale=scale, out=out, config=config,
-                mask_every_tile=masked,
+                mask_every_tile=masked, order=order,
             )  # fmt: skip
 
-        def tried_launch(block_m, block_n, warps, stages, launch=launch):
+        def tried_launch(block_m, block_n, warps, stages, longest_first=0, launch=launch, order=order):
             shape = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
-            return launch(dataclasses.replace(engine_config, **shape))
+            return launch(dataclasses.replace(engine_config, **shape), order=order if longest_first else None)
 
         def decode_launch(cache, paged=paged, q=q, out=out, order=order, rows=size):
             return functools.partial(
@@ -228,7 +239,8 @@ def _deterministic(args: argparse.Namespace) -> int:
             f"{size:>6} {kv_bytes / 1e6:7.1f} {floor:8.1f} {default:8.1f} {engine:8.1f} {best:8.1f}  {text:<18} "
             f"{floor / best:5.1%} (engine {floor / engine:5.1%}, default {floor / default:5.1%})"
         )
-        print(f"   every launch (block_m/block_n/warps/stages us; = every bit the engine's): {listed}")
+        knob_names = "block_m/block_n/warps/stages" + ("" if args.prefill else "/longest_first")
+        print(f"   every launch ({knob_names} us; = every bit the engine's): {listed}")
     return 0
 
 

@@ -184,14 +184,18 @@ def test_the_decode_attention_profiler_times_the_engines_launch_beside_the_confi
 
 def test_the_decode_attention_profiler_times_the_deterministic_launches_beside_the_default_decode():
     """The same profiler with --deterministic: the varlen kernel's launches at a decode step, each within bf16's
-    tolerance of the deterministic engine's, timed beside the default engine's decode launch."""
+    tolerance of the deterministic engine's, timed beside the default engine's decode launch; the engine's launch
+    with its programs taking the sequences longest first computes every bit alike."""
     import subprocess
     import sys
     from pathlib import Path
 
+    from batchjob.engine.native.layers.triton_attention import DETERMINISTIC_PREFILL_CONFIG as ENGINE
+
     script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "decode_attention_shapes.py"
-    args = ["--deterministic", "--rows", "8,256", "--context", "64-1024", "--block-m", "16,64", "--block-n", "64"]
-    args += ["--warps", "4", "--stages", "2"]
+    args = ["--deterministic", "--rows", "8,256", "--context", "64-1024", "--block-m", f"{ENGINE.block_m},64"]
+    args += ["--block-n", str(ENGINE.block_n), "--warps", str(ENGINE.num_warps), "--stages", str(ENGINE.num_stages)]
+    args += ["--longest-first", "0,1"]
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.split() and line.split()[0] in ("8", "256")]
@@ -201,6 +205,9 @@ def test_the_decode_attention_profiler_times_the_deterministic_launches_beside_t
         assert min(default, engine, best) >= 0.5 * floor, row
         assert not row[6].endswith("!"), row
     assert done.stdout.count("every launch") == 2 and "!" not in done.stdout.split("every launch")[-1]
+    ordered = f"{ENGINE.block_m}/{ENGINE.block_n}/{ENGINE.num_warps}/{ENGINE.num_stages}/1 "
+    for listed in done.stdout.split("every launch")[1:]:
+        assert listed.split(ordered)[1].split(",")[0].strip().endswith("="), listed
 
 
 @pytest.mark.parametrize("row_sums", [[], ["--row-sum-dot"]], ids=["row sums across threads", "row sums by a dot"])

@@ -121,6 +121,21 @@ def test_decode_and_prefill_kernels_agree_on_a_decode_step():
     torch.testing.assert_close(decoded, prefilled, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_a_decode_step_in_longest_first_order_writes_every_bit_as_in_batch_order(block_m):
+    # `order`: programs take the sequences longest first, the spare programs none; each row's sums are the same
+    # bits as in batch order.
+    q, k, v, k_cache, v_cache, meta = random_step([1, 1, 1, 1, 1], [9, 200, 66, 131, 2], 16, 4, seed=3)
+    decoded = TritonPagedAttention(num_decode_splits=1).forward(q, k, v, k_cache, v_cache, meta, 0.2)  # stores k, v
+    config = prefill_attention.PrefillConfig(block_m=block_m)
+    paged = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, 0.2)
+    in_batch_order = prefill_attention.paged_prefill_attention(*paged, torch.full_like(q, 7.0), config)
+    order = torch.tensor([1, 3, 2, 0, 4], dtype=torch.int32)
+    ordered = prefill_attention.paged_prefill_attention(*paged, torch.full_like(q, 7.0), config, order=order)
+    assert torch.equal(ordered, in_batch_order)
+    torch.testing.assert_close(ordered, decoded, atol=1e-5, rtol=1e-5)
+
+
 def test_head_dim_16_and_block_size_larger_than_a_kv_tile():
     check_against_reference(random_step([3, 40], [50, 40], 128, 2, head_dim=16), TritonPagedAttention())
     check_against_reference(random_step([1, 1], [50, 140], 128, 2, head_dim=16), TritonPagedAttention())

@@ -34,8 +34,8 @@ SEQ_CHUNK = 256
 
 
 @triton.jit(
-    do_not_specialize=["num_seqs", "window", "stride_bt", "skip_single"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr"],
+    do_not_specialize=["num_seqs", "window", "stride_bt", "skip_single", "ordered"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_query_lens_ptr", "order_ptr"],
 )
 def _prefill_kernel(
     q_ptr,
@@ -45,6 +45,7 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     cu_query_lens_ptr,
+    order_ptr,
     num_seqs,
     score_scale,
     softcap_log2,
@@ -61,6 +62,7 @@ def _prefill_kernel(
     stride_oh,
     stride_bt,
     skip_single,
+    ordered,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -78,17 +80,23 @@ def _prefill_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    # This program's sequence: the last one whose first tile number is <= pid.
-    found = 0
-    for b0 in range(0, num_seqs, SEQ_CHUNK):
-        offs_b = b0 + tl.arange(0, SEQ_CHUNK)
-        mask_b = offs_b < num_seqs
-        starts = tl.load(cu_query_lens_ptr + offs_b, mask=mask_b, other=0)
-        found += tl.sum((mask_b & (starts // BLOCK_Q + offs_b <= pid)).to(tl.int32), 0)
-    seq = found - 1
+    if ordered != 0:
+        # A step of one-token sequences: program pid takes the pid-th sequence `order` lists, the spare ones none.
+        seq = tl.load(order_ptr + tl.minimum(pid, num_seqs - 1))
+        tile = (pid >= num_seqs).to(tl.int32)
+    else:
+        # This program's sequence: the last one whose first tile number is <= pid.
+        found = 0
+        for b0 in range(0, num_seqs, SEQ_CHUNK):
+            offs_b = b0 + tl.arange(0, SEQ_CHUNK)
+            mask_b = offs_b < num_seqs
+            starts = tl.load(cu_query_lens_ptr + offs_b, mask=mask_b, other=0)
+            found += tl.sum((mask_b & (starts // BLOCK_Q + offs_b <= pid)).to(tl.int32), 0)
+        seq = found - 1
+        tile = pid - (tl.load(cu_query_lens_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(cu_query_lens_ptr + seq)
     q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
-    q0 = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    q0 = tile * BLOCK_Q
     if q0 >= q_len:
         return
     if skip_single != 0 and q_len == 1:
@@ -194,6 +202,7 @@ def paged_prefill_attention(
     softcap: float = 0.0,
     skip_single: bool = False,
     mask_every_tile: bool = False,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of `q` [T, Hq, D] over the paged cache; writes `out` [T, Hq, D] and returns it.
 
@@ -206,6 +215,10 @@ def paged_prefill_attention(
     take the same steps whether it is a decode, a prompt's first token or one in the middle of a chunk (the
     unmasked path, for tiles a whole query tile sees, may round differently: another compiled expression).
     Key tiles always start at multiples of the tile from position 0, so their order is the token's own.
+
+    `order` [B] (int32; a step of one-token sequences only, which it does not check): programs take the sequences in
+    that order, e.g. `AttentionMetadata.decode_order`, the longest context first, so that the launch does not end
+    on a long sequence started last. A token's sums are unchanged: only which program takes it moves.
     """
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -222,6 +235,7 @@ def paged_prefill_attention(
         block_tables,
         seq_lens,
         cu_query_lens,
+        cu_query_lens if order is None else order,
         num_seqs,
         score_scale,
         softcap_log2,
@@ -238,6 +252,7 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         int(skip_single),
+        int(order is not None),
         GROUP=group,
         GROUP_P2=group_p2,
         HEAD_DIM=head_dim,
