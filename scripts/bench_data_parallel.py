@@ -7,8 +7,10 @@ job, per layout D x T.
         --out bench-tp     # one 8B GPU vs the model split over two vs two copies (tok/s per GPU)
 
 One model (W2's Llama-3.2-1B by default; --tiny: the tiny llama on CPU) and --rows seeded prompts of about
-U(--prompt-tokens) tokens; each layout runs the same job from scratch, timed as a whole command. Writes
-OUT/data_parallel.json; exits 1 if a run failed or lost or repeated a row.
+U(--prompt-tokens) tokens; each layout runs the same job from scratch, timed as a whole command. Prints a table
+of the layouts, then each layout's slowest shard's start-up by phase as its job logged it (the engine's own phases
+among them: weights, kernel listing and compiles, KV sizing, CUDA graphs, warm-up). Writes OUT/data_parallel.json;
+exits 1 if a run failed or lost or repeated a row.
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ def run_one(
                 "engine_startup_s": r["engine"].get("startup_s"),
                 # process start to first generate (imports, checks, engine), from batchjob's report
                 "process_startup_s": r.get("startup_s", {}).get("total_s"),
+                "startup_phases": r.get("startup_s", {}),
                 # every GPU of the shard's engine (rank 0's is gpu_busy_fraction)
                 **{k: v for k, v in r["engine"].items() if k.startswith("gpu_busy_fraction")},
             }
@@ -243,6 +246,21 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def startup_lines(results: list[dict[str, Any]]) -> list[str]:
+    """Each layout's slowest shard's start-up by phase, as its job logged it (imports, config, checks, the engine's
+    own phases, the checks beside it)."""
+    from batchjob.job.startup import phases_line
+
+    lines = []
+    for r in results:
+        shards = [s for s in r.get("shards", []) if s.get("startup_phases", {}).get("total_s") is not None]
+        if shards:
+            slowest = max(shards, key=lambda s: s["startup_phases"]["total_s"])
+            layout = f"{r['data_parallel']}x{r['tensor_parallel']}"
+            lines.append(f"{layout} shard {slowest['shard']}: {phases_line(slowest['startup_phases'])}")
+    return lines
+
+
 def _device_names() -> list[str]:
     """GPU names from nvidia-smi (not torch: this process must not create a CUDA context)."""
     if shutil.which("nvidia-smi") is None:
@@ -295,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         # Written after every layout, so a run stopped by a time limit still leaves what it measured.
         (args.out / "data_parallel.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(results))
+    for line in startup_lines(results):
+        print(line)
     return 0 if all(r["returncode"] == 0 and r["exactly_once"] for r in results) else 1
 
 

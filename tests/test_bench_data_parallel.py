@@ -46,7 +46,11 @@ def test_tiny_run_measures_one_and_two_processes_with_every_row_exactly_once(tmp
         assert all(s["process_startup_s"] > s["engine_startup_s"] > 0 for s in result["shards"])
     assert one["scaling_efficiency"] == 1.0 and two["scaling_efficiency"] > 0
     assert one["generation_scaling_efficiency"] == 1.0 and two["generation_scaling_efficiency"] > 0
-    assert run.stdout.rstrip().splitlines()[-1].lstrip().startswith("2 ")
+    lines = run.stdout.rstrip().splitlines()
+    assert lines[-3].lstrip().startswith("2 ")  # the table's last row, then each layout's start-up by phase
+    for layout, line in zip(("1x1", "2x1"), lines[-2:], strict=True):
+        assert line.startswith(f"{layout} shard ") and " s after start: imports " in line, line
+        assert "engine " in line and "weights " in line and "beside the engine: tokenizer " in line, line
 
     # The same command again measures a whole new run: nothing of the first is resumed.
     argv[2] = "1"

@@ -96,28 +96,37 @@ class StartupClock:
 
     def ready_line(self, summary: Mapping[str, float], moment: str = "ready to generate") -> str:
         """The log line of the moment the engine can take requests (`moment`: how the line names it)."""
-        critical = ", ".join(
-            f"{label} {summary[key]:.2f} s{self._engine_detail(summary) if key == 'engine_s' else ''}"
-            for key, label in CRITICAL_PHASES.items()
-            if key in summary
-        )
-        beside = ", ".join(
-            f"{label} {summary[key]:.2f} s"
-            for key, label in BESIDE_ENGINE_PHASES.items()
-            if key in summary and key in self.beside_engine
-        )
-        return f"{moment} {summary['total_s']:.1f} s after start: {critical}" + (
-            f"; beside the engine: {beside}" if beside else ""
-        )
+        with self._lock:
+            beside = set(self.beside_engine)
+        return phases_line(summary, beside, moment)
 
-    @staticmethod
-    def _engine_detail(summary: Mapping[str, float]) -> str:
-        shown = [
-            f"{label} {summary[f'engine_{key}']:.2f} s"
-            for key, label in ENGINE_PHASES.items()
-            if f"engine_{key}" in summary
-        ]
-        return f" ({', '.join(shown)})" if shown else ""
+
+def phases_line(
+    summary: Mapping[str, float], beside_engine: set[str] | None = None, moment: str = "ready to generate"
+) -> str:
+    """A start-up's `StartupClock.summary` (a job report's `startup_s`) as one line: the critical path's phases,
+    the engine's own inside its phase, and the checks that ran beside it (`beside_engine`; by default every check
+    the summary holds)."""
+    beside_keys = set(BESIDE_ENGINE_PHASES) if beside_engine is None else beside_engine
+    critical = ", ".join(
+        f"{label} {summary[key]:.2f} s{_engine_detail(summary) if key == 'engine_s' else ''}"
+        for key, label in CRITICAL_PHASES.items()
+        if key in summary
+    )
+    beside = ", ".join(
+        f"{label} {summary[key]:.2f} s"
+        for key, label in BESIDE_ENGINE_PHASES.items()
+        if key in summary and key in beside_keys
+    )
+    return f"{moment} {summary['total_s']:.1f} s after start: {critical}" + (
+        f"; beside the engine: {beside}" if beside else ""
+    )
+
+
+def _engine_detail(summary: Mapping[str, float]) -> str:
+    labels = ENGINE_PHASES.items()
+    shown = [f"{label} {summary[f'engine_{key}']:.2f} s" for key, label in labels if f"engine_{key}" in summary]
+    return f" ({', '.join(shown)})" if shown else ""
 
 
 PYCACHE_DIR = "pycache"
