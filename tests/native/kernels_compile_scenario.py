@@ -238,15 +238,16 @@ def calls(sms: int = H100_SMS, tma: bool = True) -> dict[str, Callable[[], Any]]
         "Llama-3.2-1B mixed attention, deterministic (every token through the varlen kernel)": attention(
             [1, 1, 700], [300, 90, 700], shape=(32, 8, 64), deterministic=True
         ),
+        # A program of fewer than 4 warps keeps mma.sync, as the 16-row launch does, where 64 rows in 4 take wgmma.
         **{
-            f"Llama-3.2-1B mixed attention, deterministic, row sums by a dot in {rows}-row programs": attention(
+            f"Llama-3.2-1B mixed attention, deterministic, row sums by a dot, {rows} rows in {warps} warps": attention(
                 [1, 1, 700],
                 [300, 90, 700],
                 shape=(32, 8, 64),
                 deterministic=True,
-                prefill_config=PrefillConfig(block_m=rows, row_sum_dot=True),
+                prefill_config=PrefillConfig(block_m=rows, num_warps=warps, row_sum_dot=True),
             )
-            for rows in (16, 64)
+            for rows, warps in ((16, 4), (32, 2), (64, 4))
         },
         "Qwen 3 head norms before the rotary": head_norms_rotary,
         "Gemma's float32 norm weight with an offset": lambda: fused_ops.rms_norm(
