@@ -81,9 +81,8 @@ def _prefill_kernel(
     kv_head = tl.program_id(1)
 
     if ordered != 0:
-        # A step of one-token sequences: program pid takes the pid-th sequence `order` lists, the spare ones none.
+        # A step of one-token sequences: program pid takes the pid-th sequence `order` lists.
         seq = tl.load(order_ptr + tl.minimum(pid, num_seqs - 1))
-        tile = (pid >= num_seqs).to(tl.int32)
     else:
         # This program's sequence: the last one whose first tile number is <= pid.
         found = 0
@@ -93,10 +92,11 @@ def _prefill_kernel(
             starts = tl.load(cu_query_lens_ptr + offs_b, mask=mask_b, other=0)
             found += tl.sum((mask_b & (starts // BLOCK_Q + offs_b <= pid)).to(tl.int32), 0)
         seq = found - 1
-        tile = pid - (tl.load(cu_query_lens_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(cu_query_lens_ptr + seq)
     q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
-    q0 = tile * BLOCK_Q
+    q0 = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if ordered != 0:
+        q0 = tl.where(pid < num_seqs, 0, q_len)  # the spare programs take none
     if q0 >= q_len:
         return
     if skip_single != 0 and q_len == 1:
